@@ -1,0 +1,50 @@
+"""planaria: elastic, fault-tolerant training of PyTorch models.
+
+One long-lived controller drives replaceable worker replicas (Ray actors); a
+worker's death reaches the controller as an exception and training goes on in
+the same process.
+"""
+
+from planaria._version import __version__
+from planaria.chaos import ChaosPlan
+from planaria.config import RunConfig, TrainSpec
+from planaria.controller import Job, StepResult
+from planaria.errors import (
+    AllReplicasLost,
+    CheckpointError,
+    ConfigError,
+    ElasticRuntimeError,
+    Failure,
+    NonFiniteLoss,
+    PlanariaError,
+    Preempted,
+    UserCodeError,
+    WorkerHung,
+    WorkerLost,
+)
+from planaria.fit import FitResult, fit
+from planaria.policy import HangConfig, RecoveryPolicy
+
+__all__ = [
+    "AllReplicasLost",
+    "ChaosPlan",
+    "CheckpointError",
+    "ConfigError",
+    "ElasticRuntimeError",
+    "Failure",
+    "FitResult",
+    "HangConfig",
+    "Job",
+    "NonFiniteLoss",
+    "PlanariaError",
+    "Preempted",
+    "RecoveryPolicy",
+    "RunConfig",
+    "StepResult",
+    "TrainSpec",
+    "UserCodeError",
+    "WorkerHung",
+    "WorkerLost",
+    "__version__",
+    "fit",
+]

@@ -1,0 +1,145 @@
+"""What to train (:class:`TrainSpec`) and how to run it (:class:`RunConfig`).
+
+Both are typed keyword-only dataclasses checked at construction: a wrong value
+raises :class:`~planaria.errors.ConfigError` (a ``ValueError``) naming the field,
+the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planaria.errors import ConfigError
+
+__all__ = ["RunConfig", "TrainSpec", "check"]
+
+
+def check(ok: bool, field_name: str, value: Any, accepted: str) -> None:
+    """Raises ConfigError('field=value: accepted') unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r} is not valid: {accepted}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """What to train. Factories run inside the workers, so nothing heavy crosses the wire.
+
+    Randomness inside the model (dropout) is seeded per step from ``seed``; the
+    gradient of step s is the sum over its global batch divided by its size,
+    whatever the number of replicas.
+    """
+
+    model: Callable[[], Any]
+    """Builds the ``nn.Module``; called once per worker with the torch seed set to ``seed``."""
+    optimizer: Callable[[Iterable[Any]], Any]
+    """Builds the optimizer from the model's parameters."""
+    loss: Callable[[Any, Any], Any]
+    """(model, batch) → scalar loss tensor (mean over the batch), or (loss, dict of float metrics)."""
+    dataset: Callable[[], Any]
+    """Builds the map-style dataset (``__len__`` and ``__getitem__``)."""
+    global_batch_size: int
+    """Samples per step over all replicas; stays fixed when the width changes."""
+    micro_batch_size: int
+    """Samples per forward/backward; each rank runs as many micro-batches as it needs."""
+    lr_scheduler: Callable[[Any], Any] | None = None
+    """Builds the LR scheduler from the optimizer; stepped once per committed step."""
+    collate: Callable[[list[Any]], Any] | None = None
+    """Turns a list of samples into a batch (default: torch's default_collate)."""
+    grad_clip_norm: float | None = None
+    """Clip the reduced gradient to this global L2 norm (None: no clipping)."""
+    seed: int = 0
+    """Seeds the model's initial state, the data order and per-step randomness."""
+    name: str = "spec"
+    """A label for logs and reports."""
+
+    def __post_init__(self) -> None:
+        for name in ("model", "optimizer", "loss", "dataset"):
+            check(callable(getattr(self, name)), name, getattr(self, name), "a callable")
+        for name in ("lr_scheduler", "collate"):
+            value = getattr(self, name)
+            check(value is None or callable(value), name, value, "a callable or None")
+        check(
+            isinstance(self.global_batch_size, int) and self.global_batch_size >= 1,
+            "global_batch_size",
+            self.global_batch_size,
+            "an integer >= 1",
+        )
+        check(
+            isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1,
+            "micro_batch_size",
+            self.micro_batch_size,
+            "an integer >= 1",
+        )
+        check(
+            self.global_batch_size % self.micro_batch_size == 0,
+            "global_batch_size",
+            self.global_batch_size,
+            f"a multiple of micro_batch_size={self.micro_batch_size}, so the global batch "
+            "divides into whole micro-batches",
+        )
+        check(
+            self.grad_clip_norm is None or self.grad_clip_norm > 0,
+            "grad_clip_norm",
+            self.grad_clip_norm,
+            "a positive float or None",
+        )
+        check(isinstance(self.seed, int), "seed", self.seed, "an integer")
+
+
+def _default_threads(replicas: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, replicas))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """How to run a spec: steps, width, where, and the runtime's deadlines."""
+
+    steps: int
+    """Train until this many steps are committed (counting steps done before a resume)."""
+    replicas: int
+    """Target number of worker replicas."""
+    run_dir: Path
+    """Where the event log, ledger and checkpoints go."""
+    address: str | None = None
+    """Ray cluster address (``auto``, ``ray://host:10001``); None starts Ray locally."""
+    cpus_per_worker: float = 1.0
+    """CPUs Ray reserves for each worker."""
+    threads_per_worker: int | None = None
+    """torch threads per worker; None: the CPUs of this machine split over the replicas."""
+    use_gpu: bool = False
+    """One GPU per worker and NCCL for the process group."""
+    ledger: bool = False
+    """Record the sample ids of every committed step in ``RUN_DIR/ledger.jsonl``."""
+    join_timeout_s: float = 60.0
+    """Deadline for building a generation's process group."""
+    collective_timeout_s: float = 300.0
+    """Deadline for one collective (the hang watchdog usually acts much sooner)."""
+    ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for ``ray.init`` (local start only)."""
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.steps, int) and self.steps >= 1, "steps", self.steps, "an integer >= 1")
+        check(
+            isinstance(self.replicas, int) and self.replicas >= 1,
+            "replicas",
+            self.replicas,
+            "an integer >= 1",
+        )
+        check(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "a number > 0")
+        check(
+            self.threads_per_worker is None or self.threads_per_worker >= 1,
+            "threads_per_worker",
+            self.threads_per_worker,
+            "an integer >= 1 or None",
+        )
+        for name in ("join_timeout_s", "collective_timeout_s"):
+            check(getattr(self, name) > 0, name, getattr(self, name), "a number of seconds > 0")
+        object.__setattr__(self, "run_dir", Path(self.run_dir))
+
+    @property
+    def threads(self) -> int:
+        return self.threads_per_worker or _default_threads(self.replicas)

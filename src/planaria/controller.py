@@ -1,0 +1,568 @@
+"""The controller: one long-lived process that drives the workers step by step.
+
+:class:`Job` owns the membership (generations of workers, each with its own
+process group rendezvoused on the TCPStore hosted here), the step loop with
+the commit protocol, and the step boundary (joins, drains, chaos, checkpoints).
+What to do about a failure lives in :mod:`planaria.recovery`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from planaria._version import __version__
+from planaria.chaos import ChaosPlan, send_signal
+from planaria.config import RunConfig, TrainSpec
+from planaria.data_plan import DataPlan, Ledger, split_contiguous
+from planaria.errors import (
+    ConfigError,
+    ElasticRuntimeError,
+    Failure,
+    NonFiniteLoss,
+    PlanariaError,
+    classify,
+)
+from planaria.events import EventLog
+from planaria.policy import HangConfig, RecoveryPolicy
+from planaria.watchdog import StepDeadline
+from planaria.workers import WorkerHandle, WorkerPool
+
+__all__ = ["Job", "StepResult"]
+
+_log = logging.getLogger("planaria.commits")
+_mlog = logging.getLogger("planaria.membership")
+
+FAILURE_GRACE_S = 5.0  # after a first error, how long the other ranks get to report
+
+
+@dataclass
+class StepResult:
+    """A committed step as the controller saw it."""
+
+    step: int
+    loss: float
+    width: int
+    duration_s: float
+    samples_per_s: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Job:
+    """A training job: the controller side of planaria.
+
+    Use as a context manager; :meth:`train_step` runs one step and raises a
+    :class:`~planaria.errors.Failure` when one goes wrong, :meth:`recover`
+    applies the policy to it (see :mod:`planaria.recovery`).
+    """
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        config: RunConfig,
+        *,
+        policy: RecoveryPolicy | None = None,
+        hang: HangConfig | None = None,
+        chaos: ChaosPlan | None = None,
+        checkpoint: Any = None,
+    ) -> None:
+        from planaria.recovery import Recovery
+
+        self.spec = spec
+        self.config = config
+        self.policy = policy or RecoveryPolicy()
+        self.hang = hang or HangConfig()
+        self.chaos = chaos
+        self.checkpoint_config = checkpoint
+        self.checkpointer: Any = None
+        if self.policy.min_replicas > config.replicas:
+            raise ConfigError(
+                f"min_replicas={self.policy.min_replicas} is not valid: it must be <= "
+                f"replicas={config.replicas}"
+            )
+        if config.replicas > spec.global_batch_size:
+            raise ConfigError(
+                f"replicas={config.replicas} is not valid: at most global_batch_size="
+                f"{spec.global_batch_size} replicas, so that every rank has samples"
+            )
+        self.run_dir = config.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = EventLog(self.run_dir)
+        self.ledger = Ledger(self.run_dir) if config.ledger else None
+        self.deadline = StepDeadline(self.hang)
+        self.recovery = Recovery(self)
+        self.gen = -1
+        self.members: list[WorkerHandle] = []
+        self.steps_done = 0
+        self.losses: list[tuple[int, float]] = []
+        self.plan: DataPlan | None = None
+        self._started_ray = False
+        self._t0 = time.time()
+        self._draining: set[str] = set()
+        self._chaos_at: dict[str, float] = {}
+        self.closed = False
+        self.started = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Job:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        status = "ok" if exc is None else ("aborted" if isinstance(exc, PlanariaError) else "error")
+        self.close(status=status, error=None if exc is None else f"{type(exc).__name__}: {exc}")
+
+    def start(self) -> None:
+        """Starts Ray (or joins a cluster), hosts the store, starts the workers, builds generation 0."""
+        cfg = self.config
+        self.log.emit(
+            "run_start",
+            run_id=uuid.uuid4().hex[:12],
+            replicas=cfg.replicas,
+            steps=cfg.steps,
+            start_step=0,
+            global_batch_size=self.spec.global_batch_size,
+            micro_batch_size=self.spec.micro_batch_size,
+            seed=self.spec.seed,
+            num_samples=None,
+            config=_describe(cfg, self.policy),
+            planaria_version=__version__,
+            torch_version=torch.__version__,
+        )
+        self._init_ray()
+        host = "127.0.0.1" if self._started_ray or cfg.address is None else _node_ip()
+        self.store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+        self.store_host = host
+        self.pool = WorkerPool(
+            self.spec,
+            cfg,
+            self.hang,
+            self.store,
+            host,
+            self.log,
+            max_attempts=self.policy.max_replacement_attempts,
+        )
+        for _ in range(cfg.replicas):
+            self.pool.start()
+        ready = self._wait_ready(cfg.replicas, timeout_s=max(120.0, cfg.join_timeout_s))
+        if len(ready) < cfg.replicas:
+            raise ElasticRuntimeError(
+                f"only {len(ready)} of {cfg.replicas} workers started within the deadline: check "
+                "the Ray cluster has the CPUs/GPUs asked for (cpus_per_worker, use_gpu)"
+            )
+        ready.sort(key=lambda h: int(h.name[1:]))
+        self._check_same_init(ready)
+        num_samples = ready[0].info["num_samples"]
+        self.plan = DataPlan(num_samples, self.spec.global_batch_size, self.spec.seed)
+        for handle in ready:
+            handle.has_state = True
+        self.members = ready
+        self.started = True
+        if self.checkpoint_config is not None:
+            from planaria.checkpointing import Checkpointer
+
+            self.checkpointer = Checkpointer(self, self.checkpoint_config)
+            self.checkpointer.on_start()
+        self.build_generation(self.members, reason="start")
+        if self.checkpointer is not None:
+            self.checkpointer.resume_if_asked()
+
+    def _init_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        cfg = self.config
+        if cfg.address is not None:
+            ray.init(address=cfg.address, **cfg.ray_init_kwargs)
+            return
+        logical_cpus = max(os.cpu_count() or 1, math.ceil((cfg.replicas + 2) * cfg.cpus_per_worker))
+        kwargs: dict[str, Any] = {
+            "num_cpus": logical_cpus,
+            "include_dashboard": False,
+            "log_to_driver": True,
+            "configure_logging": False,
+        }
+        kwargs.update(cfg.ray_init_kwargs)
+        ray.init(**kwargs)
+        self._started_ray = True
+
+    def _wait_ready(self, count: int, *, timeout_s: float) -> list[WorkerHandle]:
+        ready: list[WorkerHandle] = []
+        end = time.monotonic() + timeout_s
+        while len(ready) < count and time.monotonic() < end:
+            ready += self.pool.poll(timeout_s=min(0.5, max(0.0, end - time.monotonic())))
+            if not self.pool.pending_count and len(ready) < count:
+                break
+        return ready
+
+    def _check_same_init(self, handles: list[WorkerHandle]) -> None:
+        sums = {h.name: h.info["checksum"] for h in handles}
+        if len(set(sums.values())) > 1:
+            raise ElasticRuntimeError(
+                f"replicas built different initial parameters {sums}: make the model factory "
+                "deterministic (it runs with torch seeded from spec.seed)"
+            )
+
+    def close(self, *, status: str = "ok", error: str | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        for handle in list(self.members):
+            self.pool.kill(handle, fence=False) if hasattr(self, "pool") else None
+        if hasattr(self, "pool"):
+            self.pool.shutdown()
+        self.log.emit(
+            "run_end",
+            status=status,
+            step=self.steps_done,
+            wall_s=time.time() - self._t0,
+            error=error,
+        )
+        self.log.close()
+        if self.ledger is not None:
+            self.ledger.close()
+        if self._started_ray:
+            ray.shutdown()
+
+    # ---- membership --------------------------------------------------------------------------
+
+    @property
+    def width(self) -> int:
+        return len(self.members)
+
+    @property
+    def names(self) -> list[str]:
+        return [h.name for h in self.members]
+
+    def build_generation(self, members: list[WorkerHandle], *, reason: str) -> None:
+        """Makes ``members`` (rank order) the next generation and sends state to newcomers.
+
+        Raises a Failure if a member fails meanwhile; the caller recovers from it.
+        """
+        t0 = time.time()
+        self.gen += 1
+        gen = self.gen
+        self.members = list(members)
+        timeouts = (self.config.join_timeout_s, self.config.collective_timeout_s)
+        refs = {
+            h.name: h.actor.join.remote(gen, rank, len(members), self.steps_done, timeouts)
+            for rank, h in enumerate(members)
+        }
+        results = self._gather(refs, deadline_s=self.config.join_timeout_s + 5, step=None)
+        for h in members:
+            if h.has_state and results[h.name]["steps_done"] != self.steps_done:
+                raise PlanariaError(
+                    f"{h.name} has {results[h.name]['steps_done']} steps, the job {self.steps_done}"
+                )
+        joiners = [r for r, h in enumerate(members) if not h.has_state]
+        if joiners:
+            self._send_state(joiners)
+        self.log.emit(
+            "generation",
+            gen=gen,
+            workers=self.names,
+            world_size=len(members),
+            build_s=time.time() - t0,
+            reason=reason,
+        )
+        _mlog.info("generation %d: %s (%s)", gen, self.names, reason)
+
+    def _send_state(self, joiners: list[int]) -> None:
+        src_rank = next(r for r, h in enumerate(self.members) if h.has_state)
+        src = self.members[src_rank]
+        t0 = time.time()
+        source = self._gather(
+            {src.name: src.actor.state_meta.remote(self.gen)}, deadline_s=60, step=None
+        )[src.name]
+        refs = {src.name: src.actor.send_state.remote(self.gen, joiners)}
+        for r in joiners:
+            h = self.members[r]
+            refs[h.name] = h.actor.recv_state.remote(self.gen, src_rank, source)
+        sizes = self._gather(refs, deadline_s=self.config.collective_timeout_s, step=None)
+        seconds = time.time() - t0
+        nbytes = int(sizes[src.name])
+        for r in joiners:
+            self.members[r].has_state = True
+        self.log.emit(
+            "state_transfer",
+            src=src.name,
+            dst=[self.members[r].name for r in joiners],
+            bytes=nbytes,
+            seconds=seconds,
+            gb_per_s=nbytes / seconds / 1e9 if seconds > 0 else None,
+        )
+
+    def evict(self, names: list[str] | tuple[str, ...], *, kill: bool = True) -> None:
+        """Removes workers from the membership, fencing them off (and killing them)."""
+        for handle in [h for h in self.members if h.name in names]:
+            self.members.remove(handle)
+            if kill:
+                self.pool.kill(handle)
+            else:
+                self.pool.fence(handle.name)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def train_step(self) -> StepResult:
+        """Runs the next step at the current width and commits it, or raises a Failure."""
+        self.boundary()
+        assert self.plan is not None
+        step = self.steps_done
+        parts = split_contiguous(self.plan.batch(step), self.width)
+        nxt = split_contiguous(self.plan.batch(step + 1), self.width)
+        t0 = time.time()
+        refs = {
+            h.name: h.actor.step.remote(self.gen, step, parts[r], self.steps_done, nxt[r])
+            for r, h in enumerate(self.members)
+        }
+        self._chaos_during_step(step)
+        results = self._gather(refs, deadline_s=self.deadline.seconds, step=step)
+        duration = time.time() - t0
+        n = sum(r["n"] for r in results.values())
+        loss = sum(r["loss_sum"] for r in results.values()) / max(1, n)
+        metrics: dict[str, float] = {}
+        for r in results.values():
+            for k, v in r["metric_sums"].items():
+                metrics[k] = metrics.get(k, 0.0) + v / max(1, n)
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(f"loss is {loss} at step {step}", step=step)
+        self.steps_done = step + 1  # committed: the update rides on the next call to each worker
+        self.deadline.observe(duration)
+        data_wait = max(r["data_wait_s"] for r in results.values())
+        result = StepResult(step, loss, self.width, duration, n / duration if duration else 0.0, metrics)
+        self.losses.append((step, loss))
+        self.log.emit(
+            "step_committed",
+            step=step,
+            gen=self.gen,
+            width=self.width,
+            duration_s=duration,
+            loss=loss,
+            samples=n,
+            samples_per_s=result.samples_per_s,
+            data_wait_s=data_wait,
+            metrics=metrics,
+        )
+        if self.ledger is not None:
+            ids: list[int] = []
+            for h in self.members:
+                ids += results[h.name]["ids"]
+            self.ledger.record(step, ids)
+        for name, r in results.items():
+            if r["preempting"] and name not in self._draining:
+                self._draining.add(name)
+                self.log.emit("preempt_notice", worker=name, step=step)
+        self.recovery.on_commit(step)
+        return result
+
+    def commit_all(self) -> None:
+        """Makes every worker apply the committed steps now (before a snapshot or the end)."""
+        refs = {h.name: h.actor.commit.remote(self.gen, self.steps_done) for h in self.members}
+        self._gather(refs, deadline_s=self.deadline.seconds, step=None)
+
+    def skip_pending(self, step: int) -> None:
+        """Drops step ``step``'s update everywhere; the step counts as done (non-finite loss)."""
+        refs = {h.name: h.actor.skip.remote(self.gen, step) for h in self.members}
+        self._gather(refs, deadline_s=60, step=step)
+        self.steps_done = step + 1
+        self.log.emit("step_skipped", step=step, reason="nonfinite_loss")
+        if self.ledger is not None:
+            assert self.plan is not None
+            self.ledger.record(step, [int(i) for i in self.plan.batch(step)], skipped=True)
+
+    def _gather(self, refs: dict[str, Any], *, deadline_s: float, step: int | None) -> dict[str, Any]:
+        """Waits for one call per worker; raises the classified Failure if any went wrong.
+
+        Every wait has a deadline. While waiting, a worker whose heartbeat stops
+        is hung (a stopped or frozen process); past the deadline, the workers
+        that have not answered and are not waiting in a collective are.
+        """
+        by_ref = {ref: name for name, ref in refs.items()}
+        results: dict[str, Any] = {}
+        errors: dict[str, BaseException] = {}
+        hung: list[str] = []
+        start = time.time()
+        end = start + deadline_s
+        first_error_t: float | None = None
+        pending = list(by_ref)
+        while pending:
+            now = time.time()
+            limit = end if first_error_t is None else min(end, first_error_t + FAILURE_GRACE_S)
+            if now >= limit:
+                hung += self._find_hung([by_ref[r] for r in pending], past_deadline=True)
+                break
+            done, pending = ray.wait(
+                pending, num_returns=len(pending), timeout=min(0.25, limit - now)
+            )
+            for ref in done:
+                name = by_ref[ref]
+                try:
+                    results[name] = ray.get(ref)
+                except Exception as err:
+                    errors[name] = err
+                    first_error_t = first_error_t or time.time()
+            if pending:
+                stale = self._find_hung([by_ref[r] for r in pending], past_deadline=False)
+                if stale:
+                    hung += stale
+                    first_error_t = first_error_t or time.time()
+                    self._evict_hung(stale)
+        if not errors and not hung:
+            return results
+        hung_set = [h for h in dict.fromkeys(hung) if h not in errors]
+        if hung_set:
+            self._evict_hung([h for h in hung_set if h in self.names])
+        faulty = set(hung_set) | {n for n, e in errors.items() if _is_death(e)}
+        failure = classify(
+            errors,
+            hung=tuple(hung_set),
+            preempting=tuple(sorted(self._draining)),
+            live_after=len([n for n in self.names if n not in faulty]),
+            step=step,
+        )
+        if step is not None:
+            self.log.emit(
+                "step_failed", step=step, gen=self.gen, kind=failure.kind, workers=list(failure.workers)
+            )
+        raise failure
+
+    def _find_hung(self, names: list[str], *, past_deadline: bool) -> list[str]:
+        now = time.time()
+        beats = {n: self.pool.heartbeat(n) for n in names}
+        stale = [
+            n
+            for n, hb in beats.items()
+            if hb is not None and now - hb.t > self.hang.heartbeat_timeout_s
+        ]
+        if stale or not past_deadline:
+            return stale
+        # Past the deadline with live heartbeats: the ones not waiting in the collective.
+        outside = [n for n, hb in beats.items() if hb is None or hb.phase != "reduce"]
+        return outside or names
+
+    def _evict_hung(self, names: list[str]) -> None:
+        for name in names:
+            handle = next((h for h in self.members if h.name == name), None)
+            if handle is None:
+                continue
+            stack = self.pool.stack(handle, timeout_s=0.5)
+            self.log.emit("hang_stack", worker=name, stack=stack)
+            self.evict([name])
+
+    # ---- the step boundary -------------------------------------------------------------------
+
+    def boundary(self) -> None:
+        """Between steps: drain preempted workers, admit ready replacements, save, inject chaos."""
+        if self._draining:
+            self.recovery.drain(sorted(self._draining))
+            self._draining.clear()
+        ready = self.pool.poll(timeout_s=0.0)
+        if ready:
+            self.recovery.admit(ready)
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_save()
+        self._chaos_by_time()
+
+    def _chaos_by_time(self) -> None:
+        if self.chaos is None:
+            return
+        for ev in self.chaos.due(step=None, elapsed_s=time.time() - self._t0):
+            if ev.step is None:
+                self._inject(ev.action, ev.target, self.steps_done)
+
+    def _chaos_during_step(self, step: int) -> None:
+        if self.chaos is None:
+            return
+        for ev in self.chaos.due(step=step, elapsed_s=time.time() - self._t0):
+            if ev.step is not None:
+                # Land inside the step: after dispatch, about a third of a typical step in.
+                typical = self.deadline.typical_step_s or 0.05
+                time.sleep(min(0.5, typical / 3))
+                self._inject(ev.action, ev.target, step)
+            else:
+                self._inject(ev.action, ev.target, step)
+
+    def _inject(self, action: str, target: str, step: int) -> None:
+        assert self.chaos is not None
+        name = self.chaos.pick(target, self.names)
+        handle = next((h for h in self.members if h.name == name), None)
+        if handle is None or handle.pid is None:
+            _log.warning("chaos %s:%s skipped: no such live worker", action, target)
+            return
+        self._chaos_at[handle.name] = time.time()
+        send_signal(action, handle.pid, slow_s=self.chaos.slow_s)
+        self.log.emit("chaos", action=action, worker=handle.name, pid=handle.pid, step=step)
+
+    def fault_time(self, names: tuple[str, ...]) -> float:
+        """Best estimate of when a fault happened: the chaos signal, else the last heartbeat."""
+        times = [self._chaos_at.pop(n) for n in names if n in self._chaos_at]
+        if times:
+            return min(times)
+        beats = [hb.t for hb in (self.pool.heartbeat(n) for n in names) if hb is not None]
+        return min(beats) if beats else time.time()
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The committed training state, from rank 0 (tensors on the CPU, metadata)."""
+        self.commit_all()
+        head = self.members[0]
+        return self._gather(
+            {head.name: head.actor.get_state.remote(self.gen)}, deadline_s=300, step=None
+        )[head.name]
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        tensors, _ = self.state()
+        return {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+
+    def checksums(self) -> dict[str, int]:
+        """Every replica's parameter checksum (they agree unless something is badly wrong)."""
+        self.commit_all()
+        refs = {h.name: h.actor.checksum.remote(self.gen) for h in self.members}
+        return self._gather(refs, deadline_s=60, step=None)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.time() - self._t0
+
+    def data_ids(self, step: int) -> np.ndarray:
+        assert self.plan is not None
+        return self.plan.batch(step)
+
+
+def _is_death(err: BaseException) -> bool:
+    from ray.exceptions import ActorDiedError, RayActorError
+
+    return isinstance(err, (ActorDiedError, RayActorError))
+
+
+def _node_ip() -> str:
+    return str(ray.util.get_node_ip_address())
+
+
+def _describe(cfg: RunConfig, policy: RecoveryPolicy) -> dict[str, Any]:
+    return {
+        "replicas": cfg.replicas,
+        "steps": cfg.steps,
+        "address": cfg.address,
+        "cpus_per_worker": cfg.cpus_per_worker,
+        "threads_per_worker": cfg.threads,
+        "use_gpu": cfg.use_gpu,
+        "on_worker_lost": policy.on_worker_lost,
+        "min_replicas": policy.min_replicas,
+    }

@@ -1,0 +1,262 @@
+"""planaria's errors: one rooted hierarchy, and the one function that classifies faults.
+
+Failures (subclasses of :class:`Failure`) are what the recovery policy acts on.
+:func:`classify` is the only place where Ray's and torch's exceptions and the
+workers' reports are turned into failures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AllReplicasLost",
+    "CheckpointError",
+    "ConfigError",
+    "ElasticRuntimeError",
+    "Failure",
+    "NonFiniteLoss",
+    "PlanariaError",
+    "Preempted",
+    "StaleGeneration",
+    "UserCodeError",
+    "WorkerHung",
+    "WorkerLost",
+    "classify",
+]
+
+
+class PlanariaError(Exception):
+    """Root of planaria's errors."""
+
+
+class ConfigError(PlanariaError, ValueError):
+    """A configuration value is wrong; the message names the field, the value and what is accepted."""
+
+
+class CheckpointError(PlanariaError):
+    """A checkpoint is missing, torn, corrupt or malformed."""
+
+
+class StaleGeneration(PlanariaError):
+    """A call carried an older generation than the worker's: the caller is fenced off."""
+
+
+class ElasticRuntimeError(PlanariaError):
+    """planaria gave up: the retry budget is spent or the job cannot go on. Chained to the cause."""
+
+
+class Failure(PlanariaError):
+    """A fault the recovery policy acts on. ``workers`` names the workers at fault (``w<N>``)."""
+
+    kind = "failure"
+
+    def __init__(self, message: str, *, workers: tuple[str, ...] = (), step: int | None = None):
+        super().__init__(message)
+        self.workers = tuple(workers)
+        self.step = step
+
+
+class WorkerLost(Failure):
+    """A worker process or its node died."""
+
+    kind = "worker_lost"
+
+
+class WorkerHung(Failure):
+    """A worker stopped making progress past the step deadline (or stopped heartbeating)."""
+
+    kind = "worker_hung"
+
+
+class Preempted(Failure):
+    """A planned departure: the worker got a preemption notice (SIGTERM) and drains."""
+
+    kind = "preempted"
+
+
+class AllReplicasLost(Failure):
+    """No live replica holds the training state; only a checkpoint can bring it back."""
+
+    kind = "all_replicas_lost"
+
+
+class NonFiniteLoss(Failure):
+    """The global loss of a step was NaN or infinite."""
+
+    kind = "nonfinite_loss"
+
+
+class UserCodeError(Failure):
+    """The user's own code (model, loss, dataset, optimizer) raised; never retried.
+
+    ``remote_traceback`` is the worker's original traceback text.
+    """
+
+    kind = "user_code_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        remote_traceback: str = "",
+        workers: tuple[str, ...] = (),
+        step: int | None = None,
+    ):
+        super().__init__(message, workers=workers, step=step)
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        if self.remote_traceback:
+            return f"{base}\n\nOriginal traceback (in worker {', '.join(self.workers)}):\n" + (
+                self.remote_traceback
+            )
+        return base
+
+    def __reduce__(self) -> Any:  # keep keyword fields across Ray's pickling
+        return (
+            _rebuild_user_code_error,
+            (self.args[0], self.remote_traceback, self.workers, self.step),
+        )
+
+
+def _rebuild_user_code_error(
+    message: str, tb: str, workers: tuple[str, ...], step: int | None
+) -> UserCodeError:
+    return UserCodeError(message, remote_traceback=tb, workers=workers, step=step)
+
+
+# Phrases in a survivor's collective error that mean "a peer went away", not a bug here.
+_PEER_GONE = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "connection refused",
+    "read error",
+    "write error",
+    "timed out",
+    "timeout",
+    "socket",
+    "gloo",
+    "nccl",
+    "peer",
+)
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """True if ``err`` is a survivor's collective error caused by another worker's failure."""
+    text = str(err).lower()
+    return isinstance(err, (RuntimeError, ConnectionError, OSError)) and any(
+        p in text for p in _PEER_GONE
+    )
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """Unwraps Ray's task errors to the exception the worker raised."""
+    try:
+        from ray.exceptions import RayTaskError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return err
+    while isinstance(err, RayTaskError) and err.cause is not None and err.cause is not err:
+        err = err.cause
+    return err
+
+
+def classify(
+    errors: dict[str, BaseException],
+    *,
+    hung: tuple[str, ...] = (),
+    preempting: tuple[str, ...] = (),
+    live_after: int,
+    step: int | None = None,
+) -> Failure:
+    """Turns what went wrong in one step into one :class:`Failure`.
+
+    ``errors`` maps worker names to the exception each one's call raised (Ray
+    or torch), ``hung`` names workers found hung, ``preempting`` those that got a
+    preemption notice, ``live_after`` how many replicas would still hold state
+    once the faulty ones are gone. Root causes win over consequences: a user's
+    exception over a death, a death over a survivor's collective error, which
+    is never a root cause unless nothing else explains it.
+    """
+    try:
+        from ray.exceptions import (
+            ActorDiedError,
+            ActorUnavailableError,
+            RayActorError,
+            WorkerCrashedError,
+        )
+        died_types: tuple[type[BaseException], ...] = (
+            ActorDiedError,
+            RayActorError,
+            WorkerCrashedError,
+            ActorUnavailableError,
+        )
+    except ImportError:  # pragma: no cover
+        died_types = ()
+
+    user: list[tuple[str, UserCodeError]] = []
+    dead: list[str] = []
+    nonfinite: list[str] = []
+    peer: list[str] = []
+    other: list[tuple[str, BaseException]] = []
+    for name, raw in errors.items():
+        err = _root_cause(raw)
+        if isinstance(err, UserCodeError):
+            user.append((name, err))
+        elif isinstance(raw, died_types) or isinstance(err, died_types):
+            dead.append(name)
+        elif isinstance(err, NonFiniteLoss):
+            nonfinite.append(name)
+        elif isinstance(err, StaleGeneration):
+            other.append((name, err))
+        elif is_peer_failure(err):
+            peer.append(name)
+        else:
+            other.append((name, err))
+
+    if user:
+        name, err = user[0]
+        return UserCodeError(
+            str(err.args[0]) if err.args else "user code raised",
+            remote_traceback=err.remote_traceback,
+            workers=(name,),
+            step=step,
+        )
+    faulty = tuple(sorted(set(dead) | set(hung), key=_worker_order))
+    if faulty and live_after <= 0:
+        return AllReplicasLost(
+            f"every replica is gone ({', '.join(faulty)} lost or hung)", workers=faulty, step=step
+        )
+    if dead:
+        return WorkerLost(f"worker {', '.join(faulty)} lost", workers=faulty, step=step)
+    if hung:
+        return WorkerHung(f"worker {', '.join(faulty)} hung", workers=faulty, step=step)
+    if nonfinite:
+        return NonFiniteLoss(f"non-finite loss at step {step}", workers=(), step=step)
+    if preempting:
+        return Preempted(f"worker {', '.join(preempting)} preempted", workers=preempting, step=step)
+    if other:
+        name, err = other[0]
+        return UserCodeError(
+            f"{type(err).__name__}: {err}", remote_traceback=_format(err), workers=(name,), step=step
+        )
+    if peer:
+        # Only collective errors and nobody dead: some peer must have failed unseen.
+        return WorkerLost(
+            f"collective failed on {', '.join(peer)} with no dead worker seen",
+            workers=(),
+            step=step,
+        )
+    return WorkerLost("step failed for an unknown reason", step=step)
+
+
+def _worker_order(name: str) -> int:
+    return int(name[1:]) if name[1:].isdigit() else 0
+
+
+def _format(err: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(err))

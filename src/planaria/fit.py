@@ -1,0 +1,79 @@
+"""``fit()``: train a spec to a number of steps, recovering from failures in-process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planaria.chaos import ChaosPlan
+from planaria.config import RunConfig, TrainSpec
+from planaria.controller import Job, StepResult
+from planaria.errors import Failure
+from planaria.events import EVENTS_FILE
+from planaria.policy import HangConfig, RecoveryPolicy
+
+__all__ = ["FitResult", "fit"]
+
+
+@dataclass
+class FitResult:
+    """What a finished run leaves: its last step, loss history, event log and final weights."""
+
+    final_step: int
+    """Steps committed (the next step would be this one)."""
+    losses: list[tuple[int, float]]
+    """(step, loss) of every committed step of this run."""
+    events_path: Path
+    state_dict: dict[str, torch.Tensor] = field(repr=False)
+    """The final model state (CPU tensors)."""
+    run_dir: Path = Path()
+
+
+def fit(
+    spec: TrainSpec,
+    *,
+    steps: int,
+    replicas: int,
+    run_dir: str | Path,
+    address: str | None = None,
+    policy: RecoveryPolicy | None = None,
+    hang: HangConfig | None = None,
+    chaos: ChaosPlan | str | None = None,
+    checkpoint: Any = None,
+    on_step: Callable[[StepResult], None] | None = None,
+    **options: Any,
+) -> FitResult:
+    """Trains ``spec`` on ``replicas`` workers until ``steps`` steps are committed.
+
+    Failures are recovered from in this process according to ``policy``; a bug
+    in the user's code stops the run with its original traceback
+    (:class:`~planaria.errors.UserCodeError`), and a spent budget raises
+    :class:`~planaria.errors.ElasticRuntimeError`. ``options`` are further
+    :class:`~planaria.config.RunConfig` fields (``ledger``, ``cpus_per_worker``, ...).
+    ``checkpoint`` is a :class:`~planaria.checkpointing.CheckpointConfig`.
+    """
+    config = RunConfig(steps=steps, replicas=replicas, run_dir=Path(run_dir), address=address, **options)
+    plan = ChaosPlan.parse(chaos, seed=spec.seed) if isinstance(chaos, str) else chaos
+    with Job(spec, config, policy=policy, hang=hang, chaos=plan, checkpoint=checkpoint) as job:
+        while job.steps_done < steps:
+            try:
+                result = job.train_step()
+            except Failure as failure:
+                job.recovery.handle(failure)
+                continue
+            if on_step is not None:
+                on_step(result)
+        if job.checkpointer is not None:
+            job.checkpointer.save_final()
+        state = job.model_state_dict()
+        return FitResult(
+            final_step=job.steps_done,
+            losses=list(job.losses),
+            events_path=job.run_dir / EVENTS_FILE,
+            state_dict=state,
+            run_dir=job.run_dir,
+        )

@@ -1,0 +1,288 @@
+"""What the controller does when something fails: the policy applied, in-process.
+
+:class:`Recovery` turns a classified :class:`~planaria.errors.Failure` into an
+action (resize, pause, restore, drain, skip, rollback, abort), carries it out
+on the live :class:`~planaria.controller.Job`, and logs every stage so that
+``detect_s``, ``recover_s``, ``lost_steps``, ``replacement_s`` and ``join_s`` can
+be computed from the event log alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from planaria.errors import (
+    AllReplicasLost,
+    ElasticRuntimeError,
+    Failure,
+    NonFiniteLoss,
+    Preempted,
+    UserCodeError,
+)
+
+if TYPE_CHECKING:
+    from planaria.controller import Job
+    from planaria.workers import WorkerHandle
+
+__all__ = ["Recovery"]
+
+_log = logging.getLogger("planaria.faults")
+MAX_CASCADE = 20  # failures handled back to back (a fault during a recovery) before giving up
+
+
+@dataclass
+class _OpenFault:
+    fault_id: int
+    fault_t: float
+    lost_steps: int = 0
+
+
+class Recovery:
+    """The recovery policy at work on one job."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.failures = 0
+        self.preemptions = 0
+        self._next_fault_id = 0
+        self._open: list[_OpenFault] = []
+        self._joining: dict[str, float] = {}
+
+    # ---- entry points ------------------------------------------------------------------------
+
+    def handle(self, failure: Failure) -> None:
+        """Recovers from ``failure`` (and from any failure during that recovery), or raises.
+
+        Raises the UserCodeError itself for a bug in user code, and
+        ElasticRuntimeError (chained to the failure) when the policy gives up.
+        """
+        for _ in range(MAX_CASCADE):
+            try:
+                self._handle_one(failure)
+                return
+            except (UserCodeError, ElasticRuntimeError):
+                raise
+            except Failure as again:
+                _log.warning("failure during recovery: %s", again)
+                failure = again
+        raise ElasticRuntimeError(f"{MAX_CASCADE} failures in a row during recovery") from failure
+
+    def on_commit(self, step: int) -> None:
+        """After each committed step: close open faults and pending joins."""
+        job = self.job
+        now = time.time()
+        for fault in self._open:
+            job.log.emit(
+                "recovered",
+                fault_id=fault.fault_id,
+                step=step,
+                recover_s=now - fault.fault_t,
+                lost_steps=fault.lost_steps,
+            )
+        self._open.clear()
+        for name in [n for n in self._joining if n in job.names]:
+            job.log.emit(
+                "joined", worker=name, gen=job.gen, step=step, join_s=now - self._joining.pop(name)
+            )
+
+    def admit(self, ready: list[WorkerHandle]) -> None:
+        """Brings ready replacements into the next generation; they receive state from a survivor."""
+        job = self.job
+        if not job.members:  # nothing to send them: the restore path takes them
+            return
+        for handle in ready:
+            self._joining[handle.name] = handle.ready_t or time.time()
+        job.build_generation(job.members + ready, reason="join")
+
+    def drain(self, names: list[str]) -> None:
+        """Preempted workers leave at a step boundary: no failed step, nothing lost."""
+        job = self.job
+        names = [n for n in names if n in job.names]
+        if not names:
+            return
+        fault = self._open_fault(Preempted(f"{', '.join(names)} preempted", workers=tuple(names)))
+        self.preemptions += len(names)
+        if self.preemptions > job.policy.max_preemptions:
+            self._abort(
+                f"{self.preemptions} preemptions, more than max_preemptions="
+                f"{job.policy.max_preemptions}",
+                None,
+            )
+        job.log.emit("action", fault_id=fault.fault_id, action="drain")
+        remaining = job.width - len(names)
+        if remaining < job.policy.min_replicas and job.checkpointer is not None:
+            job.checkpointer.save_now(reason="preemption")  # just in time, before state leaves
+        for name in names:
+            job.log.emit("drained", worker=name, step=job.steps_done)
+        job.evict(names)
+        self._replace(names)
+        self._continue(reason="drain")
+
+    # ---- one failure -------------------------------------------------------------------------
+
+    def _handle_one(self, failure: Failure) -> None:
+        job = self.job
+        policy = job.policy
+        fault = self._open_fault(failure)
+        if isinstance(failure, UserCodeError):
+            job.log.emit("action", fault_id=fault.fault_id, action="abort")
+            self._open.remove(fault)
+            self._save_what_is_safe()
+            raise failure
+        if isinstance(failure, NonFiniteLoss):
+            self._nonfinite(failure, fault)
+            return
+        self.failures += 1
+        if self.failures > policy.max_failures:
+            self._abort(
+                f"{self.failures} failures, more than max_failures={policy.max_failures}", failure
+            )
+        if policy.retry_policy is not None and not policy.retry_policy(self.failures, failure):
+            self._abort("the retry_policy hook declined to retry", failure)
+        job.evict(failure.workers)
+        self._replace(failure.workers)
+        if isinstance(failure, AllReplicasLost) or not job.members:
+            job.log.emit("action", fault_id=fault.fault_id, action="restore")
+            self._restore(fault, keep_survivors=False)
+            return
+        action = policy.on_worker_lost
+        job.log.emit("action", fault_id=fault.fault_id, action=action)
+        if action == "abort":
+            self._abort("on_worker_lost='abort'", failure)
+        if action == "restore":
+            self._restore(fault, keep_survivors=True)
+            return
+        self._continue(reason="resize", pause=action == "pause")
+
+    def _nonfinite(self, failure: NonFiniteLoss, fault: _OpenFault) -> None:
+        job = self.job
+        action = job.policy.on_nonfinite
+        job.log.emit("action", fault_id=fault.fault_id, action=action)
+        if action == "abort":
+            self._open.remove(fault)
+            self._abort("the loss is not finite and on_nonfinite='abort'", failure)
+        if action == "skip":
+            assert failure.step is not None
+            job.skip_pending(failure.step)
+            return
+        self._restore(fault, keep_survivors=True)
+
+    # ---- actions -----------------------------------------------------------------------------
+
+    def _continue(self, *, reason: str, pause: bool = False) -> None:
+        """Next generation from the survivors, after waiting for replacements if needed."""
+        job = self.job
+        policy = job.policy
+        want = job.config.replicas if pause else policy.min_replicas
+        joiners: list[WorkerHandle] = []
+        if job.width < want:
+            joiners = self._wait_for(want - job.width, reason)
+        for handle in joiners:
+            self._joining[handle.name] = handle.ready_t or time.time()
+        job.deadline.reset()
+        job.build_generation(job.members + joiners, reason=reason)
+
+    def _wait_for(self, count: int, reason: str) -> list[WorkerHandle]:
+        job = self.job
+        timeout = job.policy.pause_timeout_s
+        ready: list[WorkerHandle] = []
+        end = time.monotonic() + timeout
+        while len(ready) < count and time.monotonic() < end:
+            ready += job.pool.poll(timeout_s=min(0.5, max(0.0, end - time.monotonic())))
+            if len(ready) < count and job.pool.pending_count == 0:
+                break  # nothing more is coming
+        if job.width + len(ready) < job.policy.min_replicas:
+            for handle in ready:
+                job.pool.kill(handle, fence=False)
+            self._abort(
+                f"only {job.width + len(ready)} replicas after waiting {timeout:g} s for "
+                f"replacements ({reason}), below min_replicas={job.policy.min_replicas}: the "
+                "cluster has no room for replacements; free resources, lower min_replicas or "
+                "raise pause_timeout_s",
+                None,
+            )
+        return ready
+
+    def _restore(self, fault: _OpenFault, *, keep_survivors: bool) -> None:
+        """Reloads the newest viable checkpoint into every member, in this process."""
+        job = self.job
+        if not keep_survivors:
+            for handle in list(job.members):
+                job.evict([handle.name])
+        need = (job.config.replicas if keep_survivors else job.policy.min_replicas) - job.width
+        if need > 0:
+            job.members = job.members + self._wait_for(need, "restore")
+        before = job.steps_done
+        for handle in job.members:
+            handle.has_state = True  # every member is about to be overwritten
+        job.build_generation(job.members, reason="restore")
+        restored = job.checkpointer.restore() if job.checkpointer is not None else None
+        if restored is None:
+            restored = self._restart_from_scratch()
+        fault.lost_steps = max(0, before - restored)
+
+    def _restart_from_scratch(self) -> int:
+        """No checkpoint: every member rebuilds the seed's initial state; training starts over."""
+        job = self.job
+        _log.warning("no viable checkpoint: starting over from step 0")
+        t0 = time.time()
+        before = job.steps_done
+        fresh = [job.pool.start() for _ in job.members]
+        for handle in job.members:
+            job.pool.kill(handle, fence=True)
+        job.members = []
+        ready = job._wait_ready(len(fresh), timeout_s=job.policy.pause_timeout_s)
+        if len(ready) < job.policy.min_replicas:
+            self._abort("could not start fresh workers to start over", None)
+        for handle in ready:
+            handle.has_state = True
+        job.steps_done = 0
+        job.build_generation(ready, reason="restore")
+        job.log.emit(
+            "restore", step=0, path=None, restore_s=time.time() - t0, lost_steps=before
+        )
+        return 0
+
+    def _replace(self, names: tuple[str, ...] | list[str]) -> None:
+        job = self.job
+        if not job.policy.replace_workers:
+            return
+        for name in names:
+            job.pool.start(replaces=name)
+
+    def _save_what_is_safe(self) -> None:
+        job = self.job
+        if job.checkpointer is None or not job.members:
+            return
+        try:
+            job.checkpointer.save_now(reason="user_code_error")
+        except Exception:
+            _log.exception("could not save before stopping")
+
+    def _abort(self, why: str, failure: Failure | None) -> None:
+        self.job.log.emit("action", fault_id=None, action="abort", reason=why)
+        raise ElasticRuntimeError(f"planaria gave up: {why}") from failure
+
+    def _open_fault(self, failure: Failure) -> _OpenFault:
+        job = self.job
+        fault_t = job.fault_time(failure.workers)
+        fault = _OpenFault(self._next_fault_id, fault_t)
+        self._next_fault_id += 1
+        now = time.time()
+        common = {"fault_id": fault.fault_id, "kind": failure.kind}
+        worker = ",".join(failure.workers) or None
+        job.log.emit(
+            "fault",
+            **common,
+            worker=worker,
+            step=failure.step if failure.step is not None else job.steps_done,
+            fault_t=fault_t,
+            message=str(failure).splitlines()[0] if str(failure) else failure.kind,
+        )
+        job.log.emit("detected", **common, worker=worker, detect_s=max(0.0, now - fault_t))
+        _log.warning("%s: %s", failure.kind, failure)
+        self._open.append(fault)
+        return fault

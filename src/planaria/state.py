@@ -1,0 +1,91 @@
+"""A replica's training state as named tensors plus JSON metadata.
+
+One representation serves both hot-join (sent over the process group) and
+checkpoints (safetensors + JSON): ``tensors`` maps names like
+``model/fc.weight`` or ``optim/3/exp_avg`` to tensors, and ``meta`` holds
+everything else (optimizer hyper-parameters and non-tensor state, the LR
+scheduler's state, the step), all JSON-serialisable. No pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+__all__ = ["TrainState", "flatten_state", "load_state", "tensor_layout"]
+
+TrainState = tuple[dict[str, torch.Tensor], dict[str, Any]]
+
+
+def _jsonable(value: Any, where: str) -> Any:
+    if isinstance(value, tuple):
+        value = list(value)
+    try:
+        json.dumps(value)
+    except TypeError as err:
+        raise TypeError(f"{where} is not JSON-serialisable ({err}); planaria never pickles state") from err
+    return value
+
+
+def flatten_state(model: torch.nn.Module, optimizer: Any, scheduler: Any | None) -> TrainState:
+    """Names every tensor of the model and optimizer state; the rest goes to ``meta``.
+
+    The tensors are the live ones (no copy): callers copy or send them.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        tensors[f"model/{name}"] = tensor.detach()
+    opt_state = optimizer.state_dict()
+    opt_scalars: dict[str, dict[str, Any]] = {}
+    for pid, pstate in opt_state["state"].items():
+        for key, value in pstate.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{pid}/{key}"] = value.detach()
+            else:
+                opt_scalars.setdefault(str(pid), {})[key] = _jsonable(value, f"optimizer state {key}")
+    meta: dict[str, Any] = {
+        "optim_param_groups": _jsonable(opt_state["param_groups"], "optimizer param_groups"),
+        "optim_scalars": opt_scalars,
+        "scheduler": None
+        if scheduler is None
+        else _jsonable(scheduler.state_dict(), "lr scheduler state"),
+    }
+    return tensors, meta
+
+
+def tensor_layout(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[list[int], str]]:
+    """name → (shape, dtype name): enough for a receiver to allocate buffers."""
+    return {k: (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()}
+
+
+def load_state(
+    model: torch.nn.Module | None,
+    optimizer: Any,
+    scheduler: Any | None,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+) -> None:
+    """Loads state produced by :func:`flatten_state` (on any replica) into live objects.
+
+    ``model=None`` skips the model (its tensors were already filled in place).
+    """
+    if model is not None:
+        model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+        missing, unexpected = model.load_state_dict(model_sd, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"state does not fit the model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim/"):
+            _, pid, key = name.split("/", 2)
+            state.setdefault(int(pid), {})[key] = value
+    for pid, scalars in meta.get("optim_scalars", {}).items():
+        state.setdefault(int(pid), {}).update(scalars)
+    optimizer.load_state_dict({"state": state, "param_groups": meta["optim_param_groups"]})
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])

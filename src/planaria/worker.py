@@ -1,0 +1,494 @@
+"""The worker actor: one replica of the model, driven by the controller.
+
+A worker never decides anything: it computes a step when told, keeps the
+reduced gradient pending, and applies it only when a later call from the
+controller says the step was committed (invariant 1). Every call carries the
+generation; an older one is refused (invariant 3). A heartbeat thread reports
+the worker's phase to the controller's store, and makes a fenced-off worker
+(a zombie that woke up after it was evicted) exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+import ray
+import torch
+
+from planaria.collective import Collective, connect_store
+from planaria.config import TrainSpec
+from planaria.errors import PlanariaError, StaleGeneration, UserCodeError
+from planaria.state import flatten_state, load_state, tensor_layout
+
+__all__ = ["Worker", "param_checksum"]
+
+_log = logging.getLogger("planaria.worker")
+T = TypeVar("T")
+SMALL_TENSOR_BYTES = 1 << 20  # tensors below this travel coalesced in one buffer per dtype
+
+
+def param_checksum(model: torch.nn.Module) -> int:
+    """crc32 over the bytes of every parameter and buffer, in name order."""
+    crc = 0
+    for _, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+        crc = zlib.crc32(data, crc)
+    return crc
+
+
+def _user(what: str, fn: Callable[..., T], *args: Any) -> T:
+    """Runs user code; its exceptions become UserCodeError carrying the original traceback."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        raise UserCodeError(
+            f"{what} raised {type(err).__name__}: {err}", remote_traceback=traceback.format_exc()
+        ) from err
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + 17) % (2**63 - 1)
+
+
+class Worker:
+    """A replica. Created by the controller as a Ray actor (see ``planaria.workers``)."""
+
+    def __init__(
+        self,
+        name: str,
+        spec: TrainSpec,
+        store_host: str,
+        store_port: int,
+        *,
+        threads: int,
+        heartbeat_s: float,
+        use_gpu: bool = False,
+    ) -> None:
+        self.name = name
+        self.spec = spec
+        self.threads = threads
+        torch.set_num_threads(threads)
+        self.device = torch.device("cuda") if use_gpu else torch.device("cpu")
+        self.backend = "nccl" if use_gpu else "gloo"
+        self._store_addr = (store_host, store_port)
+        self.gen = -1
+        self.comm: Collective | None = None
+        self.steps_done = 0
+        self.pending: int | None = None
+        self.phase = "starting"
+        self.phase_step = -1
+        self.preempting = False
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-loader")
+        self._prefetched: tuple[bytes, Future[list[Any]]] | None = None
+        self._heartbeat_s = heartbeat_s
+        self._stop = threading.Event()
+        # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._store = connect_store(store_host, store_port, timeout_s=30)
+        self._publish_heartbeat()
+        threading.Thread(target=self._heartbeat_loop, name="planaria-heartbeat", daemon=True).start()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def setup(self) -> dict[str, Any]:
+        """Builds model, optimizer, scheduler and dataset from the spec's factories."""
+        self.phase = "setup"
+        spec = self.spec
+        torch.manual_seed(spec.seed)
+        self.model = _user("the model factory", spec.model).to(self.device)
+        self.optimizer = _user("the optimizer factory", spec.optimizer, self.model.parameters())
+        self.scheduler = (
+            _user("the lr_scheduler factory", spec.lr_scheduler, self.optimizer)
+            if spec.lr_scheduler
+            else None
+        )
+        self.dataset = _user("the dataset factory", spec.dataset)
+        if spec.collate is not None:
+            self.collate = spec.collate
+        else:
+            from torch.utils.data import default_collate
+
+            self.collate = default_collate
+        num_samples = _user("len(dataset)", len, self.dataset)
+        self._bind_grad_buffers()
+        self.phase = "idle"
+        tensors, _ = flatten_state(self.model, self.optimizer, self.scheduler)
+        return {
+            "pid": os.getpid(),
+            "node": socket.gethostname(),
+            "checksum": param_checksum(self.model),
+            "num_samples": int(num_samples),
+            "param_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "threads": torch.get_num_threads(),
+        }
+
+    def _bind_grad_buffers(self) -> None:
+        """Makes every parameter's .grad a view into one flat buffer per dtype.
+
+        Backward accumulates straight into the buffers, which are then reduced
+        whole: no copy in or out (what DDP calls gradient_as_bucket_view).
+        """
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = params
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.grad_buffers: list[torch.Tensor] = []
+        for dtype, group in by_dtype.items():
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=self.device)
+            offset = 0
+            for p in group:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.grad_buffers.append(flat)
+
+    def join(
+        self,
+        gen: int,
+        rank: int,
+        world_size: int,
+        steps_done: int,
+        timeouts: tuple[float, float],
+    ) -> dict[str, Any]:
+        """Enters generation ``gen``: settles the pending step, builds the new group.
+
+        A worker with no state yet (a replacement) may be behind ``steps_done``;
+        the controller sends it the state next and checks survivors are not behind.
+        """
+        self._enter(gen)
+        self._settle(steps_done, allow_behind=True)
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        self.phase = "joining"
+        self.comm = Collective(
+            self._store,
+            gen,
+            rank,
+            world_size,
+            backend=self.backend,
+            join_timeout_s=timeouts[0],
+            timeout_s=timeouts[1],
+        )
+        self.phase = "idle"
+        return {"steps_done": self.steps_done}
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.comm is not None:
+            self.comm.close()
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(
+        self,
+        gen: int,
+        step: int,
+        ids: np.ndarray,
+        steps_done: int,
+        next_ids: np.ndarray | None = None,
+    ) -> dict[str, Any]:
+        """Computes step ``step`` on ``ids`` and reduces the gradient; applies nothing yet.
+
+        ``steps_done`` is the controller's count of committed steps: if this
+        worker's pending step is among them it is applied first (the commit rides
+        on the next dispatch), otherwise it is dropped.
+        """
+        self._check(gen)
+        self._settle(steps_done)
+        if step != self.steps_done:
+            raise PlanariaError(f"{self.name} asked for step {step} but has {self.steps_done} done")
+        t0 = time.perf_counter()
+        self._set_phase("loading", step)
+        micro_batches = self._take(ids)
+        data_wait_s = time.perf_counter() - t0
+        if next_ids is not None and len(next_ids):
+            self._prefetch(next_ids)
+        self._set_phase("compute", step)
+        torch.manual_seed(_step_seed(self.spec.seed, step))
+        loss_sum = 0.0
+        metric_sums: dict[str, float] = {}
+        error: UserCodeError | None = None
+        gbs = self.spec.global_batch_size
+        try:
+            self.model.train()
+            for n, batch in micro_batches:
+                out = _user("the loss function", self.spec.loss, self.model, batch)
+                loss, metrics = (out if isinstance(out, tuple) else (out, {}))
+                _user("backward", (loss * (n / gbs)).backward)
+                loss_sum += float(loss.detach()) * n
+                for key, value in metrics.items():
+                    metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * n
+        except UserCodeError as err:
+            error = err
+        t1 = time.perf_counter()
+        self._set_phase("reduce", step)
+        # A rank whose user code failed still joins the reduction, so its peers are not
+        # left waiting in the collective; the controller will not commit this step.
+        assert self.comm is not None, "step before join"
+        self.comm.allreduce_sum(self.grad_buffers)
+        t2 = time.perf_counter()
+        self.pending = step
+        self._set_phase("idle", step)
+        if error is not None:
+            error.workers = (self.name,)
+            error.step = step
+            raise error
+        return {
+            "loss_sum": loss_sum,
+            "n": int(sum(n for n, _ in micro_batches)),
+            "metric_sums": metric_sums,
+            "ids": ids.tolist(),
+            "data_wait_s": data_wait_s,
+            "compute_s": t1 - t0 - data_wait_s,
+            "reduce_s": t2 - t1,
+            "preempting": self.preempting,
+        }
+
+    def skip(self, gen: int, step: int) -> int:
+        """Drops step ``step``'s pending update on purpose (non-finite loss); it counts as done."""
+        self._check(gen)
+        if self.pending != step or self.steps_done != step:
+            raise PlanariaError(f"{self.name} cannot skip step {step}: pending {self.pending}")
+        self._drop_pending()
+        self.steps_done += 1
+        return self.steps_done
+
+    def commit(self, gen: int, steps_done: int) -> int:
+        """Applies the pending step if the controller counts it committed; returns steps done."""
+        self._check(gen)
+        self._settle(steps_done)
+        return self.steps_done
+
+    def _settle(self, steps_done: int, *, allow_behind: bool = False) -> None:
+        if self.pending is not None:
+            if self.pending == steps_done - 1:
+                self._apply()
+            else:
+                self._drop_pending()
+        if self.steps_done != steps_done and not allow_behind:
+            raise PlanariaError(
+                f"{self.name} has {self.steps_done} steps done, the controller {steps_done}"
+            )
+
+    def _apply(self) -> None:
+        self._set_phase("apply", self.pending if self.pending is not None else -1)
+        if self.spec.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.spec.grad_clip_norm)
+        _user("optimizer.step", self.optimizer.step)
+        if self.scheduler is not None:
+            _user("lr_scheduler.step", self.scheduler.step)
+        self._drop_pending()
+        self.steps_done += 1
+
+    def _drop_pending(self) -> None:
+        for flat in self.grad_buffers:
+            flat.zero_()
+        self.pending = None
+
+    # ---- data ---------------------------------------------------------------------------------
+
+    def _load(self, ids: np.ndarray) -> list[tuple[int, Any]]:
+        mbs = self.spec.micro_batch_size
+        out = []
+        for start in range(0, len(ids), mbs):
+            chunk = ids[start : start + mbs]
+            samples = [_user("dataset[i]", self.dataset.__getitem__, int(i)) for i in chunk]
+            batch = _user("collate", self.collate, samples)
+            out.append((len(chunk), _to_device(batch, self.device)))
+        return out
+
+    def _prefetch(self, ids: np.ndarray) -> None:
+        self._prefetched = (ids.tobytes(), self._loader.submit(self._load, ids))
+
+    def _take(self, ids: np.ndarray) -> list[tuple[int, Any]]:
+        if self._prefetched is not None and self._prefetched[0] == ids.tobytes():
+            future = self._prefetched[1]
+            self._prefetched = None
+            return future.result()
+        self._prefetched = None
+        return self._load(ids)
+
+    # ---- state: hot-join and checkpoints ---------------------------------------------------
+
+    def state_meta(self, gen: int) -> dict[str, Any]:
+        """What a joiner needs besides tensors: the layout, the JSON metadata, steps done."""
+        self._check(gen)
+        tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
+        return {"layout": tensor_layout(tensors), "meta": meta, "steps_done": self.steps_done}
+
+    def send_state(self, gen: int, dsts: list[int]) -> int:
+        """Sends the whole state to ranks ``dsts`` over the generation's group; returns bytes."""
+        self._check(gen)
+        assert self.comm is not None
+        self._set_phase("send_state", self.steps_done)
+        tensors, _ = flatten_state(self.model, self.optimizer, self.scheduler)
+        big, small = _transfer_plan(tensors)
+        buffers = [tensors[k].contiguous() for k in big]
+        buffers += [torch.cat([tensors[k].reshape(-1) for k in names]) for names in small]
+        for dst in dsts:
+            for buf in buffers:
+                self.comm.send(buf, dst)
+        self._set_phase("idle", self.steps_done)
+        return sum(_nbytes(b) for b in buffers) * len(dsts)
+
+    def recv_state(self, gen: int, src: int, source: dict[str, Any]) -> int:
+        """Receives the state sent by rank ``src``; model tensors are filled in place."""
+        self._check(gen)
+        assert self.comm is not None
+        self._set_phase("recv_state", -1)
+        live = {f"model/{k}": v for k, v in self.model.state_dict().items()}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, (shape, dtype) in source["layout"].items():
+            target = live.get(name)
+            want = getattr(torch, dtype)
+            if target is None or list(target.shape) != shape or target.dtype != want:
+                if name.startswith("model/"):
+                    raise PlanariaError(f"{name}: the joiner's model does not match the source's")
+                target = torch.empty(shape, dtype=want, device=self.device)
+            tensors[name] = target
+        big, small = _transfer_plan(tensors)
+        received = 0
+        with torch.no_grad():
+            for name in big:
+                target = tensors[name]
+                buf = target if target.is_contiguous() else torch.empty_like(target).contiguous()
+                self.comm.recv(buf, src)
+                if buf is not target:
+                    target.copy_(buf)
+                received += _nbytes(buf)
+            for names in small:
+                flat = torch.empty(
+                    sum(tensors[k].numel() for k in names), dtype=tensors[names[0]].dtype,
+                    device=self.device,
+                )
+                self.comm.recv(flat, src)
+                received += _nbytes(flat)
+                offset = 0
+                for k in names:
+                    n = tensors[k].numel()
+                    tensors[k].copy_(flat[offset : offset + n].view_as(tensors[k]))
+                    offset += n
+        optim = {k: v for k, v in tensors.items() if k.startswith("optim/")}
+        load_state(None, self.optimizer, self.scheduler, optim, source["meta"])
+        self._drop_pending()
+        self.steps_done = int(source["steps_done"])
+        self._set_phase("idle", self.steps_done)
+        return received
+
+    def get_state(self, gen: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Copies of the whole state (model and optimizer tensors, metadata)."""
+        self._check(gen)
+        tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
+        return {k: v.detach().cpu().clone() for k, v in tensors.items()}, {
+            **meta,
+            "steps_done": self.steps_done,
+        }
+
+    def set_state(self, gen: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
+        """Loads a whole state (from a checkpoint); returns steps done."""
+        self._check(gen)
+        load_state(self.model, self.optimizer, self.scheduler, tensors, meta)
+        self._drop_pending()
+        self.steps_done = int(meta["steps_done"])
+        return self.steps_done
+
+    def checksum(self, gen: int) -> int:
+        self._check(gen)
+        return param_checksum(self.model)
+
+    # ---- fencing, heartbeat, diagnostics --------------------------------------------------
+
+    def _enter(self, gen: int) -> None:
+        if gen < self.gen:
+            raise StaleGeneration(f"{self.name} is in generation {self.gen}, refused call from {gen}")
+        self.gen = gen
+
+    def _check(self, gen: int) -> None:
+        if gen != self.gen:
+            raise StaleGeneration(
+                f"{self.name} is in generation {self.gen}, refused a call from generation {gen}"
+            )
+
+    def _set_phase(self, phase: str, step: int) -> None:
+        self.phase, self.phase_step = phase, step
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.preempting = True
+
+    def _publish_heartbeat(self) -> None:
+        record = f"{time.time():.3f}|{self.phase}|{self.phase_step}|{self.gen}|{int(self.preempting)}"
+        self._store.set(f"hb/{self.name}", record)
+
+    def _heartbeat_loop(self) -> None:
+        store = connect_store(*self._store_addr, timeout_s=30)
+        fence_key = f"fence/{self.name}"
+        while not self._stop.wait(self._heartbeat_s):
+            try:
+                if store.check([fence_key]):
+                    # Evicted while stopped or cut off: this replica's state is no one's now.
+                    _log.warning("%s was fenced off by the controller; exiting", self.name)
+                    os._exit(0)
+                record = f"{time.time():.3f}|{self.phase}|{self.phase_step}|{self.gen}|{int(self.preempting)}"
+                store.set(f"hb/{self.name}", record)
+            except Exception:  # the controller is gone: nothing to report to
+                if self._stop.is_set():
+                    return
+                time.sleep(self._heartbeat_s)
+
+    @ray.method(concurrency_group="control")
+    def dump_stack(self) -> str:
+        """Every thread's Python stack (answers even while a step is running)."""
+        frames = sys._current_frames()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = []
+        for ident, frame in frames.items():
+            parts.append(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
+        return "\n".join(parts)
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> str:
+        return self.name
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _transfer_plan(tensors: dict[str, torch.Tensor]) -> tuple[list[str], list[list[str]]]:
+    """Big tensors travel as they are, small ones coalesced in one buffer per dtype.
+
+    Sender and receiver compute this from the same layout and get the same order.
+    """
+    names = sorted(tensors)
+    big = [k for k in names if _nbytes(tensors[k]) >= SMALL_TENSOR_BYTES]
+    small: dict[str, list[str]] = {}
+    for k in names:
+        if _nbytes(tensors[k]) < SMALL_TENSOR_BYTES:
+            small.setdefault(str(tensors[k].dtype), []).append(k)
+    return big, [small[d] for d in sorted(small)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

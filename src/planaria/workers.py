@@ -1,0 +1,210 @@
+"""The controller's pool of worker actors: start, replace with backoff, watch, kill."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch.distributed as dist
+
+from planaria.config import RunConfig, TrainSpec
+from planaria.errors import UserCodeError
+from planaria.events import EventLog
+from planaria.policy import HangConfig
+from planaria.worker import Worker
+
+__all__ = ["Heartbeat", "WorkerHandle", "WorkerPool"]
+
+_log = logging.getLogger("planaria.membership")
+
+
+@dataclass
+class Heartbeat:
+    """A worker's last report: when, what it was doing, in which step and generation."""
+
+    t: float
+    phase: str
+    step: int
+    gen: int
+    preempting: bool
+
+    @staticmethod
+    def parse(raw: bytes) -> Heartbeat:
+        t, phase, step, gen, pre = raw.decode().split("|")
+        return Heartbeat(float(t), phase, int(step), int(gen), pre == "1")
+
+
+@dataclass
+class WorkerHandle:
+    """One worker actor as the controller sees it."""
+
+    name: str
+    actor: Any
+    requested_t: float
+    replaces: str | None = None
+    attempt: int = 1
+    setup_ref: Any = None
+    ready_t: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    has_state: bool = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.info.get("pid")
+
+
+class WorkerPool:
+    """Starts worker actors and tracks them until they are ready, dead or evicted."""
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        config: RunConfig,
+        hang: HangConfig,
+        store: dist.TCPStore,
+        store_host: str,
+        log: EventLog,
+        *,
+        max_attempts: int,
+    ) -> None:
+        self.spec = spec
+        self.config = config
+        self.hang = hang
+        self.store = store
+        self.store_host = store_host
+        self.log = log
+        self.max_attempts = max_attempts
+        self._next_index = 0
+        self.starting: list[WorkerHandle] = []
+        self._retry_at: list[tuple[float, WorkerHandle]] = []
+        self.local_node = socket.gethostname()
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(Worker)
+
+    def start(self, *, replaces: str | None = None, attempt: int = 1, name: str | None = None) -> WorkerHandle:
+        """Asks Ray for a new worker; it builds its model in the background."""
+        if name is None:
+            name = f"w{self._next_index}"
+            self._next_index += 1
+        cfg = self.config
+        actor = self._actor_cls.options(
+            num_cpus=cfg.cpus_per_worker,
+            num_gpus=1 if cfg.use_gpu else 0,
+            max_restarts=0,
+            max_concurrency=1,
+        ).remote(
+            name,
+            self.spec,
+            self.store_host,
+            self.store.port,
+            threads=cfg.threads,
+            heartbeat_s=self.hang.heartbeat_s,
+            use_gpu=cfg.use_gpu,
+        )
+        handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt)
+        handle.setup_ref = actor.setup.remote()
+        self.starting.append(handle)
+        if replaces is not None and attempt == 1:
+            self.log.emit("replacement_requested", worker=name, replaces=replaces)
+        return handle
+
+    def poll(self, timeout_s: float = 0.0) -> list[WorkerHandle]:
+        """Workers that became ready within ``timeout_s``; failed starts are retried with backoff.
+
+        A start that fails in the user's own factories raises UserCodeError:
+        retrying cannot help.
+        """
+        now = time.time()
+        for due, old in list(self._retry_at):
+            if due <= now:
+                self._retry_at.remove((due, old))
+                self.start(replaces=old.replaces, attempt=old.attempt + 1, name=old.name)
+        if not self.starting:
+            return []
+        refs = [h.setup_ref for h in self.starting]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready: list[WorkerHandle] = []
+        for handle in [h for h in self.starting if h.setup_ref in done]:
+            self.starting.remove(handle)
+            try:
+                handle.info = ray.get(handle.setup_ref)
+            except Exception as err:
+                cause = getattr(err, "cause", None) or err
+                if isinstance(cause, UserCodeError):
+                    cause.workers = (handle.name,)
+                    raise cause from None
+                self._failed_start(handle, err)
+                continue
+            handle.ready_t = time.time()
+            ready_s = handle.ready_t - handle.requested_t
+            self.log.emit(
+                "worker_started",
+                worker=handle.name,
+                pid=handle.pid,
+                node=handle.info.get("node"),
+                ready_s=ready_s,
+            )
+            if handle.replaces is not None:
+                self.log.emit("replacement_ready", worker=handle.name, replacement_s=ready_s)
+            ready.append(handle)
+        return ready
+
+    def _failed_start(self, handle: WorkerHandle, err: BaseException) -> None:
+        self.log.emit(
+            "replacement_failed", worker=handle.name, attempt=handle.attempt, error=str(err)[:500]
+        )
+        if handle.attempt >= self.max_attempts:
+            _log.error("%s failed to start %d times; giving up on it", handle.name, handle.attempt)
+            return
+        backoff = min(30.0, 0.5 * 2 ** (handle.attempt - 1))
+        self._retry_at.append((time.time() + backoff, handle))
+
+    @property
+    def pending_count(self) -> int:
+        return len(self.starting) + len(self._retry_at)
+
+    def heartbeat(self, name: str) -> Heartbeat | None:
+        key = f"hb/{name}"
+        try:
+            if not self.store.check([key]):
+                return None
+            return Heartbeat.parse(self.store.get(key))
+        except Exception:
+            return None
+
+    def stack(self, handle: WorkerHandle, timeout_s: float = 1.0) -> str | None:
+        """The worker's Python stacks if it still answers within the deadline."""
+        try:
+            return str(ray.get(handle.actor.dump_stack.remote(), timeout=timeout_s))
+        except Exception:
+            return None
+
+    def fence(self, name: str) -> None:
+        """Marks a worker evicted: if it ever wakes up, its heartbeat thread makes it exit."""
+        self.store.set(f"fence/{name}", "1")
+
+    def kill(self, handle: WorkerHandle, *, fence: bool = True) -> None:
+        """Evicts a worker: fences it off, then kills its process."""
+        if fence:
+            self.fence(handle.name)
+        pid = handle.pid
+        if pid is not None and handle.info.get("node") == self.local_node:
+            try:
+                os.kill(pid, signal.SIGKILL)  # works on a SIGSTOP'ed process too
+            except ProcessLookupError:
+                pass
+        try:
+            ray.kill(handle.actor, no_restart=True)
+        except Exception:
+            pass
+
+    def shutdown(self) -> None:
+        for handle in self.starting:
+            self.kill(handle, fence=False)
+        self.starting.clear()
+        self._retry_at.clear()
