@@ -1,0 +1,139 @@
+"""A worker's checkpoint writer: snapshot now, write in the background, one save at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Literal
+
+import torch
+
+from planaria.checkpoint.plan import ShardPlan
+from planaria.checkpoint.staging import StagingBuffers, take_share
+from planaria.checkpoint.writer import ShardRecord, write_shard
+
+__all__ = ["AsyncShardWriter"]
+
+_log = logging.getLogger("planaria.checkpoint")
+
+
+class AsyncShardWriter:
+    """Owns a writer's staging buffers and background thread.
+
+    :meth:`start` blocks only for the snapshot (:func:`take_share` into reused
+    buffers), then :func:`write_shard` runs on a background thread. Saves never
+    overlap: a new :meth:`start` first waits for the previous write (or, with
+    ``if_busy="skip"``, skips the new save). Not thread-safe: one owner calls it.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        if_busy: Literal["wait", "skip"] = "wait",
+        busy_timeout_s: float | None = None,
+        fsync: bool = True,
+        pin_memory: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``if_busy``: what :meth:`start` does while the previous write runs;
+        ``busy_timeout_s``: the longest it waits (None: no limit), then ``TimeoutError``."""
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+        self.root = root
+        self.if_busy = if_busy
+        self.busy_timeout_s = busy_timeout_s
+        self.fsync = fsync
+        self.storage_options = dict(storage_options or {})
+        self.staging = StagingBuffers(pin_memory=pin_memory)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-ckpt")
+        self._future: Future[ShardRecord] | None = None
+        self._collected = True
+        #: Seconds the last :meth:`start` blocked for its snapshot.
+        self.last_stall_s: float | None = None
+        #: Seconds the last completed write took (snapshot excluded).
+        self.last_write_s: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        """True while a background write is running."""
+        return self._future is not None and not self._future.done()
+
+    def start(
+        self,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        plan: ShardPlan,
+        *,
+        save_id: str | None = None,
+    ) -> float | None:
+        """Snapshots this writer's share of ``tensors`` for ``step`` and starts writing it.
+
+        Returns the seconds the snapshot blocked, or None if the save was skipped
+        because the previous one is still writing (``if_busy="skip"``). An outcome
+        of the previous save not collected with :meth:`result` is logged and dropped.
+        """
+        if self.busy:
+            if self.if_busy == "skip":
+                return None
+            assert self._future is not None
+            try:
+                self._future.exception(timeout=self.busy_timeout_s)
+            except FutureTimeout:
+                raise TimeoutError(
+                    f"previous checkpoint write still running after {self.busy_timeout_s} s"
+                ) from None
+        if self._future is not None and not self._collected:
+            err = self._future.exception()
+            if err is not None:
+                _log.warning("dropping uncollected failure of the previous save: %r", err)
+        t0 = time.perf_counter()
+        share = take_share(tensors, plan, self.staging)
+        self.last_stall_s = time.perf_counter() - t0
+        self._future = self._pool.submit(self._write, step, plan, share, save_id)
+        self._collected = False
+        return self.last_stall_s
+
+    def _write(
+        self, step: int, plan: ShardPlan, share: dict[str, torch.Tensor], save_id: str | None
+    ) -> ShardRecord:
+        t0 = time.perf_counter()
+        record = write_shard(self.root, step, plan.index, plan.num_shards, share,
+                             save_id=save_id, fsync=self.fsync,
+                             storage_options=self.storage_options)
+        self.last_write_s = time.perf_counter() - t0
+        return record
+
+    def poll(self) -> ShardRecord | None:
+        """The record of the last save if it has finished, None while it runs (or if there
+        is none); re-raises its error if it failed."""
+        if self._future is None or not self._future.done():
+            return None
+        return self.result(0)
+
+    def result(self, timeout_s: float | None = None) -> ShardRecord:
+        """Waits up to ``timeout_s`` for the last save; returns its record or raises its
+        error. ``TimeoutError`` if it is still running; ``RuntimeError`` if none started."""
+        if self._future is None:
+            raise RuntimeError("no checkpoint save was started")
+        try:
+            record = self._future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"checkpoint write still running after {timeout_s} s") from None
+        finally:
+            if self._future.done():
+                self._collected = True
+        return record
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Waits up to ``timeout_s`` for a running write, then frees the buffers and thread."""
+        if self._future is not None:
+            try:
+                self._future.exception(timeout=timeout_s)
+            except FutureTimeout:
+                _log.warning("closing with a checkpoint write still running")
+        self._pool.shutdown(wait=False)
+        self.staging.clear()

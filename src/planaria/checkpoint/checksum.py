@@ -1,0 +1,127 @@
+"""Checksums, and reading bytes while checksumming what has already arrived.
+
+The checksum is zlib's CRC-32 (``"crc32"`` in manifests); zlib releases the GIL
+on large buffers, so checksumming one chunk on a helper thread overlaps with
+reading the next one.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import torch
+
+__all__ = ["ALGORITHM", "CHUNK_BYTES", "Readable", "Segment", "byte_view", "crc32", "read_verified"]
+
+ALGORITHM = "crc32"
+#: Bytes read per call; checksumming one chunk overlaps with reading the next.
+CHUNK_BYTES = 8 << 20
+
+
+def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC-32 of ``data`` continuing from ``value``."""
+    return zlib.crc32(data, value)
+
+
+class Readable(Protocol):
+    """A binary file open for reading."""
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+    def readinto(self, buffer: Any, /) -> int | None: ...
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as a writable flat memoryview (no copy)."""
+    flat = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(cast(Any, flat)).cast("B")
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Bytes ``[begin, end)`` of a file whose checksum must be ``crc``; ``label`` names them."""
+
+    begin: int
+    end: int
+    crc: int
+    label: str
+
+
+class _Checker:
+    """Checksums consecutive chunks against sorted segments; runs on one thread at a time."""
+
+    def __init__(self, segments: Sequence[Segment]) -> None:
+        self.segments = sorted(segments, key=lambda s: s.begin)
+        self.values = [0] * len(self.segments)
+        self.next = 0  # first segment not yet complete
+
+    def feed(self, view: memoryview, offset: int) -> None:
+        end = offset + len(view)
+        i = self.next
+        while i < len(self.segments) and self.segments[i].begin < end:
+            seg = self.segments[i]
+            lo, hi = max(seg.begin, offset), min(seg.end, end)
+            if hi > lo:
+                self.values[i] = zlib.crc32(view[lo - offset : hi - offset], self.values[i])
+            if seg.end <= end:
+                i += 1
+                self.next = i
+            else:
+                break
+
+    def mismatches(self) -> list[tuple[Segment, int]]:
+        pairs = zip(self.segments, self.values, strict=True)
+        return [(seg, got) for seg, got in pairs if got != seg.crc]
+
+
+def read_verified(
+    f: Readable,
+    offset: int,
+    length: int,
+    segments: Sequence[Segment] = (),
+    *,
+    out: memoryview | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> list[tuple[Segment, int]]:
+    """Reads ``length`` bytes of ``f`` from file offset ``offset``, into ``out`` if given
+    (else through two reused chunk buffers, keeping nothing).
+
+    ``segments`` (file offsets inside the range read) are checksummed on a helper
+    thread while the next chunk is read. Returns ``(segment, crc found)`` for each
+    segment whose checksum differs. Raises ``EOFError`` if the file ends early.
+    """
+    f.seek(offset)
+    checker = _Checker(segments) if segments else None
+    ring = [] if out is not None else [
+        memoryview(bytearray(min(chunk_bytes, length))) for _ in range(2)
+    ]
+    pool = ThreadPoolExecutor(max_workers=1) if checker is not None else None
+    pending: list[Future[None]] = []
+    try:
+        pos = 0
+        i = 0
+        while pos < length:
+            n_want = min(chunk_bytes, length - pos)
+            if out is not None:
+                view = out[pos : pos + n_want]
+            else:
+                if len(pending) >= 2:
+                    pending[-2].result()  # the helper is done with this ring buffer
+                view = ring[i % 2][:n_want]
+            n = f.readinto(view)
+            if not n:
+                raise EOFError(f"file ended after {offset + pos} bytes, expected {offset + length}")
+            if pool is not None and checker is not None:
+                pending.append(pool.submit(checker.feed, view[:n], offset + pos))
+                del pending[:-2]
+            pos += n
+            i += 1
+        for fut in pending:
+            fut.result()
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+    return checker.mismatches() if checker is not None else []

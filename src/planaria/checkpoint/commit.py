@@ -1,0 +1,159 @@
+"""Committing a checkpoint once every shard is written: manifest, marker, rename."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from planaria.checkpoint.errors import IncompleteCheckpoint, ManifestError
+from planaria.checkpoint.layout import MANIFEST, MARKER, step_dir_name, trash_dir_name
+from planaria.checkpoint.manifest import (
+    Manifest,
+    SliceEntry,
+    TensorEntry,
+    marker_bytes,
+    parse_manifest,
+)
+from planaria.checkpoint.storage import Storage
+from planaria.checkpoint.writer import RecordedSlice, ShardRecord, shard_dir
+
+__all__ = ["commit_checkpoint"]
+
+_log = logging.getLogger("planaria.checkpoint")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("planaria")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _check_records(step: int, records: Sequence[ShardRecord]) -> tuple[str, int]:
+    if not records:
+        raise IncompleteCheckpoint(f"step {step}: no shard records to commit")
+    num = records[0].num_shards
+    save_id = records[0].save_id
+    for r in records:
+        if r.step != step or r.num_shards != num or r.save_id != save_id:
+            raise ManifestError(
+                f"step {step}: shard record {r.shard_index} is for step {r.step}, save "
+                f"{r.save_id!r}, {r.num_shards} shards; expected step {step}, save "
+                f"{save_id!r}, {num} shards"
+            )
+    got = sorted(r.shard_index for r in records)
+    if got != list(range(num)):
+        missing = sorted(set(range(num)) - set(got))
+        raise IncompleteCheckpoint(
+            f"step {step}: shard records {got} do not cover 0..{num - 1}"
+            + (f" (missing {missing})" if missing else " (duplicates)")
+        )
+    return save_id, num
+
+
+def _tensor_entries(records: Sequence[ShardRecord]) -> dict[str, TensorEntry]:
+    by_name: dict[str, list[tuple[RecordedSlice, str]]] = {}
+    for r in records:
+        for s in r.slices:
+            by_name.setdefault(s.name, []).append((s, r.file.name))
+    out: dict[str, TensorEntry] = {}
+    for name in sorted(by_name):
+        parts = sorted(by_name[name], key=lambda p: p[0].rows or (0, 0))
+        first = parts[0][0]
+        if any(s.dtype != first.dtype for s, _ in parts):
+            raise ManifestError(f"tensor {name!r}: slices disagree on dtype")
+        if first.rows is None:
+            shape = first.shape
+        else:
+            if any(s.shape[1:] != first.shape[1:] for s, _ in parts):
+                raise ManifestError(f"tensor {name!r}: row slices disagree on trailing shape")
+            shape = (parts[-1][0].rows[1], *first.shape[1:])  # type: ignore[index]
+        slices = tuple(SliceEntry(f, s.key, s.rows, s.offsets, s.crc32) for s, f in parts)
+        out[name] = TensorEntry(first.dtype, tuple(shape), slices)
+    return out
+
+
+def commit_checkpoint(
+    root: str,
+    step: int,
+    records: Sequence[ShardRecord],
+    meta: Mapping[str, Any],
+    *,
+    world_size: int,
+    user_metadata: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str:
+    """Commits the save of ``step`` whose writers returned ``records``; returns its path.
+
+    Checks that there is one record per shard, all of one save, that every file
+    exists with the recorded size and that the slices make whole tensors; then
+    writes ``manifest.json``, then the commit marker, then (local disk) renames
+    the temporary directory to ``step_XXXXXXXXX``, replacing an older directory
+    of the same step. ``meta`` must be JSON-serialisable. Raises
+    :class:`IncompleteCheckpoint` or :class:`ManifestError` (subclasses of
+    :class:`CheckpointError`) before anything becomes visible; storage errors
+    propagate as raised.
+    """
+    save_id, _ = _check_records(step, records)
+    storage = Storage(root, storage_options)
+    directory = shard_dir(storage, step, save_id)
+    ordered = sorted(records, key=lambda r: r.shard_index)
+    for r in ordered:
+        path = f"{directory}/{r.file.name}"
+        try:
+            size = storage.size(path)
+        except FileNotFoundError as err:
+            raise IncompleteCheckpoint(f"step {step}: shard file {path} is missing") from err
+        if size != r.file.size:
+            raise IncompleteCheckpoint(
+                f"step {step}: {path} has {size} bytes, its writer recorded {r.file.size}"
+            )
+    manifest = Manifest(
+        step=step,
+        world_size=world_size,
+        save_id=save_id,
+        files=tuple(r.file for r in ordered),
+        tensors=_tensor_entries(ordered),
+        meta=dict(meta),
+        user_metadata=dict(user_metadata or {}),
+        planaria_version=_version(),
+        torch_version=torch.__version__,
+        created_t=time.time(),
+    )
+    data = manifest.to_json()
+    parse_manifest(data)  # the reader's own checks, before anything becomes visible
+    final = storage.path(step_dir_name(step))
+    if not storage.local:
+        # An older commit of this step loses its marker first, so that it is never seen
+        # as committed with a mix of its files and ours.
+        storage.remove(f"{final}/{MARKER}")
+        _remove_strays(storage, final, {r.file.name for r in ordered})
+    storage.write_bytes(f"{directory}/{MANIFEST}", data)
+    storage.write_bytes(f"{directory}/{MARKER}", marker_bytes(data, step, save_id))
+    if storage.local:
+        storage.fsync_dir(directory)
+        if storage.exists(final):
+            _log.warning("replacing existing checkpoint directory %s", final)
+            trash = storage.path(trash_dir_name(step))
+            storage.rename(final, trash)
+            storage.rename(directory, final)
+            storage.fsync_dir(storage.root)
+            storage.remove_tree(trash)
+        else:
+            storage.rename(directory, final)
+            storage.fsync_dir(storage.root)
+    return storage.url(final)
+
+
+def _remove_strays(storage: Storage, directory: str, keep: set[str]) -> None:
+    """Deletes files of an older save of this step that the new one does not overwrite."""
+    for name in storage.listdir(directory):
+        if name not in keep and name not in (MANIFEST, MARKER):
+            with contextlib.suppress(OSError):
+                storage.remove(f"{directory}/{name}")

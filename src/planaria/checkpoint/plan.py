@@ -1,0 +1,119 @@
+"""Which writer stores which tensors: a deterministic, byte-balanced plan.
+
+Large tensors are cut into row slices along dim 0 so that N writers get near
+equal bytes. Each writer stores its slices under a safetensors key: the tensor's
+name for a whole tensor, ``name[begin:end]`` for a row slice (see
+:func:`slice_key`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ShardPlan", "SliceSpec", "parse_slice_key", "plan_shards", "slice_key"]
+
+_SLICE_KEY_RE = re.compile(r"^(.+)\[(\d+):(\d+)\]$")
+_MIN_SPLIT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SliceSpec:
+    """Rows ``rows`` (dim 0, end exclusive) of tensor ``name``, or all of it when None."""
+
+    name: str
+    rows: tuple[int, int] | None
+    nbytes: int
+
+    @property
+    def key(self) -> str:
+        return slice_key(self.name, self.rows)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """What writer ``index`` of ``num_shards`` stores."""
+
+    index: int
+    num_shards: int
+    slices: tuple[SliceSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slices)
+
+
+def slice_key(name: str, rows: tuple[int, int] | None) -> str:
+    """The safetensors key of a slice: ``name`` or ``name[begin:end]``."""
+    return name if rows is None else f"{name}[{rows[0]}:{rows[1]}]"
+
+
+def parse_slice_key(key: str) -> tuple[str, tuple[int, int] | None]:
+    """Inverse of :func:`slice_key`."""
+    m = _SLICE_KEY_RE.match(key)
+    if m is None:
+        return key, None
+    return m.group(1), (int(m.group(2)), int(m.group(3)))
+
+
+def check_name(name: str) -> None:
+    """``ValueError`` unless ``name`` can name a tensor in a checkpoint."""
+    if not isinstance(name, str) or not name or name == "__metadata__":
+        raise ValueError(f"bad tensor name {name!r}")
+    if _SLICE_KEY_RE.match(name):
+        raise ValueError(f"tensor name {name!r} must not end in '[int:int]' (reserved for slices)")
+
+
+def plan_shards(
+    specs: Mapping[str, tuple[Sequence[int], torch.dtype]],
+    num_writers: int,
+    *,
+    split_bytes: int | None = None,
+) -> list[ShardPlan]:
+    """Assigns every tensor, or row slices of it, to one of ``num_writers`` writers.
+
+    ``specs`` maps names to ``(shape, dtype)``. A tensor over ``split_bytes``
+    (default: a quarter of an even share, at least 1 MiB) with more than one
+    row is cut along dim 0 into slices of at most ``split_bytes`` (at least one
+    row each). Slices go largest first to the writer with the fewest bytes so
+    far. The result depends only on the arguments (not on dict order), so every
+    writer computes the same plan; its writers may be empty.
+    """
+    if num_writers < 1:
+        raise ValueError(f"num_writers must be >= 1, got {num_writers}")
+    items: list[SliceSpec] = []
+    sizes = {}
+    for name in sorted(specs):
+        check_name(name)
+        shape, dtype = specs[name]
+        sizes[name] = (tuple(int(d) for d in shape), dtype)
+    total = sum(math.prod(s) * d.itemsize for s, d in sizes.values())
+    if split_bytes is None:
+        split_bytes = max(_MIN_SPLIT_BYTES, total // (4 * num_writers))
+    if split_bytes < 1:
+        raise ValueError(f"split_bytes must be >= 1, got {split_bytes}")
+    for name, (shape, dtype) in sizes.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes <= split_bytes or len(shape) == 0 or shape[0] <= 1:
+            items.append(SliceSpec(name, None, nbytes))
+            continue
+        row_bytes = nbytes // shape[0]
+        per = max(1, split_bytes // max(1, row_bytes))
+        for begin in range(0, shape[0], per):
+            end = min(shape[0], begin + per)
+            items.append(SliceSpec(name, (begin, end), (end - begin) * row_bytes))
+    items.sort(key=lambda s: (-s.nbytes, s.name, s.rows or (0, 0)))
+    loads = [0] * num_writers
+    assigned: list[list[SliceSpec]] = [[] for _ in range(num_writers)]
+    for item in items:
+        w = min(range(num_writers), key=lambda i: (loads[i], i))
+        loads[w] += item.nbytes
+        assigned[w].append(item)
+    return [
+        ShardPlan(i, num_writers, tuple(sorted(a, key=lambda s: (s.name, s.rows or (0, 0)))))
+        for i, a in enumerate(assigned)
+    ]

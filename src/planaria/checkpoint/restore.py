@@ -1,0 +1,319 @@
+"""Finding, verifying and loading checkpoints.
+
+Only committed checkpoints are considered: on local disk a directory with its
+final name, anywhere a commit marker that names the manifest. Loading parses
+``manifest.json`` and takes each tensor's bytes from the byte range the manifest
+gives; the safetensors files are never unpickled (nothing is) and their checksums
+are checked chunk by chunk while the next chunk is being read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from planaria.checkpoint.checksum import Segment, byte_view, read_verified
+from planaria.checkpoint.dtypes import DTYPES
+from planaria.checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    IncompleteCheckpoint,
+    ManifestError,
+)
+from planaria.checkpoint.layout import MANIFEST, MARKER, parse_dir_name
+from planaria.checkpoint.manifest import (
+    FileEntry,
+    Manifest,
+    SliceEntry,
+    parse_manifest,
+    parse_marker,
+)
+from planaria.checkpoint.storage import Storage
+
+__all__ = [
+    "CheckpointInfo",
+    "Restored",
+    "VerifyReport",
+    "latest_viable",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_latest",
+    "read_manifest",
+    "verify_checkpoint",
+]
+
+_IO_THREADS = 4
+_MISSING = "file is missing"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A step directory under a root. ``committed`` only says a commit marker is present."""
+
+    step: int
+    path: str
+    committed: bool
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """Outcome of :func:`verify_checkpoint`: ``problems`` name the file (and tensor) at fault."""
+
+    path: str
+    step: int | None
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """A loaded checkpoint."""
+
+    path: str
+    step: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def list_checkpoints(
+    root: str, *, storage_options: Mapping[str, Any] | None = None
+) -> list[CheckpointInfo]:
+    """The step directories under ``root`` (not temporary ones), oldest first. Cheap: reads
+    no file; ``committed`` means the marker exists, not that the checkpoint verifies."""
+    st = Storage(root, storage_options)
+    out = []
+    for name in st.listdir():
+        parsed = parse_dir_name(name)
+        if parsed is None or parsed[1] != "final":
+            continue
+        path = st.path(name)
+        out.append(CheckpointInfo(parsed[0], st.url(path), st.exists(f"{path}/{MARKER}"),
+                                  st.du(path)))
+    return sorted(out, key=lambda c: c.step)
+
+
+def read_manifest(path: str, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """The manifest of the committed checkpoint at ``path``, checked against its marker.
+
+    Raises :class:`IncompleteCheckpoint` if it is not committed, :class:`ManifestError`
+    if the manifest is malformed or not the one the marker commits.
+    """
+    st = Storage(path, storage_options)
+    try:
+        marker = st.read_bytes(st.path(MARKER))
+    except FileNotFoundError as err:
+        raise IncompleteCheckpoint(f"{path} is not committed (no {MARKER} marker)") from err
+    try:
+        data = st.read_bytes(st.path(MANIFEST))
+    except FileNotFoundError as err:
+        raise IncompleteCheckpoint(f"{path}: {MANIFEST} is missing") from err
+    try:
+        parse_marker(marker, data)
+        manifest = parse_manifest(data)
+    except ManifestError as err:
+        raise ManifestError(f"{path}: {err}") from err
+    parsed = parse_dir_name(st.root.rsplit("/", 1)[-1])
+    if parsed is not None and parsed[0] != manifest.step:
+        raise ManifestError(f"{path}: manifest is for step {manifest.step}")
+    return manifest
+
+
+def _label(fe: FileEntry, name: str, s: SliceEntry) -> str:
+    rows = f" rows {s.rows[0]}:{s.rows[1]}" if s.rows is not None else ""
+    return f"{fe.name}: tensor {name!r}{rows}"
+
+
+def _read_file(
+    st: Storage,
+    fe: FileEntry,
+    wanted: list[tuple[str, SliceEntry]],
+    *,
+    whole: bool,
+    keep: bool,
+    verify: bool,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Reads a shard (``whole``) or only the ``wanted`` slices; returns their bytes by key
+    (if ``keep``) and the problems found."""
+    path = st.path(fe.name)
+    try:
+        size = st.size(path)
+    except FileNotFoundError:
+        return {}, [f"{fe.name}: {_MISSING}"]
+    if size != fe.size:
+        return {}, [f"{fe.name}: file has {size} bytes, the manifest says {fe.size}"]
+    segs = [Segment(s.offsets[0], s.offsets[1], s.crc32, _label(fe, n, s)) for n, s in wanted]
+    out: dict[str, torch.Tensor] = {}
+    bad: list[tuple[Segment, int]] = []
+    with st.open_read(path) as f:
+        if whole:
+            segs.append(Segment(0, fe.data_start, fe.header_crc32, f"{fe.name}: header"))
+            buf = torch.empty(fe.size, dtype=torch.uint8) if keep else None
+            view = byte_view(buf) if buf is not None else None
+            try:
+                bad = read_verified(f, 0, fe.size, segs if verify else (), out=view)
+            except EOFError as err:
+                return {}, [f"{fe.name}: {err}"]
+            if buf is not None:
+                out = {s.key: buf[s.offsets[0] : s.offsets[1]] for _, s in wanted}
+        else:
+            for seg, (_, s) in zip(segs, wanted, strict=True):
+                part = torch.empty(s.nbytes, dtype=torch.uint8)
+                try:
+                    bad += read_verified(f, s.offsets[0], s.nbytes, [seg] if verify else (),
+                                         out=byte_view(part))
+                except EOFError as err:
+                    return {}, [f"{fe.name}: {err}"]
+                out[s.key] = part
+    problems = [f"{seg.label}: checksum mismatch (manifest {seg.crc:#010x}, data {got:#010x})"
+                for seg, got in bad]
+    return out, problems
+
+
+def _as_tensor(raw: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    t = DTYPES[dtype]
+    if t.itemsize > 1 and (raw.storage_offset() % t.itemsize or raw.data_ptr() % t.itemsize):
+        raw = raw.clone()
+    return raw.view(t).reshape(shape)
+
+
+def _read_all(
+    path: str,
+    manifest: Manifest,
+    names: Collection[str] | None,
+    *,
+    keep: bool,
+    verify: bool,
+    storage_options: Mapping[str, Any] | None,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    st = Storage(path, storage_options)
+    if names is not None:
+        unknown = sorted(set(names) - set(manifest.tensors))
+        if unknown:
+            raise KeyError(f"{path} holds no tensor named {unknown[:5]}")
+    chosen = manifest.tensors if names is None else {n: manifest.tensors[n] for n in names}
+    wanted: dict[str, list[tuple[str, SliceEntry]]] = {fe.name: [] for fe in manifest.files}
+    for name, t in chosen.items():
+        for s in t.slices:
+            wanted[s.file].append((name, s))
+    jobs = [(fe, wanted[fe.name]) for fe in manifest.files if names is None or wanted[fe.name]]
+    raw: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    with ThreadPoolExecutor(max_workers=max(1, min(_IO_THREADS, len(jobs)))) as pool:
+        futures = [pool.submit(_read_file, st, fe, w, whole=names is None, keep=keep,
+                               verify=verify) for fe, w in jobs]
+        for fut in futures:
+            got, bad = fut.result()
+            raw.update(got)
+            problems += bad
+    if problems or not keep:
+        return {}, problems
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in chosen.items():
+        if t.slices[0].rows is None:
+            tensors[name] = _as_tensor(raw[t.slices[0].key], t.dtype, t.shape)
+            continue
+        full = torch.empty(t.shape, dtype=DTYPES[t.dtype])
+        for s in t.slices:
+            rows = s.rows or (0, 0)
+            full[rows[0] : rows[1]] = _as_tensor(raw[s.key], t.dtype,
+                                                 (rows[1] - rows[0], *t.shape[1:]))
+        tensors[name] = full
+    return tensors, problems
+
+
+def load_checkpoint(
+    path: str,
+    *,
+    verify: bool = True,
+    names: Collection[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Loads the committed checkpoint at ``path``: ``(tensors by name, meta)``.
+
+    Split tensors come back whole, on the CPU. With ``names`` only those tensors
+    are read (only their byte ranges; e.g. a replica reading its share), else
+    everything. With ``verify`` every byte read is checksummed (overlapped with
+    reading); a whole-checkpoint load then covers every byte of every file.
+    Raises :class:`IncompleteCheckpoint`, :class:`ManifestError` or
+    :class:`CorruptCheckpoint` (all :class:`CheckpointError`), ``KeyError`` for
+    an unknown name; storage errors propagate.
+    """
+    manifest = read_manifest(path, storage_options=storage_options)
+    tensors, problems = _read_all(path, manifest, names, keep=True, verify=verify,
+                                  storage_options=storage_options)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        missing = problems[0].endswith(_MISSING)
+        cls = IncompleteCheckpoint if missing else CorruptCheckpoint
+        raise cls(f"{path}: " + "; ".join(problems[:3]) + more)
+    return tensors, dict(manifest.meta)
+
+
+def verify_checkpoint(
+    path: str, *, storage_options: Mapping[str, Any] | None = None
+) -> VerifyReport:
+    """Reads every byte of the checkpoint at ``path`` and checks it; never raises a
+    :class:`CheckpointError` (problems go in the report)."""
+    t0 = time.perf_counter()
+    try:
+        manifest = read_manifest(path, storage_options=storage_options)
+        _, problems = _read_all(path, manifest, None, keep=False, verify=True,
+                                storage_options=storage_options)
+    except CheckpointError as err:
+        return VerifyReport(path, None, False, [str(err)], 0, time.perf_counter() - t0)
+    return VerifyReport(path, manifest.step, not problems, problems, manifest.nbytes,
+                        time.perf_counter() - t0)
+
+
+def _committed_newest_first(
+    root: str, storage_options: Mapping[str, Any] | None, warnings: list[str]
+) -> list[CheckpointInfo]:
+    infos = list_checkpoints(root, storage_options=storage_options)
+    newest_committed = max((c.step for c in infos if c.committed), default=-1)
+    for c in infos:
+        if not c.committed and c.step > newest_committed:
+            warnings.append(f"step {c.step} ({c.path}) is not committed (an unfinished save)")
+    return [c for c in reversed(infos) if c.committed]
+
+
+def latest_viable(
+    root: str, *, storage_options: Mapping[str, Any] | None = None
+) -> tuple[str | None, list[str]]:
+    """The newest committed checkpoint under ``root`` that verifies, and warnings naming
+    what was wrong with every newer one (file and tensor). ``(None, warnings)`` if none."""
+    warnings: list[str] = []
+    for c in _committed_newest_first(root, storage_options, warnings):
+        report = verify_checkpoint(c.path, storage_options=storage_options)
+        if report.ok:
+            return c.path, warnings
+        warnings.append(f"step {c.step} ({c.path}) skipped: " + "; ".join(report.problems))
+    return None, warnings
+
+
+def load_latest(
+    root: str,
+    *,
+    names: Collection[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[Restored | None, list[str]]:
+    """Loads the newest committed checkpoint under ``root`` that verifies, reading each
+    byte once (verification overlaps the load); falls back to older ones, with a
+    warning for each one skipped. ``(None, warnings)`` if none is viable."""
+    warnings: list[str] = []
+    for c in _committed_newest_first(root, storage_options, warnings):
+        try:
+            tensors, meta = load_checkpoint(c.path, names=names, storage_options=storage_options)
+        except CheckpointError as err:
+            warnings.append(f"step {c.step} ({c.path}) skipped: {err}")
+            continue
+        return Restored(c.path, c.step, tensors, meta), warnings
+    return None, warnings
+

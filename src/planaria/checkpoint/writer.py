@@ -1,0 +1,173 @@
+"""Writing one shard file of a checkpoint, and the record the commit needs of it.
+
+A shard is a safetensors file written directly from the tensors' memory (no
+serialised copy), each tensor's checksum computed on a helper thread while the
+previous one is written. On local disk it goes into the save's temporary
+directory and is fsynced; on object stores into the step's directory, where it
+stays invisible to readers until the commit marker names the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from planaria.checkpoint.checksum import byte_view, crc32
+from planaria.checkpoint.dtypes import DTYPES, dtype_name
+from planaria.checkpoint.errors import ManifestError
+from planaria.checkpoint.layout import (
+    DEFAULT_SAVE_ID,
+    check_save_id,
+    shard_file_name,
+    step_dir_name,
+    tmp_dir_name,
+)
+from planaria.checkpoint.manifest import FileEntry
+from planaria.checkpoint.plan import parse_slice_key
+from planaria.checkpoint.storage import Storage
+
+__all__ = ["RecordedSlice", "ShardRecord", "write_shard"]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedSlice:
+    """A slice as written: tensor ``name``, ``rows`` of dim 0 (None: whole), the slice's
+    own ``shape``, its byte range in the file and checksum."""
+
+    name: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    rows: tuple[int, int] | None
+    offsets: tuple[int, int]
+    crc32: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRecord:
+    """What one writer wrote; JSON-able with :meth:`to_dict` / :meth:`from_dict`."""
+
+    step: int
+    save_id: str
+    shard_index: int
+    num_shards: int
+    file: FileEntry
+    slices: tuple[RecordedSlice, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> ShardRecord:
+        """Rebuilds a record from :meth:`to_dict`'s output; :class:`ManifestError` if malformed."""
+        try:
+            return cls(
+                step=int(doc["step"]),
+                save_id=str(doc["save_id"]),
+                shard_index=int(doc["shard_index"]),
+                num_shards=int(doc["num_shards"]),
+                file=FileEntry(**doc["file"]),
+                slices=tuple(
+                    RecordedSlice(
+                        name=s["name"], key=s["key"], dtype=s["dtype"],
+                        shape=tuple(s["shape"]),
+                        rows=_pair(s["rows"]) if s["rows"] is not None else None,
+                        offsets=_pair(s["offsets"]),
+                        crc32=int(s["crc32"]),
+                    )
+                    for s in doc["slices"]
+                ),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ManifestError(f"malformed shard record: {err!r}") from err
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    a, b = v
+    return int(a), int(b)
+
+
+def shard_dir(storage: Storage, step: int, save_id: str) -> str:
+    """Where the shards of a save are written: a temporary directory on local disk, the
+    step's own directory on object stores."""
+    if storage.local:
+        return storage.path(tmp_dir_name(step, save_id))
+    return storage.path(step_dir_name(step))
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    return byte_view(t.detach().cpu().contiguous())
+
+
+def write_shard(
+    root: str,
+    step: int,
+    shard_index: int,
+    num_shards: int,
+    share: Mapping[str, torch.Tensor],
+    *,
+    save_id: str | None = None,
+    fsync: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ShardRecord:
+    """Writes ``share`` (slice key -> CPU tensor, e.g. from :func:`take_share`) as shard
+    ``shard_index`` of ``num_shards`` of the checkpoint of ``step`` under ``root``.
+
+    Every writer of one save must pass the same ``save_id`` (see
+    :func:`new_save_id`); the default is one fixed id, enough when a save of a
+    step is never retried while an older attempt may still be writing. Safe to
+    call from a background thread; the tensors must not change until it returns.
+    Storage errors propagate as raised by the filesystem (``OSError`` and kin).
+    """
+    sid = check_save_id(save_id or DEFAULT_SAVE_ID)
+    storage = Storage(root, storage_options)
+    directory = shard_dir(storage, step, sid)
+    storage.makedirs(directory)
+    name = shard_file_name(shard_index, num_shards)
+
+    items = []
+    for key in share:
+        dtype = dtype_name(share[key].dtype)
+        items.append((-DTYPES[dtype].itemsize, key, dtype))
+    items.sort()  # widest dtypes first keeps every tensor aligned to its element size
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "step": str(step)}}
+    views: list[memoryview] = []
+    pos = 0
+    for _, key, dtype in items:
+        view = _bytes_view(share[key])
+        header[key] = {"dtype": dtype, "shape": list(share[key].shape),
+                       "data_offsets": [pos, pos + view.nbytes]}
+        views.append(view)
+        pos += view.nbytes
+    hjson = json.dumps(header, separators=(",", ":")).encode()
+    hjson += b" " * (-(8 + len(hjson)) % 8)
+    head = len(hjson).to_bytes(8, "little") + hjson
+    data_start = len(head)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        crcs = [pool.submit(crc32, v) for v in views]
+        with storage.open_write(f"{directory}/{name}", fsync=fsync) as f:
+            f.write(head)
+            for v in views:
+                f.write(v)
+        slices = []
+        for (_, key, dtype), v, fut in zip(items, views, crcs, strict=True):
+            tensor_name, rows = parse_slice_key(key)
+            begin = data_start + header[key]["data_offsets"][0]
+            slices.append(RecordedSlice(
+                name=tensor_name, key=key, dtype=dtype, shape=tuple(share[key].shape),
+                rows=rows, offsets=(begin, begin + v.nbytes), crc32=fut.result(),
+            ))
+    size = data_start + pos
+    assert size == data_start + sum(math.prod(s.shape) * DTYPES[s.dtype].itemsize for s in slices)
+    return ShardRecord(
+        step=step, save_id=sid, shard_index=shard_index, num_shards=num_shards,
+        file=FileEntry(name=name, size=size, data_start=data_start, header_crc32=crc32(head)),
+        slices=tuple(slices),
+    )
