@@ -1,0 +1,14 @@
+"""Baselines that planaria's benchmarks run side by side with it.
+
+- ``ddp_train.py``: plain PyTorch DDP under torchrun (steady-state step time).
+- ``ddp_ckpt_restart.py``: DDP with periodic checkpoints, restarted by torchrun
+  after a worker dies (the classic recovery path).
+- ``torchft_train.py``: torchft 0.2.0 replica groups with a lighthouse (survivors
+  keep training, the replacement heals from a peer).
+- ``runners.py``: Python functions that launch those as real processes on
+  127.0.0.1 and return figures (``run_ddp_steady``, ``run_torchrun_kill``,
+  ``run_torchft_kill``).
+
+All of them train ``bench.common``'s workload: same model, samples per step and
+global batch as planaria.
+"""

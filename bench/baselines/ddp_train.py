@@ -1,0 +1,142 @@
+"""Plain PyTorch DDP on the benchmark workload, for ``torchrun --nproc_per_node=N``.
+
+Each step, every rank takes its contiguous part of ``bench.common.batch_ids(step)``
+and runs it in micro-batches; all but the last backward run under ``no_sync``, so
+one allreduce per step carries the gradient, which equals "sum of per-sample
+loss gradients over the global batch ÷ global batch size", as in planaria.
+
+Rank 0 appends one JSON line per step to ``--out``:
+``{"event": "step", "step", "wall", "step_ms", "loss", "warmup"}``
+(``wall`` is ``time.time()`` at the end of the step; ``warmup`` marks the first
+``--warmup`` steps, which a report should leave out). Every rank appends a
+``{"event": "start", "rank", "pid", "wall", "launched_wall", "imported_wall",
+"pg_wall", ...}`` line when it starts (process start, torch imported, process
+group ready).
+
+    torchrun --nproc_per_node=2 bench/baselines/ddp_train.py --steps 30 --out ddp.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+_LAUNCHED = time.time()  # before importing torch: process start, for restart timings
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for bench.common
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from bench import common  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+
+class JsonLog:
+    """Append-only JSON-lines file, one flushed line per record."""
+
+    def __init__(self, path: str | None) -> None:
+        self._f = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+
+    def write(self, **record) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._f.flush()
+
+
+def make_parser(**defaults) -> argparse.ArgumentParser:
+    """The options every DDP baseline script takes (``defaults`` override defaults)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30, help="steps to train (global step count)")
+    p.add_argument("--size", default="small", choices=sorted(common.SIZES))
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--warmup", type=int, default=3, help="first steps marked as warm-up")
+    p.add_argument("--global-batch", type=int, default=common.GLOBAL_BATCH)
+    p.add_argument("--micro-batch", type=int, default=common.MICRO_BATCH)
+    p.add_argument("--out", default=None, help="JSON-lines log (rank 0 steps, every rank's start)")
+    p.add_argument("--pg-timeout-s", type=float, default=60.0, help="gloo collective timeout")
+    p.set_defaults(**defaults)
+    return p
+
+
+def setup(args: argparse.Namespace):
+    """Process group, model (DDP), optimizer and dataset; the same on every rank."""
+    torch.set_num_threads(args.threads)
+    args.imported_wall = time.time()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout_s))
+    args.pg_wall = time.time()
+    model = DDP(common.make_model(args.size))
+    optimizer = common.make_optimizer(model.parameters())
+    dataset = common.make_dataset(size=args.size)
+    return model, optimizer, dataset
+
+
+def train_step(model: DDP, optimizer, dataset, step: int, args: argparse.Namespace) -> float:
+    """One optimizer step on this rank's part of step ``step``'s global batch; its loss sum."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids = common.split_ids(common.batch_ids(step, args.global_batch), rank, world)
+    chunks = common.micro_batches(ids, args.micro_batch)
+    if not chunks:
+        raise ValueError(f"rank {rank} got no samples: global batch < world size")
+    # DDP averages over ranks: scale by world / global batch to get sum / global batch.
+    scale = world / args.global_batch
+    optimizer.zero_grad(set_to_none=False)
+    total = 0.0
+    for i, chunk in enumerate(chunks):
+        batch = common.load_batch(dataset, chunk)
+        if i < len(chunks) - 1:
+            with model.no_sync():
+                loss = common.loss_fn(model, batch)
+                (loss * scale).backward()
+        else:
+            loss = common.loss_fn(model, batch)
+            (loss * scale).backward()  # the one allreduce of the step
+        total += float(loss.detach())
+    optimizer.step()
+    return total
+
+
+def start_record(args: argparse.Namespace, **extra) -> dict:
+    return {
+        "event": "start",
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "pid": os.getpid(),
+        "wall": time.time(),
+        "launched_wall": _LAUNCHED,
+        "imported_wall": getattr(args, "imported_wall", None),
+        "pg_wall": getattr(args, "pg_wall", None),
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        "size": args.size,
+        **extra,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    model, optimizer, dataset = setup(args)
+    rank = dist.get_rank()
+    log = JsonLog(args.out)
+    log.write(**start_record(args))
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        loss = train_step(model, optimizer, dataset, step, args)
+        step_ms = (time.perf_counter() - t0) * 1000
+        if rank == 0:
+            log.write(
+                event="step",
+                step=step,
+                wall=time.time(),
+                step_ms=step_ms,
+                loss=loss,
+                warmup=step < args.warmup,
+            )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

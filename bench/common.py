@@ -1,0 +1,197 @@
+"""The shared benchmark workload: one model, one dataset, one data order.
+
+planaria and every baseline import this module, so a side-by-side run trains
+the same model on the same samples per step with the same global batch. It is
+a plain module (torch and numpy only; nothing from planaria at import time),
+so torchrun scripts load it by path as well.
+
+The model is a token-wise MLP (``x: (B, T, D)`` → per-token MLP → mean over
+tokens → logits), so its compute scales with the tokens per sample while its
+state stays small; the ``large`` size instead carries ≥100 MB of state
+(parameters + Adam moments) for state-transfer measurements.
+
+Step times, measured on the 2-core CPU box (2 gloo ranks, 1 torch thread each,
+global batch 64): see ``SIZES`` and the baselines' reports.
+
+Gradient convention: :func:`loss_fn` returns the *sum* of per-sample losses;
+a trainer divides by the global batch size before (or after) summing over
+ranks, so the gradient is "sum over the global batch ÷ its size" whatever the
+number of ranks and micro-batches.
+
+The data order (:func:`batch_ids`, :func:`split_ids`) is the same algorithm as
+``planaria.data_plan`` (a permutation per epoch drawn from
+``numpy.random.default_rng([seed, epoch])``; step s takes stream positions
+``[s*G, (s+1)*G)``; ranks take contiguous near-equal parts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = [
+    "DATASET_SIZE",
+    "GLOBAL_BATCH",
+    "MICRO_BATCH",
+    "SEED",
+    "SIZES",
+    "Size",
+    "SyntheticDataset",
+    "batch_ids",
+    "collate",
+    "load_batch",
+    "loss_fn",
+    "make_dataset",
+    "make_model",
+    "make_optimizer",
+    "micro_batches",
+    "split_ids",
+    "state_bytes",
+]
+
+GLOBAL_BATCH = 64
+"""Samples per optimizer step, over all ranks."""
+MICRO_BATCH = 16
+"""Largest forward/backward chunk a rank runs at once (gradient accumulation)."""
+DATASET_SIZE = 4096
+"""Samples in the benchmark dataset (64 steps per epoch at the global batch)."""
+SEED = 0
+"""Seed of the model init, the dataset and the data order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Size:
+    """Shape of one benchmark model size."""
+
+    tokens: int
+    """Tokens per sample (T)."""
+    dim: int
+    """Input feature width per token (D)."""
+    hidden: int
+    """Hidden width of the per-token MLP."""
+    layers: int
+    """Hidden→hidden blocks."""
+    classes: int = 16
+    """Output classes."""
+
+
+SIZES: dict[str, Size] = {
+    # a few ms per step: smoke tests
+    "tiny": Size(tokens=4, dim=32, hidden=64, layers=1),
+    # 100-200 ms per step with 2 ranks x 1 thread on the 2-core box (global batch 64)
+    "small": Size(tokens=32, dim=128, hidden=512, layers=3),
+    # >= 100 MB of state with Adam (params x 3 x 4 bytes): state-transfer runs
+    "large": Size(tokens=1, dim=1024, hidden=1536, layers=4),
+}
+
+
+class TokenMLP(nn.Module):
+    """Per-token MLP, mean-pooled over tokens, then a linear classifier head."""
+
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = [nn.Linear(size.dim, size.hidden), nn.GELU()]
+        for _ in range(size.layers):
+            blocks += [nn.Linear(size.hidden, size.hidden), nn.GELU()]
+        self.body = nn.Sequential(*blocks)
+        self.head = nn.Linear(size.hidden, size.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean(dim=1))
+
+
+def make_model(size: str = "small", seed: int = SEED) -> nn.Module:
+    """The benchmark model, initialised identically from ``seed`` on every process."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TokenMLP(SIZES[size])
+
+
+def make_optimizer(params, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """Adam (two moment tensors per parameter, so state = 3x the parameters)."""
+    return torch.optim.Adam(params, lr=lr)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of model parameters plus (if given) optimizer tensor state."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+    return total
+
+
+class SyntheticDataset(torch.utils.data.Dataset):
+    """Deterministic classification data: sample i depends only on (seed, i).
+
+    ``x`` is standard normal of shape (T, D); the label is the argmax of a
+    fixed random linear "teacher" applied to the token mean, so the task is
+    learnable and the loss goes down.
+    """
+
+    def __init__(self, n: int, seed: int, size: Size) -> None:
+        self.n, self.seed, self.size = n, seed, size
+        g = torch.Generator().manual_seed(seed)
+        self.teacher = torch.randn(size.dim, size.classes, generator=g)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i) + 1)
+        x = torch.randn(self.size.tokens, self.size.dim, generator=g)
+        y = (x.mean(dim=0) @ self.teacher).argmax()
+        return x, y
+
+
+def make_dataset(n: int = DATASET_SIZE, seed: int = SEED, size: str = "small") -> SyntheticDataset:
+    """The benchmark dataset (map-style; ``ds[i] -> (x, y)``)."""
+    return SyntheticDataset(n, seed, SIZES[size])
+
+
+def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = zip(*samples, strict=True)
+    return torch.stack(xs), torch.stack(ys)
+
+
+def load_batch(dataset, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacks the samples ``ids`` of ``dataset`` into one batch ``(x, y)``."""
+    return collate([dataset[int(i)] for i in ids])
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Sum (not mean) of per-sample cross-entropy; divide by the global batch size."""
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+
+def batch_ids(
+    step: int, global_batch: int = GLOBAL_BATCH, n: int = DATASET_SIZE, seed: int = SEED
+) -> np.ndarray:
+    """Sample ids of step ``step``'s global batch (same as ``planaria.data_plan``)."""
+    start = step * global_batch
+    positions = np.arange(start, start + global_batch, dtype=np.int64)
+    epochs = positions // n
+    out = np.empty(global_batch, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        mask = epochs == epoch
+        perm = np.random.default_rng([seed, int(epoch)]).permutation(n)
+        out[mask] = perm[positions[mask] % n]
+    return out
+
+
+def split_ids(ids: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """Rank ``rank``'s contiguous, near-equal part of ``ids`` (np.array_split order)."""
+    return np.array_split(ids, world)[rank]
+
+
+def micro_batches(ids: np.ndarray, micro: int = MICRO_BATCH) -> list[np.ndarray]:
+    """Chunks of at most ``micro`` ids (an empty list for no ids)."""
+    return [ids[i : i + micro] for i in range(0, len(ids), micro)]
