@@ -27,11 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+_LAUNCHED = time.time()  # before importing torch: when torchrun (re)started this worker
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch
-import torch.distributed as dist
-from ddp_train import JsonLog, make_parser, setup, start_record, train_step
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from ddp_train import JsonLog, make_parser, setup, start_record, train_step  # noqa: E402
 
 
 def save(path: str, model, optimizer, next_step: int) -> None:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     # Every rank reads the same committed file, so all replicas start equal.
     start = load(ckpt, model, optimizer)
     log = JsonLog(args.out)
-    log.write(**start_record(args, resume_step=start))
+    log.write(**start_record(args, resume_step=start, launched_wall=_LAUNCHED))
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         loss = train_step(model, optimizer, dataset, step, args)

@@ -334,9 +334,9 @@ def run_torchrun_kill(
     steady = [r["step_ms"] for r in steps_rows if r["wall"] <= t_kill and not r["warmup"]]
     out = _recovery(steps_rows, t_kill)
     if restarts:
-        # Where the restart time goes: agent notices and relaunches; torch import and
-        # process group; model/DDP setup (DDP's first use imports torch._dynamo) and
-        # checkpoint load; first step.
+        # Where the restart time goes: the agent notices, stops the survivors and
+        # relaunches; torch import and process group; model/DDP setup (DDP's
+        # constructor imports torch._dynamo: seconds) and checkpoint load.
         first = min(restarts, key=lambda r: r["launched_wall"])
         out["phases_s"] = {
             "relaunch": first["launched_wall"] - t_kill,
