@@ -79,46 +79,49 @@ class _Checker:
 
 def read_verified(
     f: Readable,
-    offset: int,
-    length: int,
+    targets: Sequence[tuple[int, int, memoryview | None]],
     segments: Sequence[Segment] = (),
     *,
-    out: memoryview | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> list[tuple[Segment, int]]:
-    """Reads ``length`` bytes of ``f`` from file offset ``offset``, into ``out`` if given
-    (else through two reused chunk buffers, keeping nothing).
+    """Reads byte ranges of ``f``: each target is ``(offset, length, out)``, in file order;
+    the bytes go into ``out`` or, if it is None, through two reused chunk buffers.
 
-    ``segments`` (file offsets inside the range read) are checksummed on a helper
+    ``segments`` (file offsets inside the ranges read) are checksummed on a helper
     thread while the next chunk is read. Returns ``(segment, crc found)`` for each
     segment whose checksum differs. Raises ``EOFError`` if the file ends early.
     """
-    f.seek(offset)
     checker = _Checker(segments) if segments else None
-    ring = [] if out is not None else [
-        memoryview(bytearray(min(chunk_bytes, length))) for _ in range(2)
-    ]
+    longest = max((n for _, n, out in targets if out is None), default=0)
+    ring = [memoryview(bytearray(min(chunk_bytes, longest))) for _ in range(2)] if longest else []
     pool = ThreadPoolExecutor(max_workers=1) if checker is not None else None
     pending: list[Future[None]] = []
+    i = 0
     try:
-        pos = 0
-        i = 0
-        while pos < length:
-            n_want = min(chunk_bytes, length - pos)
-            if out is not None:
-                view = out[pos : pos + n_want]
-            else:
-                if len(pending) >= 2:
-                    pending[-2].result()  # the helper is done with this ring buffer
-                view = ring[i % 2][:n_want]
-            n = f.readinto(view)
-            if not n:
-                raise EOFError(f"file ended after {offset + pos} bytes, expected {offset + length}")
-            if pool is not None and checker is not None:
-                pending.append(pool.submit(checker.feed, view[:n], offset + pos))
-                del pending[:-2]
-            pos += n
-            i += 1
+        here = -1
+        for offset, length, out in sorted(targets, key=lambda t: t[0]):
+            if offset != here:
+                f.seek(offset)
+            pos = 0
+            while pos < length:
+                want = min(chunk_bytes, length - pos)
+                if out is not None:
+                    view = out[pos : pos + want]
+                else:
+                    if len(pending) >= 2:
+                        pending[-2].result()  # the helper is done with this ring buffer
+                    view = ring[i % 2][:want]
+                    i += 1
+                n = f.readinto(view)
+                if not n:
+                    raise EOFError(
+                        f"file ended after {offset + pos} bytes, expected {offset + length}"
+                    )
+                if pool is not None and checker is not None:
+                    pending.append(pool.submit(checker.feed, view[:n], offset + pos))
+                    del pending[:-2]
+                pos += n
+            here = offset + length
         for fut in pending:
             fut.result()
     finally:

@@ -6,11 +6,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from importlib import metadata
 from typing import Any
 
 import torch
 
+from planaria._version import __version__
 from planaria.checkpoint.errors import IncompleteCheckpoint, ManifestError
 from planaria.checkpoint.layout import MANIFEST, MARKER, step_dir_name, trash_dir_name
 from planaria.checkpoint.manifest import (
@@ -26,13 +26,6 @@ from planaria.checkpoint.writer import RecordedSlice, ShardRecord, shard_dir
 __all__ = ["commit_checkpoint"]
 
 _log = logging.getLogger("planaria.checkpoint")
-
-
-def _version() -> str:
-    try:
-        return metadata.version("planaria")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _check_records(step: int, records: Sequence[ShardRecord]) -> tuple[str, int]:
@@ -122,7 +115,7 @@ def commit_checkpoint(
         tensors=_tensor_entries(ordered),
         meta=dict(meta),
         user_metadata=dict(user_metadata or {}),
-        planaria_version=_version(),
+        planaria_version=__version__,
         torch_version=torch.__version__,
         created_t=time.time(),
     )

@@ -30,6 +30,7 @@ from planaria.checkpoint.manifest import (
     FileEntry,
     Manifest,
     SliceEntry,
+    TensorEntry,
     parse_manifest,
     parse_marker,
 )
@@ -135,53 +136,51 @@ def _read_file(
     st: Storage,
     fe: FileEntry,
     wanted: list[tuple[str, SliceEntry]],
+    dest: dict[str, memoryview] | None,
     *,
     whole: bool,
-    keep: bool,
     verify: bool,
-) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Reads a shard (``whole``) or only the ``wanted`` slices; returns their bytes by key
-    (if ``keep``) and the problems found."""
+) -> list[str]:
+    """Reads a shard (``whole``) or only the ``wanted`` slices, each slice straight into
+    its destination bytes ``dest[key]`` (None: verify only); returns the problems."""
     path = st.path(fe.name)
     try:
         size = st.size(path)
     except FileNotFoundError:
-        return {}, [f"{fe.name}: {_MISSING}"]
+        return [f"{fe.name}: {_MISSING}"]
     if size != fe.size:
-        return {}, [f"{fe.name}: file has {size} bytes, the manifest says {fe.size}"]
+        return [f"{fe.name}: file has {size} bytes, the manifest says {fe.size}"]
     segs = [Segment(s.offsets[0], s.offsets[1], s.crc32, _label(fe, n, s)) for n, s in wanted]
-    out: dict[str, torch.Tensor] = {}
-    bad: list[tuple[Segment, int]] = []
-    with st.open_read(path) as f:
-        if whole:
-            segs.append(Segment(0, fe.data_start, fe.header_crc32, f"{fe.name}: header"))
-            buf = torch.empty(fe.size, dtype=torch.uint8) if keep else None
-            view = byte_view(buf) if buf is not None else None
-            try:
-                bad = read_verified(f, 0, fe.size, segs if verify else (), out=view)
-            except EOFError as err:
-                return {}, [f"{fe.name}: {err}"]
-            if buf is not None:
-                out = {s.key: buf[s.offsets[0] : s.offsets[1]] for _, s in wanted}
-        else:
-            for seg, (_, s) in zip(segs, wanted, strict=True):
-                part = torch.empty(s.nbytes, dtype=torch.uint8)
-                try:
-                    bad += read_verified(f, s.offsets[0], s.nbytes, [seg] if verify else (),
-                                         out=byte_view(part))
-                except EOFError as err:
-                    return {}, [f"{fe.name}: {err}"]
-                out[s.key] = part
-    problems = [f"{seg.label}: checksum mismatch (manifest {seg.crc:#010x}, data {got:#010x})"
-                for seg, got in bad]
-    return out, problems
+    if dest is None:
+        targets: list[tuple[int, int, memoryview | None]] = [(0, fe.size, None)]
+    else:
+        targets = [(s.offsets[0], s.nbytes, dest[s.key]) for _, s in wanted if s.nbytes]
+    if whole:
+        segs.append(Segment(0, fe.data_start, fe.header_crc32, f"{fe.name}: header"))
+        if dest is not None:
+            targets.append((0, fe.data_start, None))
+    try:
+        with st.open_read(path) as f:
+            bad = read_verified(f, targets, segs if verify else ())
+    except EOFError as err:
+        return [f"{fe.name}: {err}"]
+    return [f"{seg.label}: checksum mismatch (manifest {seg.crc:#010x}, data {got:#010x})"
+            for seg, got in bad]
 
 
-def _as_tensor(raw: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    t = DTYPES[dtype]
-    if t.itemsize > 1 and (raw.storage_offset() % t.itemsize or raw.data_ptr() % t.itemsize):
-        raw = raw.clone()
-    return raw.view(t).reshape(shape)
+def _destinations(
+    chosen: Mapping[str, TensorEntry],
+) -> tuple[dict[str, torch.Tensor], dict[str, memoryview]]:
+    """Fresh tensors for ``chosen`` and, by slice key, the bytes each slice is read into."""
+    tensors: dict[str, torch.Tensor] = {}
+    dest: dict[str, memoryview] = {}
+    for name, t in chosen.items():
+        full = torch.empty(t.shape, dtype=DTYPES[t.dtype])
+        tensors[name] = full
+        for s in t.slices:
+            part = full if s.rows is None else full[s.rows[0] : s.rows[1]]
+            dest[s.key] = byte_view(part)
+    return tensors, dest
 
 
 def _read_all(
@@ -203,29 +202,16 @@ def _read_all(
     for name, t in chosen.items():
         for s in t.slices:
             wanted[s.file].append((name, s))
+    tensors, dest = _destinations(chosen) if keep else ({}, None)
     jobs = [(fe, wanted[fe.name]) for fe in manifest.files if names is None or wanted[fe.name]]
-    raw: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     with ThreadPoolExecutor(max_workers=max(1, min(_IO_THREADS, len(jobs)))) as pool:
-        futures = [pool.submit(_read_file, st, fe, w, whole=names is None, keep=keep,
-                               verify=verify) for fe, w in jobs]
+        futures = [pool.submit(_read_file, st, fe, w, dest, whole=names is None, verify=verify)
+                   for fe, w in jobs]
         for fut in futures:
-            got, bad = fut.result()
-            raw.update(got)
-            problems += bad
+            problems += fut.result()
     if problems or not keep:
         return {}, problems
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in chosen.items():
-        if t.slices[0].rows is None:
-            tensors[name] = _as_tensor(raw[t.slices[0].key], t.dtype, t.shape)
-            continue
-        full = torch.empty(t.shape, dtype=DTYPES[t.dtype])
-        for s in t.slices:
-            rows = s.rows or (0, 0)
-            full[rows[0] : rows[1]] = _as_tensor(raw[s.key], t.dtype,
-                                                 (rows[1] - rows[0], *t.shape[1:]))
-        tensors[name] = full
     return tensors, problems
 
 
@@ -273,15 +259,17 @@ def verify_checkpoint(
                         time.perf_counter() - t0)
 
 
-def _committed_newest_first(
-    root: str, storage_options: Mapping[str, Any] | None, warnings: list[str]
-) -> list[CheckpointInfo]:
+def _candidates(
+    root: str, storage_options: Mapping[str, Any] | None
+) -> tuple[list[CheckpointInfo], list[CheckpointInfo]]:
+    """(committed newest first, uncommitted)."""
     infos = list_checkpoints(root, storage_options=storage_options)
-    newest_committed = max((c.step for c in infos if c.committed), default=-1)
-    for c in infos:
-        if not c.committed and c.step > newest_committed:
-            warnings.append(f"step {c.step} ({c.path}) is not committed (an unfinished save)")
-    return [c for c in reversed(infos) if c.committed]
+    return [c for c in reversed(infos) if c.committed], [c for c in infos if not c.committed]
+
+
+def _torn(uncommitted: list[CheckpointInfo], above: int) -> list[str]:
+    return [f"step {c.step} ({c.path}) is not committed (an unfinished save)"
+            for c in uncommitted if c.step > above]
 
 
 def latest_viable(
@@ -289,13 +277,14 @@ def latest_viable(
 ) -> tuple[str | None, list[str]]:
     """The newest committed checkpoint under ``root`` that verifies, and warnings naming
     what was wrong with every newer one (file and tensor). ``(None, warnings)`` if none."""
+    committed, uncommitted = _candidates(root, storage_options)
     warnings: list[str] = []
-    for c in _committed_newest_first(root, storage_options, warnings):
+    for c in committed:
         report = verify_checkpoint(c.path, storage_options=storage_options)
         if report.ok:
-            return c.path, warnings
+            return c.path, _torn(uncommitted, c.step) + warnings
         warnings.append(f"step {c.step} ({c.path}) skipped: " + "; ".join(report.problems))
-    return None, warnings
+    return None, _torn(uncommitted, -1) + warnings
 
 
 def load_latest(
@@ -307,13 +296,14 @@ def load_latest(
     """Loads the newest committed checkpoint under ``root`` that verifies, reading each
     byte once (verification overlaps the load); falls back to older ones, with a
     warning for each one skipped. ``(None, warnings)`` if none is viable."""
+    committed, uncommitted = _candidates(root, storage_options)
     warnings: list[str] = []
-    for c in _committed_newest_first(root, storage_options, warnings):
+    for c in committed:
         try:
             tensors, meta = load_checkpoint(c.path, names=names, storage_options=storage_options)
         except CheckpointError as err:
             warnings.append(f"step {c.step} ({c.path}) skipped: {err}")
             continue
-        return Restored(c.path, c.step, tensors, meta), warnings
-    return None, warnings
+        return Restored(c.path, c.step, tensors, meta), _torn(uncommitted, c.step) + warnings
+    return None, _torn(uncommitted, -1) + warnings
 

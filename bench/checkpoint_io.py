@@ -1,0 +1,160 @@
+"""Stand-alone checkpoint I/O measurements (no Ray): save with 1 vs N writers, and restore
+throughput against a raw read of the same files, cold (pages dropped) and warm.
+
+    python bench/checkpoint_io.py [--mb 256] [--writers 3] [--dir /tmp/x]
+
+Prints one JSON line. Writers are threads in one process here; the runtime bench
+runs them as separate worker processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from planaria.checkpoint import (
+    StagingBuffers,
+    commit_checkpoint,
+    load_checkpoint,
+    new_save_id,
+    plan_shards,
+    take_share,
+    write_shard,
+)
+from planaria.checkpoint.checksum import byte_view
+
+
+def make_state(total_mb: int) -> dict[str, torch.Tensor]:
+    """A model-and-optimizer-like state: many mid-size tensors, one big embedding."""
+    state: dict[str, torch.Tensor] = {"model/embed.weight": torch.randn(total_mb * 1024 // 16,
+                                                                        1024)}
+    per_layer = (total_mb * 3 // 4) * (1 << 20) // 3 // 4 // 16  # 16 layers x 3 tensors
+    side = int(per_layer**0.5)
+    for i in range(16):
+        w = torch.randn(side, side)
+        state[f"model/layers.{i}.weight"] = w
+        state[f"optim/{i}/exp_avg"] = torch.randn(side, side)
+        state[f"optim/{i}/exp_avg_sq"] = torch.rand(side, side).bfloat16()
+        state[f"optim/{i}/step"] = torch.tensor(i)
+    return state
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def drop_cache(path: str) -> bool:
+    """Evicts the files under ``path`` from the page cache (clean pages; no root needed)."""
+    ok = hasattr(os, "posix_fadvise")
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                if ok:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return ok
+
+
+def save(root: str, step: int, state: dict[str, torch.Tensor], writers: int,
+         staging: list[StagingBuffers]) -> dict[str, float]:
+    plans = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, writers)
+    sid = new_save_id()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(writers) as pool:  # snapshots in parallel, like N workers would
+        shares = list(pool.map(lambda p: take_share(state, p, staging[p.index]), plans))
+    stall = time.perf_counter() - t0
+    with ThreadPoolExecutor(writers) as pool:
+        records = list(pool.map(
+            lambda p: write_shard(root, step, p.index, writers, shares[p.index], save_id=sid),
+            plans))
+    write = time.perf_counter() - t0 - stall
+    commit_checkpoint(root, step, records, {"step": step}, world_size=writers)
+    total = time.perf_counter() - t0
+    return {"stall_s": stall, "write_s": write, "commit_s": total - stall - write,
+            "save_s": total}
+
+
+def raw_read(path: str) -> int:
+    """Reads every shard file into fresh buffers with the loader's parallelism, no checks."""
+    files = [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
+
+    def one(p: str) -> int:
+        size = os.path.getsize(p)
+        buf = torch.empty(size, dtype=torch.uint8)
+        view = byte_view(buf)
+        with open(p, "rb", buffering=0) as f:
+            pos = 0
+            while pos < size:
+                n = f.readinto(view[pos : pos + (8 << 20)])
+                assert n
+                pos += n
+        return size
+
+    with ThreadPoolExecutor(min(4, len(files))) as pool:
+        return sum(pool.map(one, files))
+
+
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--writers", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="planaria-ckpt-bench-", dir=args.dir)
+    try:
+        state = make_state(args.mb)
+        size = nbytes(state)
+        out: dict[str, Any] = {"bench": "checkpoint_io", "state_bytes": size,
+                               "writers": args.writers, "cpus": os.cpu_count()}
+        for n in (1, args.writers):
+            root = os.path.join(base, f"w{n}")
+            staging = [StagingBuffers() for _ in range(n)]
+            runs = [save(root, s, state, n, staging) for s in range(args.repeat + 1)]
+            out[f"save_w{n}_first"] = {k: round(v, 3) for k, v in runs[0].items()}
+            best = min(runs[1:], key=lambda r: r["save_s"])
+            out[f"save_w{n}"] = {k: round(v, 3) for k, v in best.items()}
+            out[f"save_w{n}_gb_per_s"] = round(size / best["save_s"] / 1e9, 3)
+        path = os.path.join(base, f"w{args.writers}", f"step_{args.repeat:09d}")
+        load = lambda: load_checkpoint(path)  # noqa: E731
+        load_noverify = lambda: load_checkpoint(path, verify=False)  # noqa: E731
+        raw = lambda: raw_read(path)  # noqa: E731
+        for mode in ("cold", "warm"):
+            res = {}
+            for name, fn in (("raw", raw), ("restore", load), ("restore_noverify", load_noverify)):
+                times = []
+                for _ in range(args.repeat):
+                    if mode == "cold":
+                        out["cold_cache_dropped"] = drop_cache(path)
+                    times.append(timed(fn))
+                res[name] = min(times)
+            out[f"{mode}_raw_gb_per_s"] = round(size / res["raw"] / 1e9, 3)
+            out[f"{mode}_restore_gb_per_s"] = round(size / res["restore"] / 1e9, 3)
+            out[f"{mode}_restore_noverify_gb_per_s"] = round(
+                size / res["restore_noverify"] / 1e9, 3)
+            out[f"{mode}_restore_vs_raw"] = round(res["raw"] / res["restore"], 3)
+        tensors, _ = load_checkpoint(path)
+        assert all(torch.equal(tensors[k], state[k]) for k in state)
+        print(json.dumps(out))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
