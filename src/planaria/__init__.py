@@ -24,6 +24,7 @@ from planaria.errors import (
 )
 from planaria.fit import FitResult, fit
 from planaria.policy import HangConfig, RecoveryPolicy
+from planaria.retry import elastic_retry
 
 __all__ = [
     "AllReplicasLost",
@@ -46,5 +47,6 @@ __all__ = [
     "WorkerHung",
     "WorkerLost",
     "__version__",
+    "elastic_retry",
     "fit",
 ]

@@ -222,9 +222,9 @@ class Job:
         self.closed = True
         if self.checkpointer is not None:
             self.checkpointer.close()
-        for handle in list(self.members):
-            self.pool.kill(handle, fence=False) if hasattr(self, "pool") else None
         if hasattr(self, "pool"):
+            for handle in self.members:
+                self.pool.release(handle)
             self.pool.shutdown()
         self.log.emit(
             "run_end",

@@ -50,6 +50,7 @@ class Recovery:
         self._next_fault_id = 0
         self._open: list[_OpenFault] = []
         self._joining: dict[str, float] = {}
+        self._current: Failure | None = None  # the failure being handled, for chaining
 
     # ---- entry points ------------------------------------------------------------------------
 
@@ -103,7 +104,9 @@ class Recovery:
         names = [n for n in names if n in job.names]
         if not names:
             return
-        fault = self._open_fault(Preempted(f"{', '.join(names)} preempted", workers=tuple(names)))
+        notice = Preempted(f"{', '.join(names)} preempted", workers=tuple(names))
+        self._current = notice
+        fault = self._open_fault(notice)
         self.preemptions += len(names)
         if self.preemptions > job.policy.max_preemptions:
             self._abort(
@@ -124,6 +127,7 @@ class Recovery:
     # ---- one failure -------------------------------------------------------------------------
 
     def _handle_one(self, failure: Failure) -> None:
+        self._current = failure
         job = self.job
         policy = job.policy
         fault = self._open_fault(failure)
@@ -264,7 +268,7 @@ class Recovery:
 
     def _abort(self, why: str, failure: Failure | None) -> None:
         self.job.log.emit("action", fault_id=None, action="abort", reason=why)
-        raise ElasticRuntimeError(f"planaria gave up: {why}") from failure
+        raise ElasticRuntimeError(f"planaria gave up: {why}") from (failure or self._current)
 
     def _open_fault(self, failure: Failure) -> _OpenFault:
         job = self.job

@@ -211,6 +211,9 @@ class Worker:
         self._settle(steps_done)
         if step != self.steps_done:
             raise PlanariaError(f"{self.name} asked for step {step} but has {self.steps_done} done")
+        # From here the gradient buffers hold this step's (maybe partial) gradient: if the
+        # step fails anywhere, the next settle drops it rather than apply or accumulate it.
+        self.pending = step
         t0 = time.perf_counter()
         self._set_phase("loading", step)
         micro_batches = self._take(ids)
@@ -241,7 +244,6 @@ class Worker:
         assert self.comm is not None, "step before join"
         self.comm.allreduce_sum(self.grad_buffers)
         t2 = time.perf_counter()
-        self.pending = step
         self._set_phase("idle", step)
         if error is not None:
             error.workers = (self.name,)

@@ -203,6 +203,13 @@ class WorkerPool:
         except Exception:
             pass
 
+    def release(self, handle: WorkerHandle) -> None:
+        """Ends a healthy worker at the end of a job."""
+        try:
+            ray.kill(handle.actor, no_restart=True)
+        except Exception:
+            pass
+
     def shutdown(self) -> None:
         for handle in self.starting:
             self.kill(handle, fence=False)

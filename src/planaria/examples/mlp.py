@@ -13,13 +13,13 @@ from planaria import TrainSpec
 
 
 class Regression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """y = sin(x·w) + noise, with fixed random inputs: deterministic from the seed."""
+    """y = sin(x·w / sqrt(dim)) + noise, with fixed random inputs: deterministic from the seed."""
 
     def __init__(self, n: int = 4096, dim: int = 32, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, dim, generator=g)
         w = torch.randn(dim, 1, generator=g)
-        self.y = torch.sin(self.x @ w) + 0.05 * torch.randn(n, 1, generator=g)
+        self.y = torch.sin(self.x @ w / dim**0.5) + 0.05 * torch.randn(n, 1, generator=g)
 
     def __len__(self) -> int:
         return len(self.x)
