@@ -31,6 +31,7 @@ from planaria.collective import Collective, connect_store
 from planaria.config import TrainSpec
 from planaria.errors import PlanariaError, StaleGeneration, UserCodeError
 from planaria.state import flatten_state, load_state, tensor_layout
+from planaria.worker_checkpoint import CheckpointWorkerMixin
 
 __all__ = ["Worker", "param_checksum"]
 
@@ -62,7 +63,7 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + 17) % (2**63 - 1)
 
 
-class Worker:
+class Worker(CheckpointWorkerMixin):
     """A replica. Created by the controller as a Ray actor (see ``planaria.workers``)."""
 
     def __init__(
