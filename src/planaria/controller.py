@@ -13,6 +13,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -76,6 +77,7 @@ class Job:
         hang: HangConfig | None = None,
         chaos: ChaosPlan | None = None,
         checkpoint: Any = None,
+        listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
     ) -> None:
         from planaria.recovery import Recovery
 
@@ -99,6 +101,8 @@ class Job:
         self.run_dir = config.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = EventLog(self.run_dir)
+        for listener in listeners:  # progress display, Prometheus, logging
+            self.log.add_listener(listener)
         self.ledger = Ledger(self.run_dir) if config.ledger else None
         self.deadline = StepDeadline(self.hang)
         self.recovery = Recovery(self)

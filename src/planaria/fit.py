@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ def fit(
     chaos: ChaosPlan | str | None = None,
     checkpoint: Any = None,
     on_step: Callable[[StepResult], None] | None = None,
+    listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
     **options: Any,
 ) -> FitResult:
     """Trains ``spec`` on ``replicas`` workers until ``steps`` steps are committed.
@@ -54,11 +55,14 @@ def fit(
     (:class:`~planaria.errors.UserCodeError`), and a spent budget raises
     :class:`~planaria.errors.ElasticRuntimeError`. ``options`` are further
     :class:`~planaria.config.RunConfig` fields (``ledger``, ``cpus_per_worker``, ...).
-    ``checkpoint`` is a :class:`~planaria.checkpointing.CheckpointConfig`.
+    ``checkpoint`` is a :class:`~planaria.checkpointing.CheckpointConfig`; ``listeners``
+    receive every event record as it is logged (progress display, Prometheus).
     """
     config = RunConfig(steps=steps, replicas=replicas, run_dir=Path(run_dir), address=address, **options)
     plan = ChaosPlan.parse(chaos, seed=spec.seed) if isinstance(chaos, str) else chaos
-    with Job(spec, config, policy=policy, hang=hang, chaos=plan, checkpoint=checkpoint) as job:
+    with Job(
+        spec, config, policy=policy, hang=hang, chaos=plan, checkpoint=checkpoint, listeners=listeners
+    ) as job:
         while job.steps_done < steps:
             try:
                 result = job.train_step()
