@@ -1,0 +1,240 @@
+"""The ``planaria`` command: run a spec, run the demo, report on a run, manage checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_spec", "main"]
+
+
+def load_spec(target: str) -> Any:
+    """Loads ``SCRIPT.py[:NAME]`` and returns its TrainSpec (named ``spec`` by default).
+
+    The script is imported as a module whose code travels to the workers by
+    value, and its folder goes on the workers' PYTHONPATH so that it can import
+    its neighbours.
+    """
+    from planaria.config import TrainSpec
+    from planaria.errors import ConfigError
+
+    path_text, _, name = target.partition(":")
+    name = name or "spec"
+    path = Path(path_text)
+    if not path.is_file():
+        raise ConfigError(f"script {path_text!r} does not exist: give SCRIPT.py[:SPEC_NAME]")
+    module_name = f"planaria_user_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"cannot import {path}: is it a Python file?")
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (folder, os.environ.get("PYTHONPATH", "")) if p
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(module)
+    value = getattr(module, name, None)
+    if not isinstance(value, TrainSpec):
+        found = [k for k, v in vars(module).items() if isinstance(v, TrainSpec)]
+        raise ConfigError(
+            f"{path} has no TrainSpec named {name!r}"
+            + (f"; it has {', '.join(found)}: use {path_text}:{found[0]}" if found else "")
+        )
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="planaria", description="Elastic, fault-tolerant training of PyTorch models."
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="train a TrainSpec defined in a script")
+    run.add_argument("target", help="SCRIPT.py[:SPEC_NAME] (default name: spec)")
+    _run_options(run, steps=None, replicas=None)
+    run.add_argument("--run-dir", required=True, type=Path, help="where events, ledger and checkpoints go")
+
+    demo = sub.add_parser("demo", help="train the tiny GPT for about a minute, killing a worker partway")
+    _run_options(demo, steps=150, replicas=3)
+    demo.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
+    demo.add_argument("--no-chaos", action="store_true", help="do not kill a worker")
+
+    report = sub.add_parser("report", help="summarise a run: recovery metrics, goodput, timeline PNG")
+    report.add_argument("run_dir", type=Path)
+    report.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    report.add_argument("--png", type=Path, default=None, help="where the timeline goes")
+
+    ckpt = sub.add_parser("ckpt", help="list, verify and export checkpoints")
+    ck = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    ls = ck.add_parser("ls", help="checkpoints of a run: step, size, committed, verified")
+    ls.add_argument("run_dir")
+    verify = ck.add_parser("verify", help="check a checkpoint's manifest and checksums")
+    verify.add_argument("path")
+    export = ck.add_parser("export", help="the model weights as one safetensors file")
+    export.add_argument("path")
+    export.add_argument("--out", required=True)
+    return parser
+
+
+def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int | None) -> None:
+    p.add_argument("--replicas", type=int, required=replicas is None, default=replicas)
+    p.add_argument("--steps", type=int, required=steps is None, default=steps)
+    p.add_argument("--address", default=None, help="Ray cluster address (default: start Ray here)")
+    p.add_argument("--chaos", default=None, help="faults to inject, e.g. kill:w1@step40,hang:w0@90s")
+    p.add_argument(
+        "--checkpoint-every", default=None, help="N steps, a duration (10m, 90s) or auto"
+    )
+    p.add_argument("--no-resume", action="store_true", help="ignore the run dir's checkpoints")
+    p.add_argument("--on-worker-lost", default="resize", choices=["resize", "pause", "restore", "abort"])
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--ledger", action="store_true", help="record the sample ids of every step")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    p.add_argument("--gpu", action="store_true", help="one GPU per worker, NCCL")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
+    from planaria.fit import fit
+    from planaria.policy import RecoveryPolicy
+    from planaria.progress import ProgressDisplay
+
+    listeners: list[Any] = []
+    display = ProgressDisplay(args.steps, args.replicas, quiet=args.quiet)
+    listeners.append(display)
+    exporter = None
+    if args.metrics_port is not None:
+        from planaria.prometheus import MetricsExporter
+
+        exporter = MetricsExporter(args.metrics_port)
+        listeners.append(exporter)
+        print(f"Prometheus metrics on http://127.0.0.1:{exporter.port}/metrics")
+    if args.verbose:
+        from planaria.logs import log_event
+
+        listeners.append(log_event)
+    checkpoint = None
+    if args.checkpoint_every is not None or not args.no_resume:
+        from planaria.checkpointing import CheckpointConfig
+
+        checkpoint = CheckpointConfig.from_cli(
+            every=args.checkpoint_every, resume=not args.no_resume, root=None
+        )
+    policy = RecoveryPolicy(on_worker_lost=args.on_worker_lost, min_replicas=args.min_replicas)
+    display.start()
+    try:
+        return fit(
+            spec,
+            steps=args.steps,
+            replicas=args.replicas,
+            run_dir=run_dir,
+            address=args.address,
+            policy=policy,
+            chaos=args.chaos,
+            checkpoint=checkpoint,
+            ledger=args.ledger,
+            use_gpu=args.gpu,
+            listeners=listeners,
+        )
+    finally:
+        display.stop()
+        if exporter is not None:
+            exporter.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from planaria.errors import ConfigError, ElasticRuntimeError, UserCodeError
+    from planaria.logs import setup_logging
+
+    setup_logging(args.verbose)
+    try:
+        if args.command == "run":
+            spec = load_spec(args.target)
+            result = _train(args, spec, args.run_dir)
+            print(f"done: {result.final_step} steps; run dir {args.run_dir} "
+                  f"(planaria report {args.run_dir})")
+            return 0
+        if args.command == "demo":
+            return _demo(args)
+        if args.command == "report":
+            from planaria.report import report_main
+
+            return report_main(args.run_dir, json=args.json, png=args.png)
+        if args.command == "ckpt":
+            return _ckpt(args)
+    except ConfigError as err:
+        print(f"planaria: {err}", file=sys.stderr)
+        return 2
+    except UserCodeError as err:
+        print(f"planaria: your code raised an error; the job stopped.\n{err}", file=sys.stderr)
+        return 1
+    except ElasticRuntimeError as err:
+        cause = f" (last failure: {err.__cause__})" if err.__cause__ else ""
+        print(f"planaria: {err}{cause}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from planaria.examples import tiny_gpt
+
+    run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    if args.chaos is None and not args.no_chaos:
+        args.chaos = f"kill:w1@step{max(1, args.steps // 3)}"
+    print(f"planaria demo: tiny GPT ({args.replicas} replicas, {args.steps} steps) on the Python "
+          f"standard library's source; run dir {run_dir}")
+    if args.chaos:
+        print(f"chaos: {args.chaos} (a real SIGKILL; watch training go on and the replacement join)")
+    result = _train(args, tiny_gpt.spec, run_dir)
+    held_out = tiny_gpt.evaluate(result.state_dict, batches=4)
+    print(f"held-out loss {held_out:.3f} (started near {result.losses[0][1]:.3f}); "
+          f"see `planaria report {run_dir}` for the timeline")
+    return 0
+
+
+def _ckpt(args: argparse.Namespace) -> int:
+    from planaria.checkpoint import cli as ck
+
+    if args.ckpt_command == "ls":
+        rows = ck.ls(args.run_dir, verify=True)
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table("step", "size (MB)", "committed", "verified", "path")
+        for row in rows:
+            table.add_row(
+                str(row.get("step")),
+                f"{(row.get('bytes') or 0) / 1e6:.1f}",
+                str(row.get("committed")),
+                str(row.get("verified")),
+                str(row.get("path")),
+            )
+        Console().print(table)
+        return 0
+    if args.ckpt_command == "verify":
+        report = ck.verify(args.path)
+        print(json.dumps(report, indent=2, default=str))
+        return 0 if report.get("ok") else 1
+    if args.ckpt_command == "export":
+        info = ck.export(args.path, args.out)
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
