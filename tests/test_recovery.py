@@ -18,9 +18,17 @@ import pytest
 import ray
 
 import planaria
-from planaria import ElasticRuntimeError, HangConfig, Job, RecoveryPolicy, RunConfig, UserCodeError, fit
+from planaria import (
+    ElasticRuntimeError,
+    HangConfig,
+    Job,
+    RecoveryPolicy,
+    RunConfig,
+    UserCodeError,
+    fit,
+)
 from planaria.examples import mlp
-from tests.conftest import assert_exactly_once, assert_same_state
+from tests.assertions import assert_exactly_once, assert_same_state
 
 # The workers unpickle this module's helpers by value: they cannot import the tests package.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -33,7 +41,9 @@ FAST_HANG = HangConfig(heartbeat_timeout_s=1.5, floor_s=2.0, heartbeat_s=0.1)
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, ray_cluster):
-    return fit(mlp.make_spec(n=N), steps=STEPS, replicas=2, run_dir=tmp_path_factory.mktemp("ref")).state_dict
+    return fit(
+        mlp.make_spec(n=N), steps=STEPS, replicas=2, run_dir=tmp_path_factory.mktemp("ref")
+    ).state_dict
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -44,12 +54,16 @@ def of(evs: list[dict], name: str) -> list[dict]:
     return [e for e in evs if e["event"] == name]
 
 
-def run_with_faults(run_dir: Path, *, chaos: str, hang: HangConfig | None = None) -> planaria.FitResult:
+def run_with_faults(
+    run_dir: Path, *, chaos: str, hang: HangConfig | None = None
+) -> planaria.FitResult:
     """fit()'s loop, except that the last steps wait (bounded) for a pending replacement to
     join, so that a slow worker start on a loaded machine cannot end the run before it."""
     job = Job(
-        mlp.make_spec(n=N), RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True),
-        chaos=planaria.ChaosPlan.parse(chaos), hang=hang,
+        mlp.make_spec(n=N),
+        RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True),
+        chaos=planaria.ChaosPlan.parse(chaos),
+        hang=hang,
     )
     deadline = time.time() + 180
     with job:
@@ -135,7 +149,9 @@ def test_fault_during_hot_join(tmp_path, reference, monkeypatch):
 
 def test_zombie_after_sigcont_is_fenced_off(tmp_path, reference):
     spec = mlp.make_spec(n=N)
-    with Job(spec, RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True), hang=FAST_HANG) as job:
+    with Job(
+        spec, RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True), hang=FAST_HANG
+    ) as job:
         for _ in range(5):
             job.train_step()
         zombie = job.members[1]
@@ -170,7 +186,7 @@ def _alive(pid: int) -> bool:
 
 
 def _bad_loss(model, batch):
-    x, y = batch
+    _, y = batch
     if (y > 100).any():
         raise ValueError("a poisoned sample reached the loss")
     return mlp.mse(model, batch)
@@ -184,15 +200,21 @@ class _Poisoned(mlp.Regression):
 
 def test_user_exception_stops_at_once_with_original_traceback(tmp_path):
     spec = planaria.TrainSpec(
-        model=mlp.make_model, optimizer=lambda p: __import__("torch").optim.SGD(p, lr=0.1),
-        loss=_bad_loss, dataset=_Poisoned, global_batch_size=G, micro_batch_size=16,
+        model=mlp.make_model,
+        optimizer=lambda p: __import__("torch").optim.SGD(p, lr=0.1),
+        loss=_bad_loss,
+        dataset=_Poisoned,
+        global_batch_size=G,
+        micro_batch_size=16,
     )
     t0 = time.time()
     with pytest.raises(UserCodeError) as info:
         fit(spec, steps=STEPS, replicas=2, run_dir=tmp_path)
     assert time.time() - t0 < 60
     text = str(info.value)
-    assert "a poisoned sample reached the loss" in text and "_bad_loss" in text and "Traceback" in text
+    assert (
+        "a poisoned sample reached the loss" in text and "_bad_loss" in text and "Traceback" in text
+    )
     evs = events(tmp_path)
     assert len(of(evs, "fault")) == 1 and of(evs, "action")[0]["action"] == "abort"
     assert of(evs, "run_end")[0]["status"] == "aborted"
@@ -201,7 +223,14 @@ def test_user_exception_stops_at_once_with_original_traceback(tmp_path):
 def test_below_min_replicas_past_pause_timeout_aborts_cleanly(tmp_path):
     policy = RecoveryPolicy(min_replicas=2, pause_timeout_s=2, replace_workers=False)
     with pytest.raises(ElasticRuntimeError, match="below min_replicas=2") as info:
-        fit(mlp.make_spec(n=N), steps=STEPS, replicas=2, run_dir=tmp_path, policy=policy, chaos="kill:w0@step4")
+        fit(
+            mlp.make_spec(n=N),
+            steps=STEPS,
+            replicas=2,
+            run_dir=tmp_path,
+            policy=policy,
+            chaos="kill:w0@step4",
+        )
     assert isinstance(info.value.__cause__, planaria.WorkerLost)
     evs = events(tmp_path)
     assert of(evs, "run_end")[0]["status"] == "aborted"
@@ -209,7 +238,8 @@ def test_below_min_replicas_past_pause_timeout_aborts_cleanly(tmp_path):
 
 def test_elastic_retry_reinvokes_after_a_kill(tmp_path, reference):
     job = Job(
-        mlp.make_spec(n=N), RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True),
+        mlp.make_spec(n=N),
+        RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True),
         chaos=planaria.ChaosPlan.parse("kill:w2@step6"),
     )
     calls: list[int] = []

@@ -11,7 +11,7 @@ import ray
 from planaria import Job, RunConfig, StepResult, fit
 from planaria.errors import StaleGeneration
 from planaria.examples import mlp, tiny_gpt
-from tests.conftest import assert_exactly_once, assert_same_state
+from tests.assertions import assert_exactly_once, assert_same_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("ray_cluster")]
 

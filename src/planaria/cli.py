@@ -58,20 +58,28 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="planaria", description="Elastic, fault-tolerant training of PyTorch models."
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="train a TrainSpec defined in a script")
     run.add_argument("target", help="SCRIPT.py[:SPEC_NAME] (default name: spec)")
     _run_options(run, steps=None, replicas=None)
-    run.add_argument("--run-dir", required=True, type=Path, help="where events, ledger and checkpoints go")
+    run.add_argument(
+        "--run-dir", required=True, type=Path, help="where events, ledger and checkpoints go"
+    )
 
-    demo = sub.add_parser("demo", help="train the tiny GPT for about a minute, killing a worker partway")
+    demo = sub.add_parser(
+        "demo", help="train the tiny GPT for about a minute, killing a worker partway"
+    )
     _run_options(demo, steps=150, replicas=3)
     demo.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
     demo.add_argument("--no-chaos", action="store_true", help="do not kill a worker")
 
-    report = sub.add_parser("report", help="summarise a run: recovery metrics, goodput, timeline PNG")
+    report = sub.add_parser(
+        "report", help="summarise a run: recovery metrics, goodput, timeline PNG"
+    )
     report.add_argument("run_dir", type=Path)
     report.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     report.add_argument("--png", type=Path, default=None, help="where the timeline goes")
@@ -92,12 +100,16 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
     p.add_argument("--replicas", type=int, required=replicas is None, default=replicas)
     p.add_argument("--steps", type=int, required=steps is None, default=steps)
     p.add_argument("--address", default=None, help="Ray cluster address (default: start Ray here)")
-    p.add_argument("--chaos", default=None, help="faults to inject, e.g. kill:w1@step40,hang:w0@90s")
+    p.add_argument(
+        "--chaos", default=None, help="faults to inject, e.g. kill:w1@step40,hang:w0@90s"
+    )
     p.add_argument(
         "--checkpoint-every", default=None, help="N steps, a duration (10m, 90s) or auto"
     )
     p.add_argument("--no-resume", action="store_true", help="ignore the run dir's checkpoints")
-    p.add_argument("--on-worker-lost", default="resize", choices=["resize", "pause", "restore", "abort"])
+    p.add_argument(
+        "--on-worker-lost", default="resize", choices=["resize", "pause", "restore", "abort"]
+    )
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--ledger", action="store_true", help="record the sample ids of every step")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
@@ -163,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             spec = load_spec(args.target)
             result = _train(args, spec, args.run_dir)
-            print(f"done: {result.final_step} steps; run dir {args.run_dir} "
-                  f"(planaria report {args.run_dir})")
+            print(
+                f"done: {result.final_step} steps; run dir {args.run_dir} "
+                f"(planaria report {args.run_dir})"
+            )
             return 0
         if args.command == "demo":
             return _demo(args)
@@ -195,14 +209,20 @@ def _demo(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     if args.chaos is None and not args.no_chaos:
         args.chaos = f"kill:w1@step{max(1, args.steps // 3)}"
-    print(f"planaria demo: tiny GPT ({args.replicas} replicas, {args.steps} steps) on the Python "
-          f"standard library's source; run dir {run_dir}")
+    print(
+        f"planaria demo: tiny GPT ({args.replicas} replicas, {args.steps} steps) on the Python "
+        f"standard library's source; run dir {run_dir}"
+    )
     if args.chaos:
-        print(f"chaos: {args.chaos} (a real SIGKILL; watch training go on and the replacement join)")
+        print(
+            f"chaos: {args.chaos} (a real SIGKILL; watch training go on and the replacement join)"
+        )
     result = _train(args, tiny_gpt.spec, run_dir)
     held_out = tiny_gpt.evaluate(result.state_dict, batches=4)
-    print(f"held-out loss {held_out:.3f} (started near {result.losses[0][1]:.3f}); "
-          f"see `planaria report {run_dir}` for the timeline")
+    print(
+        f"held-out loss {held_out:.3f} (started near {result.losses[0][1]:.3f}); "
+        f"see `planaria report {run_dir}` for the timeline"
+    )
     return 0
 
 

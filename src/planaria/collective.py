@@ -7,7 +7,9 @@ broken group and build the next one without tearing anything else down.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,9 +43,11 @@ class Collective:
         self.gen = gen
         self.rank = rank
         self.world_size = world_size
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        )
         prefixed = dist.PrefixStore(f"gen{gen}/", store)
-        self.pg: dist.ProcessGroup
+        self.pg: Any
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timedelta(seconds=timeout_s)
@@ -83,10 +87,9 @@ class Collective:
             w.wait()
 
     def close(self) -> None:
-        try:
+        # A group whose peer died may refuse a clean shutdown.
+        with contextlib.suppress(Exception):
             self.pg.shutdown()
-        except Exception:  # a group whose peer died may refuse a clean shutdown
-            pass
 
 
 def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:

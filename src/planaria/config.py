@@ -38,7 +38,7 @@ class TrainSpec:
     optimizer: Callable[[Iterable[Any]], Any]
     """Builds the optimizer from the model's parameters."""
     loss: Callable[[Any, Any], Any]
-    """(model, batch) → scalar loss tensor (mean over the batch), or (loss, dict of float metrics)."""
+    """(model, batch) → scalar loss (mean over the batch), or (loss, dict of float metrics)."""
     dataset: Callable[[], Any]
     """Builds the map-style dataset (``__len__`` and ``__getitem__``)."""
     global_batch_size: int
@@ -122,7 +122,9 @@ class RunConfig:
     """Extra keyword arguments for ``ray.init`` (local start only)."""
 
     def __post_init__(self) -> None:
-        check(isinstance(self.steps, int) and self.steps >= 1, "steps", self.steps, "an integer >= 1")
+        check(
+            isinstance(self.steps, int) and self.steps >= 1, "steps", self.steps, "an integer >= 1"
+        )
         check(
             isinstance(self.replicas, int) and self.replicas >= 1,
             "replicas",

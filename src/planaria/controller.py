@@ -30,7 +30,6 @@ from planaria.data_plan import DataPlan, Ledger, split_contiguous
 from planaria.errors import (
     ConfigError,
     ElasticRuntimeError,
-    Failure,
     NonFiniteLoss,
     PlanariaError,
     classify,
@@ -129,7 +128,7 @@ class Job:
         self.close(status=status, error=None if exc is None else f"{type(exc).__name__}: {exc}")
 
     def start(self) -> None:
-        """Starts Ray (or joins a cluster), hosts the store, starts the workers, builds generation 0."""
+        """Starts Ray (or joins a cluster), hosts the store, starts workers, builds generation 0."""
         cfg = self.config
         self.log.emit(
             "run_start",
@@ -348,7 +347,9 @@ class Job:
         self.steps_done = step + 1  # committed: the update rides on the next call to each worker
         self.deadline.observe(duration)
         data_wait = max(r["data_wait_s"] for r in results.values())
-        result = StepResult(step, loss, self.width, duration, n / duration if duration else 0.0, metrics)
+        result = StepResult(
+            step, loss, self.width, duration, n / duration if duration else 0.0, metrics
+        )
         self.losses.append((step, loss))
         self.log.emit(
             "step_committed",
@@ -389,7 +390,9 @@ class Job:
             assert self.plan is not None
             self.ledger.record(step, [int(i) for i in self.plan.batch(step)], skipped=True)
 
-    def _gather(self, refs: dict[str, Any], *, deadline_s: float, step: int | None) -> dict[str, Any]:
+    def _gather(
+        self, refs: dict[str, Any], *, deadline_s: float, step: int | None
+    ) -> dict[str, Any]:
         """Waits for one call per worker; raises the classified Failure if any went wrong.
 
         Every wait has a deadline. While waiting, a worker whose heartbeat stops
@@ -441,7 +444,11 @@ class Job:
         )
         if step is not None:
             self.log.emit(
-                "step_failed", step=step, gen=self.gen, kind=failure.kind, workers=list(failure.workers)
+                "step_failed",
+                step=step,
+                gen=self.gen,
+                kind=failure.kind,
+                workers=list(failure.workers),
             )
         raise failure
 

@@ -106,7 +106,7 @@ class Ledger:
 
     @staticmethod
     def read(run_dir: Path) -> dict[int, list[int]]:
-        """Committed steps → ids; a step recorded twice (a run resumed past a crash) keeps the last."""
+        """Committed steps → ids; a step recorded twice (resumed past a crash) keeps the last."""
         out: dict[int, list[int]] = {}
         path = Path(run_dir) / Ledger.FILE
         with path.open(encoding="utf-8") as f:

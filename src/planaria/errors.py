@@ -31,7 +31,7 @@ class PlanariaError(Exception):
 
 
 class ConfigError(PlanariaError, ValueError):
-    """A configuration value is wrong; the message names the field, the value and what is accepted."""
+    """A configuration value is wrong; the message names the field, the value, what is accepted."""
 
 
 class CheckpointError(PlanariaError):
@@ -187,6 +187,7 @@ def classify(
             RayActorError,
             WorkerCrashedError,
         )
+
         died_types: tuple[type[BaseException], ...] = (
             ActorDiedError,
             RayActorError,
@@ -240,7 +241,10 @@ def classify(
     if other:
         name, err = other[0]
         return UserCodeError(
-            f"{type(err).__name__}: {err}", remote_traceback=_format(err), workers=(name,), step=step
+            f"{type(err).__name__}: {err}",
+            remote_traceback=_format(err),
+            workers=(name,),
+            step=step,
         )
     if peer:
         # Only collective errors and nobody dead: some peer must have failed unseen.

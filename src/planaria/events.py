@@ -47,7 +47,11 @@ class EventLog:
     def __init__(self, run_dir: str | Path, *, clock: Any = time.time) -> None:
         self.path = Path(run_dir) / EVENTS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        torn = self.path.exists() and self.path.stat().st_size > 0 and not _ends_with_newline(self.path)
+        torn = (
+            self.path.exists()
+            and self.path.stat().st_size > 0
+            and not _ends_with_newline(self.path)
+        )
         self._file = self.path.open("a", encoding="utf-8")
         if torn:  # a crash mid-write left a partial line: end it so the next record stays whole
             self._file.write("\n")
@@ -115,9 +119,7 @@ def read_events(path: str | Path) -> ReadResult:
                     raise ValueError("not an event record")
                 float(record["t"])
             except (ValueError, TypeError) as err:
-                result.warnings.append(
-                    f"{p}:{number}: damaged line ({err}); skipped"
-                )
+                result.warnings.append(f"{p}:{number}: damaged line ({err}); skipped")
                 continue
             result.events.append(record)
     return result

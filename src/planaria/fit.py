@@ -58,10 +58,18 @@ def fit(
     ``checkpoint`` is a :class:`~planaria.checkpointing.CheckpointConfig`; ``listeners``
     receive every event record as it is logged (progress display, Prometheus).
     """
-    config = RunConfig(steps=steps, replicas=replicas, run_dir=Path(run_dir), address=address, **options)
+    config = RunConfig(
+        steps=steps, replicas=replicas, run_dir=Path(run_dir), address=address, **options
+    )
     plan = ChaosPlan.parse(chaos, seed=spec.seed) if isinstance(chaos, str) else chaos
     with Job(
-        spec, config, policy=policy, hang=hang, chaos=plan, checkpoint=checkpoint, listeners=listeners
+        spec,
+        config,
+        policy=policy,
+        hang=hang,
+        chaos=plan,
+        checkpoint=checkpoint,
+        listeners=listeners,
     ) as job:
         while job.steps_done < steps:
             try:

@@ -75,7 +75,7 @@ class HangConfig:
     """The hang watchdog: a per-step deadline learned from observed step times."""
 
     factor: float = 4.0
-    """Deadline = factor × the slowest recent step ..."""
+    """Deadline = factor x the slowest recent step ..."""
     floor_s: float = 5.0
     """... but never below this ..."""
     ceiling_s: float = 600.0
@@ -89,7 +89,9 @@ class HangConfig:
 
     def __post_init__(self) -> None:
         check(self.factor >= 1, "factor", self.factor, "a number >= 1")
-        check(0 < self.floor_s <= self.ceiling_s, "floor_s", self.floor_s, "0 < floor_s <= ceiling_s")
+        check(
+            0 < self.floor_s <= self.ceiling_s, "floor_s", self.floor_s, "0 < floor_s <= ceiling_s"
+        )
         check(self.window >= 1, "window", self.window, "an integer >= 1")
         check(self.heartbeat_s > 0, "heartbeat_s", self.heartbeat_s, "seconds > 0")
         check(

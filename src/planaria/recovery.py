@@ -90,7 +90,7 @@ class Recovery:
             )
 
     def admit(self, ready: list[WorkerHandle]) -> None:
-        """Brings ready replacements into the next generation; they receive state from a survivor."""
+        """Brings ready replacements into the next generation; a survivor sends them the state."""
         job = self.job
         if not job.members:  # nothing to send them: the restore path takes them
             return
@@ -245,9 +245,7 @@ class Recovery:
             handle.has_state = True
         job.steps_done = 0
         job.build_generation(ready, reason="restore")
-        job.log.emit(
-            "restore", step=0, path=None, restore_s=time.time() - t0, lost_steps=before
-        )
+        job.log.emit("restore", step=0, path=None, restore_s=time.time() - t0, lost_steps=before)
         return 0
 
     def _replace(self, names: tuple[str, ...] | list[str]) -> None:

@@ -67,7 +67,9 @@ def elastic_retry(
                             f"{fn.__name__} failed {attempt} times; max_retries={max_retries}"
                         ) from failure
                     job.recovery.handle(failure)
-                    _log.warning("retrying %s (attempt %d) after %s", fn.__name__, attempt, failure.kind)
+                    _log.warning(
+                        "retrying %s (attempt %d) after %s", fn.__name__, attempt, failure.kind
+                    )
                     if on_retry is not None:
                         on_retry(attempt, failure)
 

@@ -25,7 +25,9 @@ def _jsonable(value: Any, where: str) -> Any:
     try:
         json.dumps(value)
     except TypeError as err:
-        raise TypeError(f"{where} is not JSON-serialisable ({err}); planaria never pickles state") from err
+        raise TypeError(
+            f"{where} is not JSON-serialisable ({err}); planaria never pickles state"
+        ) from err
     return value
 
 
@@ -44,7 +46,9 @@ def flatten_state(model: torch.nn.Module, optimizer: Any, scheduler: Any | None)
             if isinstance(value, torch.Tensor):
                 tensors[f"optim/{pid}/{key}"] = value.detach()
             else:
-                opt_scalars.setdefault(str(pid), {})[key] = _jsonable(value, f"optimizer state {key}")
+                opt_scalars.setdefault(str(pid), {})[key] = _jsonable(
+                    value, f"optimizer state {key}"
+                )
     meta: dict[str, Any] = {
         "optim_param_groups": _jsonable(opt_state["param_groups"], "optimizer param_groups"),
         "optim_scalars": opt_scalars,
@@ -72,7 +76,9 @@ def load_state(
     ``model=None`` skips the model (its tensors were already filled in place).
     """
     if model is not None:
-        model_sd = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+        model_sd = {
+            k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")
+        }
         missing, unexpected = model.load_state_dict(model_sd, strict=False)
         if missing or unexpected:
             raise ValueError(

@@ -11,7 +11,7 @@ __all__ = ["StepDeadline"]
 
 
 class StepDeadline:
-    """deadline = clamp(factor × slowest recent step, floor, ceiling); the ceiling until a step is seen.
+    """deadline = clamp(factor x slowest recent step, floor, ceiling); before any step: the ceiling.
 
     The learned window is part of the job's state (``state_dict``) so a restored
     job does not start from the ceiling again.

@@ -99,7 +99,9 @@ class Worker(CheckpointWorkerMixin):
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self._store = connect_store(store_host, store_port, timeout_s=30)
         self._publish_heartbeat()
-        threading.Thread(target=self._heartbeat_loop, name="planaria-heartbeat", daemon=True).start()
+        threading.Thread(
+            target=self._heartbeat_loop, name="planaria-heartbeat", daemon=True
+        ).start()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -231,7 +233,7 @@ class Worker(CheckpointWorkerMixin):
             self.model.train()
             for n, batch in micro_batches:
                 out = _user("the loss function", self.spec.loss, self.model, batch)
-                loss, metrics = (out if isinstance(out, tuple) else (out, {}))
+                loss, metrics = out if isinstance(out, tuple) else (out, {})
                 _user("backward", (loss * (n / gbs)).backward)
                 loss_sum += float(loss.detach()) * n
                 for key, value in metrics.items():
@@ -375,7 +377,8 @@ class Worker(CheckpointWorkerMixin):
                 received += _nbytes(buf)
             for names in small:
                 flat = torch.empty(
-                    sum(tensors[k].numel() for k in names), dtype=tensors[names[0]].dtype,
+                    sum(tensors[k].numel() for k in names),
+                    dtype=tensors[names[0]].dtype,
                     device=self.device,
                 )
                 self.comm.recv(flat, src)
@@ -417,7 +420,9 @@ class Worker(CheckpointWorkerMixin):
 
     def _enter(self, gen: int) -> None:
         if gen < self.gen:
-            raise StaleGeneration(f"{self.name} is in generation {self.gen}, refused call from {gen}")
+            raise StaleGeneration(
+                f"{self.name} is in generation {self.gen}, refused call from {gen}"
+            )
         self.gen = gen
 
     def _check(self, gen: int) -> None:
@@ -432,8 +437,12 @@ class Worker(CheckpointWorkerMixin):
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.preempting = True
 
+    def _heartbeat_record(self) -> str:
+        pre = int(self.preempting)
+        return f"{time.time():.3f}|{self.phase}|{self.phase_step}|{self.gen}|{pre}"
+
     def _publish_heartbeat(self) -> None:
-        record = f"{time.time():.3f}|{self.phase}|{self.phase_step}|{self.gen}|{int(self.preempting)}"
+        record = self._heartbeat_record()
         self._store.set(f"hb/{self.name}", record)
 
     def _heartbeat_loop(self) -> None:
@@ -445,8 +454,7 @@ class Worker(CheckpointWorkerMixin):
                     # Evicted while stopped or cut off: this replica's state is no one's now.
                     _log.warning("%s was fenced off by the controller; exiting", self.name)
                     os._exit(0)
-                record = f"{time.time():.3f}|{self.phase}|{self.phase_step}|{self.gen}|{int(self.preempting)}"
-                store.set(f"hb/{self.name}", record)
+                store.set(f"hb/{self.name}", self._heartbeat_record())
             except Exception:  # the controller is gone: nothing to report to
                 if self._stop.is_set():
                     return
@@ -459,7 +467,9 @@ class Worker(CheckpointWorkerMixin):
         names = {t.ident: t.name for t in threading.enumerate()}
         parts = []
         for ident, frame in frames.items():
-            parts.append(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
+            parts.append(
+                f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+            )
         return "\n".join(parts)
 
     @ray.method(concurrency_group="control")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -84,9 +85,13 @@ class WorkerPool:
         self.starting: list[WorkerHandle] = []
         self._retry_at: list[tuple[float, WorkerHandle]] = []
         self.local_node = socket.gethostname()
-        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(Worker)
+        # Two lanes: steps and state in the default one, stack dumps and pings in "control".
+        remote: Any = ray.remote
+        self._actor_cls = remote(concurrency_groups={"control": 1})(Worker)
 
-    def start(self, *, replaces: str | None = None, attempt: int = 1, name: str | None = None) -> WorkerHandle:
+    def start(
+        self, *, replaces: str | None = None, attempt: int = 1, name: str | None = None
+    ) -> WorkerHandle:
         """Asks Ray for a new worker; it builds its model in the background."""
         if name is None:
             name = f"w{self._next_index}"
@@ -194,21 +199,15 @@ class WorkerPool:
             self.fence(handle.name)
         pid = handle.pid
         if pid is not None and handle.info.get("node") == self.local_node:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # works on a SIGSTOP'ed process too
-            except ProcessLookupError:
-                pass
-        try:
+        with contextlib.suppress(Exception):
             ray.kill(handle.actor, no_restart=True)
-        except Exception:
-            pass
 
     def release(self, handle: WorkerHandle) -> None:
         """Ends a healthy worker at the end of a job."""
-        try:
+        with contextlib.suppress(Exception):
             ray.kill(handle.actor, no_restart=True)
-        except Exception:
-            pass
 
     def shutdown(self) -> None:
         for handle in self.starting:

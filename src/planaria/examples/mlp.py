@@ -29,7 +29,13 @@ class Regression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def make_model(dim: int = 32, hidden: int = 128) -> nn.Module:
-    return nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+    return nn.Sequential(
+        nn.Linear(dim, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, 1),
+    )
 
 
 def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -37,7 +43,14 @@ def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Ten
     return nn.functional.mse_loss(model(x), y)
 
 
-def make_spec(*, n: int = 4096, global_batch_size: int = 64, micro_batch_size: int = 16, seed: int = 0, lr: float = 1e-2) -> TrainSpec:
+def make_spec(
+    *,
+    n: int = 4096,
+    global_batch_size: int = 64,
+    micro_batch_size: int = 16,
+    seed: int = 0,
+    lr: float = 1e-2,
+) -> TrainSpec:
     return TrainSpec(
         model=make_model,
         optimizer=lambda params: torch.optim.Adam(params, lr=lr),

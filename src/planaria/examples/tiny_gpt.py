@@ -90,7 +90,7 @@ class TinyGPT(nn.Module):
         t = idx.shape[1]
         x = self.tok(idx) + self.pos[:t]
         for block in self.blocks:
-            x = block(x, self.mask[:t, :t])
+            x = block(x, self.mask[:t, :t])  # type: ignore[index]
         return self.head(self.ln(x))
 
 
@@ -134,7 +134,9 @@ def make_spec(
     return TrainSpec(
         model=lambda: TinyGPT(dim=dim, layers=layers),
         optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20)),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / 20)
+        ),
         loss=lm_loss,
         dataset=CharWindows,
         global_batch_size=global_batch_size,
