@@ -1,30 +1,68 @@
 """Checksums, and reading bytes while checksumming what has already arrived.
 
-The checksum is zlib's CRC-32 (``"crc32"`` in manifests); zlib releases the GIL
-on large buffers, so checksumming one chunk on a helper thread overlaps with
-reading the next one.
+New checkpoints use CRC-32C (``"crc32c"`` in manifests), computed with the
+CPU's CRC32 instructions by ``google_crc32c`` (about 9 GB/s a core, five times
+zlib's CRC-32); manifests that name ``"crc32"`` (zlib's CRC-32, the format's
+first algorithm) are still read. Both release the GIL on large buffers, so
+checksumming one chunk on a helper thread overlaps with reading the next one.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+import google_crc32c
+import numpy as np
 import torch
 
-__all__ = ["ALGORITHM", "CHUNK_BYTES", "Readable", "Segment", "byte_view", "crc32", "read_verified"]
+__all__ = [
+    "ALGORITHM",
+    "ALGORITHMS",
+    "CHUNK_BYTES",
+    "Readable",
+    "Segment",
+    "byte_view",
+    "checksum_function",
+    "crc32",
+    "crc32c",
+    "read_verified",
+]
 
-ALGORITHM = "crc32"
+Buffer = bytes | bytearray | memoryview
+
+#: The algorithm new checkpoints are written with.
+ALGORITHM = "crc32c"
 #: Bytes read per call; checksumming one chunk overlaps with reading the next.
 CHUNK_BYTES = 8 << 20
 
 
-def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """CRC-32 of ``data`` continuing from ``value``."""
+def crc32(data: Buffer, value: int = 0) -> int:
+    """zlib's CRC-32 of ``data`` continuing from ``value`` (manifests naming ``"crc32"``)."""
     return zlib.crc32(data, value)
+
+
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data`` continuing from ``value``, in hardware where the CPU
+    has it. No copy: a numpy view passes the bytes (the extension refuses memoryviews)."""
+    return int(google_crc32c.extend(value, np.frombuffer(data, dtype=np.uint8)))
+
+
+#: Every algorithm a manifest may name, by name.
+ALGORITHMS: dict[str, Callable[[Buffer, int], int]] = {"crc32": crc32, "crc32c": crc32c}
+
+
+def checksum_function(algorithm: str) -> Callable[[Buffer, int], int]:
+    """The checksum called ``algorithm`` in manifests; ``ValueError`` for an unknown name."""
+    try:
+        return ALGORITHMS[algorithm]
+    except KeyError:
+        raise ValueError(
+            f"unknown checksum algorithm {algorithm!r} (known: {sorted(ALGORITHMS)})"
+        ) from None
 
 
 class Readable(Protocol):
@@ -53,7 +91,8 @@ class Segment:
 class _Checker:
     """Checksums consecutive chunks against sorted segments; runs on one thread at a time."""
 
-    def __init__(self, segments: Sequence[Segment]) -> None:
+    def __init__(self, segments: Sequence[Segment], algorithm: str = ALGORITHM) -> None:
+        self.fn = checksum_function(algorithm)
         self.segments = sorted(segments, key=lambda s: s.begin)
         self.values = [0] * len(self.segments)
         self.next = 0  # first segment not yet complete
@@ -65,7 +104,7 @@ class _Checker:
             seg = self.segments[i]
             lo, hi = max(seg.begin, offset), min(seg.end, end)
             if hi > lo:
-                self.values[i] = zlib.crc32(view[lo - offset : hi - offset], self.values[i])
+                self.values[i] = self.fn(view[lo - offset : hi - offset], self.values[i])
             if seg.end <= end:
                 i += 1
                 self.next = i
@@ -83,15 +122,17 @@ def read_verified(
     segments: Sequence[Segment] = (),
     *,
     chunk_bytes: int = CHUNK_BYTES,
+    algorithm: str = ALGORITHM,
 ) -> list[tuple[Segment, int]]:
     """Reads byte ranges of ``f``: each target is ``(offset, length, out)``, in file order;
     the bytes go into ``out`` or, if it is None, through two reused chunk buffers.
 
-    ``segments`` (file offsets inside the ranges read) are checksummed on a helper
-    thread while the next chunk is read. Returns ``(segment, crc found)`` for each
-    segment whose checksum differs. Raises ``EOFError`` if the file ends early.
+    ``segments`` (file offsets inside the ranges read) are checksummed with
+    ``algorithm`` on a helper thread while the next chunk is read. Returns
+    ``(segment, crc found)`` for each segment whose checksum differs. Raises
+    ``EOFError`` if the file ends early.
     """
-    checker = _Checker(segments) if segments else None
+    checker = _Checker(segments, algorithm) if segments else None
     longest = max((n for _, n, out in targets if out is None), default=0)
     ring = [memoryview(bytearray(min(chunk_bytes, longest))) for _ in range(2)] if longest else []
     pool = ThreadPoolExecutor(max_workers=1) if checker is not None else None

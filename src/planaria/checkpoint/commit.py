@@ -40,6 +40,8 @@ def _check_records(step: int, records: Sequence[ShardRecord]) -> tuple[str, int]
                 f"{r.save_id!r}, {r.num_shards} shards; expected step {step}, save "
                 f"{save_id!r}, {num} shards"
             )
+    if len({r.checksum for r in records}) > 1:
+        raise ManifestError(f"step {step}: shard records use different checksum algorithms")
     got = sorted(r.shard_index for r in records)
     if got != list(range(num)):
         missing = sorted(set(range(num)) - set(got))
@@ -118,6 +120,7 @@ def commit_checkpoint(
         planaria_version=__version__,
         torch_version=torch.__version__,
         created_t=time.time(),
+        checksum=ordered[0].checksum,
     )
     data = manifest.to_json()
     parse_manifest(data)  # the reader's own checks, before anything becomes visible
@@ -128,7 +131,8 @@ def commit_checkpoint(
         storage.remove(f"{final}/{MARKER}")
         _remove_strays(storage, final, {r.file.name for r in ordered})
     storage.write_bytes(f"{directory}/{MANIFEST}", data)
-    storage.write_bytes(f"{directory}/{MARKER}", marker_bytes(data, step, save_id))
+    marker = marker_bytes(data, step, save_id, manifest.checksum)
+    storage.write_bytes(f"{directory}/{MARKER}", marker)
     if storage.local:
         storage.fsync_dir(directory)
         if storage.exists(final):

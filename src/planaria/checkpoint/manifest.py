@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from planaria.checkpoint.checksum import ALGORITHM, crc32
+from planaria.checkpoint.checksum import ALGORITHM, ALGORITHMS, checksum_function
 from planaria.checkpoint.dtypes import DTYPES
 from planaria.checkpoint.errors import ManifestError
 
@@ -92,6 +92,8 @@ class Manifest:
     planaria_version: str = ""
     torch_version: str = ""
     created_t: float = 0.0
+    checksum: str = ALGORITHM
+    """The algorithm of every checksum in the manifest (``crc32c``; ``crc32`` in old ones)."""
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +105,7 @@ class Manifest:
         doc = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "checksum": ALGORITHM,
+            "checksum": self.checksum,
             "step": self.step,
             "world_size": self.world_size,
             "save_id": self.save_id,
@@ -151,10 +153,14 @@ def parse_manifest(data: bytes) -> Manifest:
         raise ManifestError(f"malformed manifest: {type(err).__name__}: {err}") from err
 
 
-def marker_bytes(manifest_json: bytes, step: int, save_id: str) -> bytes:
-    """The commit marker's content: names the exact manifest it commits."""
+def marker_bytes(
+    manifest_json: bytes, step: int, save_id: str, algorithm: str = ALGORITHM
+) -> bytes:
+    """The commit marker's content: names the exact manifest it commits (its size and its
+    checksum with ``algorithm``; the key keeps its first name, ``manifest_crc32``)."""
     doc = {"step": step, "save_id": save_id, "manifest_size": len(manifest_json),
-           "manifest_crc32": crc32(manifest_json)}
+           "checksum": algorithm,
+           "manifest_crc32": checksum_function(algorithm)(manifest_json, 0)}
     return json.dumps(doc).encode()
 
 
@@ -163,9 +169,11 @@ def parse_marker(data: bytes, manifest_json: bytes) -> None:
     try:
         doc = json.loads(data)
         size, crc = _int(doc, "manifest_size"), _int(doc, "manifest_crc32")
-    except (ValueError, RecursionError, TypeError) as err:
+        algorithm = doc.get("checksum", "crc32")  # markers before CRC-32C named none
+        fn = checksum_function(algorithm)
+    except (ValueError, RecursionError, TypeError, AttributeError) as err:
         raise ManifestError(f"commit marker is malformed: {err}") from err
-    if size != len(manifest_json) or crc != crc32(manifest_json):
+    if size != len(manifest_json) or crc != fn(manifest_json, 0):
         raise ManifestError("commit marker does not match manifest.json (size or checksum differ)")
 
 
@@ -219,8 +227,9 @@ def _build(doc: Any) -> Manifest:
     if _int(doc, "format_version") != FORMAT_VERSION:
         raise _fail(f"unsupported format_version {doc['format_version']} (this reads "
                     f"{FORMAT_VERSION})")
-    if _get(doc, "checksum") != ALGORITHM:
-        raise _fail(f"unsupported checksum {doc['checksum']!r} (this reads {ALGORITHM!r})")
+    algorithm = _get(doc, "checksum")
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise _fail(f"unsupported checksum {algorithm!r} (this reads {sorted(ALGORITHMS)})")
     created = _get(doc, "created_t")
     if not isinstance(created, (int, float)) or isinstance(created, bool):
         raise _fail("'created_t' must be a number")
@@ -241,6 +250,7 @@ def _build(doc: Any) -> Manifest:
         planaria_version=_str(doc, "planaria_version"),
         torch_version=_str(doc, "torch_version"),
         created_t=float(created),
+        checksum=algorithm,
     )
 
 

@@ -140,6 +140,7 @@ def _read_file(
     *,
     whole: bool,
     verify: bool,
+    algorithm: str,
 ) -> list[str]:
     """Reads a shard (``whole``) or only the ``wanted`` slices, each slice straight into
     its destination bytes ``dest[key]`` (None: verify only); returns the problems."""
@@ -161,7 +162,7 @@ def _read_file(
             targets.append((0, fe.data_start, None))
     try:
         with st.open_read(path) as f:
-            bad = read_verified(f, targets, segs if verify else ())
+            bad = read_verified(f, targets, segs if verify else (), algorithm=algorithm)
     except EOFError as err:
         return [f"{fe.name}: {err}"]
     return [f"{seg.label}: checksum mismatch (manifest {seg.crc:#010x}, data {got:#010x})"
@@ -206,7 +207,8 @@ def _read_all(
     jobs = [(fe, wanted[fe.name]) for fe in manifest.files if names is None or wanted[fe.name]]
     problems: list[str] = []
     with ThreadPoolExecutor(max_workers=max(1, min(_IO_THREADS, len(jobs)))) as pool:
-        futures = [pool.submit(_read_file, st, fe, w, dest, whole=names is None, verify=verify)
+        futures = [pool.submit(_read_file, st, fe, w, dest, whole=names is None, verify=verify,
+                               algorithm=manifest.checksum)
                    for fe, w in jobs]
         for fut in futures:
             problems += fut.result()

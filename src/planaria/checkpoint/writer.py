@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from planaria.checkpoint.checksum import byte_view, crc32
+from planaria.checkpoint.checksum import ALGORITHM, byte_view, checksum_function
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
 from planaria.checkpoint.errors import ManifestError
 from planaria.checkpoint.layout import (
@@ -59,6 +59,7 @@ class ShardRecord:
     num_shards: int
     file: FileEntry
     slices: tuple[RecordedSlice, ...]
+    checksum: str = ALGORITHM
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +84,7 @@ class ShardRecord:
                     )
                     for s in doc["slices"]
                 ),
+                checksum=str(doc.get("checksum", "crc32")),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ManifestError(f"malformed shard record: {err!r}") from err
@@ -115,6 +117,7 @@ def write_shard(
     save_id: str | None = None,
     fsync: bool = True,
     storage_options: Mapping[str, Any] | None = None,
+    algorithm: str = ALGORITHM,
 ) -> ShardRecord:
     """Writes ``share`` (slice key -> CPU tensor, e.g. from :func:`take_share`) as shard
     ``shard_index`` of ``num_shards`` of the checkpoint of ``step`` under ``root``.
@@ -124,6 +127,7 @@ def write_shard(
     step is never retried while an older attempt may still be writing. Safe to
     call from a background thread; the tensors must not change until it returns.
     Storage errors propagate as raised by the filesystem (``OSError`` and kin).
+    ``algorithm`` names the checksum (``crc32c``; ``crc32`` writes the old format).
     """
     sid = check_save_id(save_id or DEFAULT_SAVE_ID)
     storage = Storage(root, storage_options)
@@ -150,8 +154,9 @@ def write_shard(
     head = len(hjson).to_bytes(8, "little") + hjson
     data_start = len(head)
 
+    crc = checksum_function(algorithm)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        crcs = [pool.submit(crc32, v) for v in views]
+        crcs = [pool.submit(crc, v, 0) for v in views]
         with storage.open_write(f"{directory}/{name}", fsync=fsync) as f:
             f.write(head)
             for v in views:
@@ -168,6 +173,6 @@ def write_shard(
     assert size == data_start + sum(math.prod(s.shape) * DTYPES[s.dtype].itemsize for s in slices)
     return ShardRecord(
         step=step, save_id=sid, shard_index=shard_index, num_shards=num_shards,
-        file=FileEntry(name=name, size=size, data_start=data_start, header_crc32=crc32(head)),
-        slices=tuple(slices),
+        file=FileEntry(name=name, size=size, data_start=data_start, header_crc32=crc(head, 0)),
+        slices=tuple(slices), checksum=algorithm,
     )
