@@ -1,0 +1,265 @@
+"""planaria's side of the benchmarks: the shared workload as a TrainSpec, and runs that
+return the same figures as ``bench.baselines.runners`` (same definitions, same clock).
+
+- :func:`make_spec`: ``bench.common``'s model, dataset, Adam and data order as a
+  :class:`planaria.TrainSpec`. ``common.loss_fn`` returns the *sum* of per-sample
+  losses; planaria's ``TrainSpec.loss`` must return the *mean* over the
+  micro-batch (the worker weights it by ``n / global_batch``), so it is divided
+  by the micro-batch's length.
+- :func:`run_planaria_steady`: ``steps`` steps at a fixed width; the step time a
+  user sees (the driver loop's wall time per :meth:`planaria.Job.train_step`),
+  the controller's own ``duration_s`` (dispatch → every result back), and the
+  per-step time the slowest worker spent in its own timers
+  (``data_wait_s + compute_s + reduce_s``, read from the step results).
+- :func:`run_planaria_kill`: one SIGKILL through planaria's chaos plan
+  (``kill:w1@stepK``), recovery figures computed from ``events.jsonl`` only.
+
+Every function starts (and shuts down) its own local Ray, so runs are independent.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+from bench import common  # noqa: E402
+
+__all__ = [
+    "apply_ms",
+    "make_spec",
+    "recovery_figures",
+    "run_planaria_kill",
+    "run_planaria_steady",
+]
+
+
+def _ensure_worker_path() -> None:
+    """Ray workers inherit this environment: let them import ``bench.common`` too."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(_REPO) not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(_REPO), *parts])
+
+
+def _mean_loss(model: Any, batch: Any) -> Any:
+    # common.loss_fn sums over the samples; planaria wants the micro-batch mean.
+    return common.loss_fn(model, batch) / len(batch[1])
+
+
+def make_spec(size: str = "small") -> Any:
+    """The benchmark workload as a planaria TrainSpec (global batch 64, micro-batch 16)."""
+    import planaria
+
+    return planaria.TrainSpec(
+        model=functools.partial(common.make_model, size),
+        optimizer=common.make_optimizer,
+        loss=_mean_loss,
+        dataset=functools.partial(common.make_dataset, size=size),
+        collate=common.collate,
+        global_batch_size=common.GLOBAL_BATCH,
+        micro_batch_size=common.MICRO_BATCH,
+        seed=common.SEED,
+        name=f"bench-{size}",
+    )
+
+
+def _timed_job_class() -> type:
+    """A Job that keeps the workers' own step timings (bench instrumentation only)."""
+    from planaria import Job
+
+    class TimedJob(Job):
+        worker_times: dict[int, dict[str, dict[str, float]]]
+
+        def _gather(self, refs: dict[str, Any], *, deadline_s: float, step: int | None) -> dict[str, Any]:
+            results = super()._gather(refs, deadline_s=deadline_s, step=step)
+            if step is not None:
+                times = {
+                    name: {k: float(r[k]) for k in ("data_wait_s", "compute_s", "reduce_s")}
+                    for name, r in results.items()
+                    if isinstance(r, dict) and "compute_s" in r
+                }
+                if times:
+                    self.__dict__.setdefault("worker_times", {})[step] = times
+            return results
+
+    return TimedJob
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def apply_ms(size: str = "small", reps: int = 20, threads: int = 1) -> float:
+    """Median time of one Adam ``optimizer.step`` on the model (1 torch thread).
+
+    A worker applies the committed update at the start of its next ``step``
+    call, before its own timers start, so this is part of the worker's work
+    that ``compute_s`` does not include.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = common.make_model(size)
+        opt = common.make_optimizer(model.parameters())
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()  # creates the moments
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1000
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_planaria_steady(
+    steps: int,
+    size: str = "small",
+    replicas: int = 2,
+    threads: int = 1,
+    *,
+    warmup: int = 3,
+    run_dir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """``steps`` steps on ``replicas`` workers, no faults; step times after ``warmup``.
+
+    Returns ``step_ms`` / ``step_ms_median`` (driver wall time per
+    ``train_step``: boundary + dispatch + gather + commit bookkeeping),
+    ``duration_ms_median`` (the controller's ``duration_s``: dispatch → all
+    results), ``worker_ms_median`` (per step, the slowest worker's
+    ``data_wait_s + compute_s + reduce_s``) and ``gap_ms_median`` (per step,
+    driver wall time minus that: everything outside the workers' timers).
+    """
+    from planaria import RunConfig
+
+    if steps <= warmup:
+        raise ValueError(f"steps={steps} must exceed warmup={warmup}")
+    _ensure_worker_path()
+    rd = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="planaria_steady_"))
+    config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads)
+    job = _timed_job_class()(make_spec(size), config)
+    wall: dict[int, float] = {}
+    duration: dict[int, float] = {}
+    with job:
+        while job.steps_done < steps:
+            t0 = time.perf_counter()
+            result = job.train_step()  # no faults here: a Failure is a benchmark error
+            wall[result.step] = time.perf_counter() - t0
+            duration[result.step] = result.duration_s
+        job.commit_all()
+    times: dict[int, dict[str, dict[str, float]]] = getattr(job, "worker_times", {})
+    steady = [s for s in sorted(wall) if s >= warmup]
+    worker = {
+        s: max(t["data_wait_s"] + t["compute_s"] + t["reduce_s"] for t in times[s].values())
+        for s in steady
+        if s in times
+    }
+    return {
+        "step_ms": [wall[s] * 1000 for s in steady],
+        "step_ms_median": _median([wall[s] * 1000 for s in steady]),
+        "duration_ms_median": _median([duration[s] * 1000 for s in steady]),
+        "worker_ms_median": _median([w * 1000 for w in worker.values()]),
+        "gap_ms_median": _median([(wall[s] - worker[s]) * 1000 for s in worker]),
+        "dispatch_gap_ms_median": _median([(duration[s] - worker[s]) * 1000 for s in worker]),
+        "replicas": replicas,
+        "size": size,
+        "run_dir": str(rd),
+    }
+
+
+def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """recover_s, back_s, lost_steps, join_s, transfer from one run's events (first kill).
+
+    Same definitions as ``bench.baselines.runners``: ``t_kill`` is the chaos
+    signal's time (the ``fault`` record's ``fault_t``), ``s_max`` the highest step
+    committed before it, ``recover_s`` = kill → next committed step, ``back_s`` =
+    kill → first commit of a step beyond ``s_max``, ``lost_steps`` = steps
+    ``<= s_max`` committed again after the kill.
+    """
+    faults = [e for e in events if e["event"] == "fault"]
+    if not faults:
+        raise RuntimeError("no fault in the event log: the kill did not happen")
+    t_kill = float(faults[0]["fault_t"])
+    commits = [e for e in events if e["event"] == "step_committed"]
+    before = [e for e in commits if e["t"] <= t_kill]
+    after = [e for e in commits if e["t"] > t_kill]
+    s_max = max((e["step"] for e in before), default=-1)
+    beyond = [e for e in after if e["step"] > s_max]
+    joined = [e for e in events if e["event"] == "joined"]
+    transfer = [e for e in events if e["event"] == "state_transfer"]
+    ready = [e for e in events if e["event"] == "replacement_ready"]
+    detected = [e for e in events if e["event"] == "detected"]
+    steady = [e["duration_s"] * 1000 for e in before[3:]]
+    return {
+        "s_max": s_max,
+        "recover_s": after[0]["t"] - t_kill if after else None,
+        "back_s": beyond[0]["t"] - t_kill if beyond else None,
+        "lost_steps": len({e["step"] for e in after if e["step"] <= s_max}),
+        "detect_s": detected[0]["detect_s"] if detected else None,
+        "replacement_s": ready[0]["replacement_s"] if ready else None,
+        "join_s": joined[0]["join_s"] if joined else None,
+        "joined_at_step": joined[0]["step"] if joined else None,
+        "transfer_bytes": transfer[0]["bytes"] if transfer else None,
+        "transfer_s": transfer[0]["seconds"] if transfer else None,
+        "transfer_gb_per_s": transfer[0]["gb_per_s"] if transfer else None,
+        "step_ms_median": _median(steady),
+        "final_width": commits[-1]["width"] if commits else None,
+    }
+
+
+def run_planaria_kill(
+    steps: int,
+    kill_at_step: int,
+    size: str = "small",
+    replicas: int = 3,
+    threads: int = 1,
+    *,
+    victim: str = "w1",
+    join_wait_s: float = 180.0,
+    run_dir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Resize policy; ``kill:<victim>@step<kill_at_step>`` through planaria's chaos plan.
+
+    The loop is ``fit()``'s, except that from three steps before the end it
+    waits (at most ``join_wait_s``, calling the step boundary every 0.2 s) for
+    the replacement to join, so that a slow worker start cannot end the run
+    before the hot-join it is meant to measure. The wait adds nothing to the
+    figures: recovery is over by then, and ``join_s`` starts when the
+    replacement is ready.
+    """
+    import planaria
+    from planaria import RunConfig
+    from planaria.events import read_events
+
+    _ensure_worker_path()
+    rd = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="planaria_kill_"))
+    config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads)
+    chaos = planaria.ChaosPlan.parse(f"kill:{victim}@step{kill_at_step}")
+    job = planaria.Job(make_spec(size), config, chaos=chaos)
+    deadline = time.time() + join_wait_s
+    with job:
+        while job.steps_done < steps:
+            try:
+                if job.steps_done >= steps - 3 and job.width < replicas and time.time() < deadline:
+                    time.sleep(0.2)
+                    job.boundary()  # admits the replacement once it is ready
+                    continue
+                job.train_step()
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+    out = recovery_figures(list(read_events(rd / "events.jsonl")))
+    out.update(replicas=replicas, size=size, run_dir=str(rd))
+    return out

@@ -1,0 +1,162 @@
+"""Recovery from one SIGKILL, three ways, in one run: planaria, torchrun + checkpoints, torchft.
+
+    python bench/recovery.py                  # 3 replicas, "small" model, kill at step 30 of 60
+    python bench/recovery.py --quick          # smoke run: tiny model, few steps
+
+Every system trains the same workload (``bench.common``) on 3 replicas with 1
+torch thread each, and one worker is SIGKILLed once the job reached step
+``--kill-at``:
+
+- planaria: resize policy, the kill sent by planaria's own chaos plan
+  (``kill:w1@stepK``); the survivors go on at width 2 and a replacement joins
+  live, receiving the state from a survivor. Figures from ``events.jsonl``.
+- torchrun: DDP with a checkpoint every ``--ckpt-every`` steps under
+  ``torchrun --max-restarts``; every worker restarts and resumes from the
+  checkpoint (``bench.baselines.runners.run_torchrun_kill``).
+- torchft: one replica group per process and a lighthouse; survivors go on,
+  a replacement heals from a peer (``run_torchft_kill``).
+
+The same definitions for all three (see ``bench/baselines/runners.py``):
+``recover_s`` = kill → next committed step; ``back_s`` = kill → first commit of
+a step beyond the highest step committed before the kill; ``lost_steps`` =
+steps committed twice. For planaria also ``join_s`` (replacement ready → first
+committed step that includes it, from the ``joined`` event) and the state
+transfer throughput (``state_transfer`` event: bytes ÷ seconds, the seconds
+covering the layout request and the send/receive). The transfer figure needs
+≥100 MB of state: when ``--size`` is smaller it comes from a second planaria
+run with the ``--transfer-size`` model (default ``large``: ~132 MB with Adam).
+
+The last line printed is one JSON object (``"bench": "recovery"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+_REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO))
+
+from bench import common  # noqa: E402
+from bench.baselines.runners import run_torchft_kill, run_torchrun_kill  # noqa: E402
+from bench.planaria_side import run_planaria_kill  # noqa: E402
+
+MIN_TRANSFER_BYTES = 100 * 10**6
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="small", choices=sorted(common.SIZES))
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--kill-at", type=int, default=30, help="SIGKILL once this step runs")
+    p.add_argument("--ckpt-every", type=int, default=20, help="torchrun's checkpoint interval")
+    p.add_argument("--transfer-size", default="large", choices=sorted(common.SIZES))
+    p.add_argument("--transfer-steps", type=int, default=10)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each baseline run")
+    p.add_argument("--workdir", default=None, help="where runs write (default: a temp dir)")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, few steps")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.transfer_size = "tiny", "tiny"
+        args.steps, args.kill_at, args.ckpt_every, args.transfer_steps = 12, 6, 4, 0
+    return args
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    wd = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_recovery_"))
+    wd.mkdir(parents=True, exist_ok=True)
+    load = {"before": _loadavg()}
+    t0 = time.time()
+
+    print(f"planaria: {args.replicas} replicas, size={args.size}, kill w1 at step {args.kill_at}",
+          flush=True)
+    pl = run_planaria_kill(args.steps, args.kill_at, args.size, args.replicas,
+                           run_dir=wd / "planaria")
+    print(f"torchrun: ckpt every {args.ckpt_every}", flush=True)
+    tr = run_torchrun_kill(args.steps, args.kill_at, args.size, nproc=args.replicas,
+                           ckpt_every=args.ckpt_every, timeout_s=args.timeout_s,
+                           workdir=wd / "torchrun")
+    print("torchft", flush=True)
+    ft = run_torchft_kill(args.steps, args.kill_at, args.size, groups=args.replicas,
+                          timeout_s=args.timeout_s, workdir=wd / "torchft")
+    transfer = pl
+    if args.transfer_steps and (pl["transfer_bytes"] or 0) < MIN_TRANSFER_BYTES:
+        kill = max(3, args.transfer_steps // 2)
+        print(f"planaria transfer run: size={args.transfer_size}", flush=True)
+        transfer = run_planaria_kill(args.transfer_steps, kill, args.transfer_size,
+                                     args.replicas, run_dir=wd / "planaria_transfer")
+    load["after"] = _loadavg()
+
+    rows = [("planaria", pl), ("torchrun", tr), ("torchft", ft)]
+    print()
+    print(f"{'system':<10} {'step ms':>8} {'recover_s':>10} {'back_s':>8} {'lost':>5}  notes")
+    for name, r in rows:
+        if name == "planaria":
+            note = f"detect {_fmt(r['detect_s'], '.3f')} s, replacement ready {_fmt(r['replacement_s'])} s, join {_fmt(r['join_s'])} s"
+        elif name == "torchrun":
+            note = f"resumed at step {r.get('resume_step')}, phases {json.dumps(r.get('phases_s'))}"
+        else:
+            note = f"failed steps {r.get('failed_steps')}, replacement rejoin {_fmt(r.get('rejoin_s'))} s"
+        print(f"{name:<10} {_fmt(r.get('step_ms_median'), '.0f'):>8} {_fmt(r['recover_s']):>10} "
+              f"{_fmt(r['back_s']):>8} {r['lost_steps']:>5}  {note}")
+    print(f"state transfer ({transfer['size']}): {_fmt((transfer['transfer_bytes'] or 0) / 1e6, '.0f')} MB "
+          f"in {_fmt(transfer['transfer_s'], '.3f')} s = {_fmt(transfer['transfer_gb_per_s'])} GB/s")
+    print(f"load average before {load['before']} after {load['after']}; wall {time.time() - t0:.0f} s")
+
+    def speedup(other: dict[str, Any]) -> float | None:
+        if other["back_s"] is None or not pl["back_s"]:
+            return None
+        return other["back_s"] / pl["back_s"]
+
+    keep = ("recover_s", "back_s", "lost_steps")
+    out = {
+        "bench": "recovery",
+        "planaria": {
+            **{k: pl[k] for k in keep},
+            "join_s": pl["join_s"],
+            "transfer_gb_per_s": transfer["transfer_gb_per_s"],
+            "transfer_bytes": transfer["transfer_bytes"],
+            "transfer_size": transfer["size"],
+            "detect_s": pl["detect_s"],
+            "replacement_s": pl["replacement_s"],
+            "step_ms": pl["step_ms_median"],
+        },
+        "torchrun": {**{k: tr[k] for k in keep}, "step_ms": tr["step_ms_median"],
+                     "ckpt_every": args.ckpt_every, "phases_s": tr.get("phases_s")},
+        "torchft": {**{k: ft[k] for k in keep}, "step_ms": ft["step_ms_median"],
+                    "rejoin_s": ft.get("rejoin_s")},
+        "speedup_vs_torchrun": speedup(tr),
+        "speedup_vs_torchft": speedup(ft),
+        "size": args.size,
+        "replicas": args.replicas,
+        "steps": args.steps,
+        "kill_at_step": args.kill_at,
+        "loadavg": load,
+        "nproc": os.cpu_count(),
+    }
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
