@@ -79,7 +79,9 @@ def _timed_job_class() -> type:
     class TimedJob(Job):
         worker_times: dict[int, dict[str, dict[str, float]]]
 
-        def _gather(self, refs: dict[str, Any], *, deadline_s: float, step: int | None) -> dict[str, Any]:
+        def _gather(
+            self, refs: dict[str, Any], *, deadline_s: float, step: int | None
+        ) -> dict[str, Any]:
             results = super()._gather(refs, deadline_s=deadline_s, step=step)
             if step is not None:
                 times = {

@@ -88,23 +88,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load = {"before": _loadavg()}
     t0 = time.time()
 
-    print(f"planaria: {args.replicas} replicas, size={args.size}, kill w1 at step {args.kill_at}",
-          flush=True)
-    pl = run_planaria_kill(args.steps, args.kill_at, args.size, args.replicas,
-                           run_dir=wd / "planaria")
+    print(
+        f"planaria: {args.replicas} replicas, size={args.size}, kill w1 at step {args.kill_at}",
+        flush=True,
+    )
+    pl = run_planaria_kill(
+        args.steps, args.kill_at, args.size, args.replicas, run_dir=wd / "planaria"
+    )
     print(f"torchrun: ckpt every {args.ckpt_every}", flush=True)
-    tr = run_torchrun_kill(args.steps, args.kill_at, args.size, nproc=args.replicas,
-                           ckpt_every=args.ckpt_every, timeout_s=args.timeout_s,
-                           workdir=wd / "torchrun")
+    tr = run_torchrun_kill(
+        args.steps,
+        args.kill_at,
+        args.size,
+        nproc=args.replicas,
+        ckpt_every=args.ckpt_every,
+        timeout_s=args.timeout_s,
+        workdir=wd / "torchrun",
+    )
     print("torchft", flush=True)
-    ft = run_torchft_kill(args.steps, args.kill_at, args.size, groups=args.replicas,
-                          timeout_s=args.timeout_s, workdir=wd / "torchft")
+    ft = run_torchft_kill(
+        args.steps,
+        args.kill_at,
+        args.size,
+        groups=args.replicas,
+        timeout_s=args.timeout_s,
+        workdir=wd / "torchft",
+    )
     transfer = pl
     if args.transfer_steps and (pl["transfer_bytes"] or 0) < MIN_TRANSFER_BYTES:
         kill = max(3, args.transfer_steps // 2)
         print(f"planaria transfer run: size={args.transfer_size}", flush=True)
-        transfer = run_planaria_kill(args.transfer_steps, kill, args.transfer_size,
-                                     args.replicas, run_dir=wd / "planaria_transfer")
+        transfer = run_planaria_kill(
+            args.transfer_steps,
+            kill,
+            args.transfer_size,
+            args.replicas,
+            run_dir=wd / "planaria_transfer",
+        )
     load["after"] = _loadavg()
 
     rows = [("planaria", pl), ("torchrun", tr), ("torchft", ft)]
@@ -112,16 +132,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'system':<10} {'step ms':>8} {'recover_s':>10} {'back_s':>8} {'lost':>5}  notes")
     for name, r in rows:
         if name == "planaria":
-            note = f"detect {_fmt(r['detect_s'], '.3f')} s, replacement ready {_fmt(r['replacement_s'])} s, join {_fmt(r['join_s'])} s"
+            note = (
+                f"detect {_fmt(r['detect_s'], '.3f')} s, replacement ready "
+                f"{_fmt(r['replacement_s'])} s, join {_fmt(r['join_s'])} s"
+            )
         elif name == "torchrun":
             note = f"resumed at step {r.get('resume_step')}, phases {json.dumps(r.get('phases_s'))}"
         else:
-            note = f"failed steps {r.get('failed_steps')}, replacement rejoin {_fmt(r.get('rejoin_s'))} s"
-        print(f"{name:<10} {_fmt(r.get('step_ms_median'), '.0f'):>8} {_fmt(r['recover_s']):>10} "
-              f"{_fmt(r['back_s']):>8} {r['lost_steps']:>5}  {note}")
-    print(f"state transfer ({transfer['size']}): {_fmt((transfer['transfer_bytes'] or 0) / 1e6, '.0f')} MB "
-          f"in {_fmt(transfer['transfer_s'], '.3f')} s = {_fmt(transfer['transfer_gb_per_s'])} GB/s")
-    print(f"load average before {load['before']} after {load['after']}; wall {time.time() - t0:.0f} s")
+            note = (
+                f"failed steps {r.get('failed_steps')}, "
+                f"replacement rejoin {_fmt(r.get('rejoin_s'))} s"
+            )
+        print(
+            f"{name:<10} {_fmt(r.get('step_ms_median'), '.0f'):>8} {_fmt(r['recover_s']):>10} "
+            f"{_fmt(r['back_s']):>8} {r['lost_steps']:>5}  {note}"
+        )
+    print(
+        f"state transfer ({transfer['size']}): "
+        f"{_fmt((transfer['transfer_bytes'] or 0) / 1e6, '.0f')} MB "
+        f"in {_fmt(transfer['transfer_s'], '.3f')} s = {_fmt(transfer['transfer_gb_per_s'])} GB/s"
+    )
+    print(
+        f"load average before {load['before']} after {load['after']}; wall {time.time() - t0:.0f} s"
+    )
 
     def speedup(other: dict[str, Any]) -> float | None:
         if other["back_s"] is None or not pl["back_s"]:
@@ -141,10 +174,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "replacement_s": pl["replacement_s"],
             "step_ms": pl["step_ms_median"],
         },
-        "torchrun": {**{k: tr[k] for k in keep}, "step_ms": tr["step_ms_median"],
-                     "ckpt_every": args.ckpt_every, "phases_s": tr.get("phases_s")},
-        "torchft": {**{k: ft[k] for k in keep}, "step_ms": ft["step_ms_median"],
-                    "rejoin_s": ft.get("rejoin_s")},
+        "torchrun": {
+            **{k: tr[k] for k in keep},
+            "step_ms": tr["step_ms_median"],
+            "ckpt_every": args.ckpt_every,
+            "phases_s": tr.get("phases_s"),
+        },
+        "torchft": {
+            **{k: ft[k] for k in keep},
+            "step_ms": ft["step_ms_median"],
+            "rejoin_s": ft.get("rejoin_s"),
+        },
         "speedup_vs_torchrun": speedup(tr),
         "speedup_vs_torchft": speedup(ft),
         "size": args.size,
