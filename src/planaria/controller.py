@@ -268,7 +268,9 @@ class Job:
         }
         results = self._gather(refs, deadline_s=self.config.join_timeout_s + 5, step=None)
         for h in members:
-            if h.has_state and results[h.name]["steps_done"] != self.steps_done:
+            behind = results[h.name]["steps_done"] != self.steps_done
+            # A restore overwrites every member's state: fresh replacements may be behind.
+            if h.has_state and reason != "restore" and behind:
                 raise PlanariaError(
                     f"{h.name} has {results[h.name]['steps_done']} steps, the job {self.steps_done}"
                 )
