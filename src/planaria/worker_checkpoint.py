@@ -1,9 +1,247 @@
-"""The worker's side of checkpoints (snapshot its share, write it in the background, load)."""
+"""The worker's side of checkpoints (snapshot its share, write it in the background, load).
+
+The controller's :class:`planaria.checkpointing.Checkpointer` calls these through
+Ray. Saving: :meth:`CheckpointWorkerMixin.ckpt_start` copies this replica's share
+of the state into staging buffers kept from one save to the next (the only part
+that stalls training) and writes it from a background thread;
+:meth:`~CheckpointWorkerMixin.ckpt_poll` hands the shard's record to the
+controller, which commits the checkpoint once it holds every record. Every
+replica computes the same byte-balanced :func:`~planaria.checkpoint.plan_shards`
+plan from its own (identical) tensor layout, so no plan crosses the wire.
+
+Restoring is two-phase so that a checkpoint found bad leaves every replica
+untouched: :meth:`~CheckpointWorkerMixin.ckpt_read` reads (and verifies) tensors
+into fresh memory, :meth:`~CheckpointWorkerMixin.ckpt_apply` then loads them,
+after broadcasting each tensor from the replica that read it when the replicas
+read shares.
+"""
 
 from __future__ import annotations
 
-__all__ = ["CheckpointWorkerMixin"]
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from planaria.checkpoint import (
+    AsyncShardWriter,
+    CheckpointError,
+    load_checkpoint,
+    plan_shards,
+    read_manifest,
+)
+from planaria.checkpoint.dtypes import DTYPES
+from planaria.errors import PlanariaError
+from planaria.state import flatten_state, load_state
+
+if TYPE_CHECKING:
+    from planaria.collective import Collective
+
+__all__ = ["CheckpointWorkerMixin", "broadcast_units"]
+
+_log = logging.getLogger("planaria.checkpoint")
+SMALL_TENSOR_BYTES = 1 << 20  # smaller ones are broadcast coalesced (one buffer per owner, dtype)
+
+
+def broadcast_units(
+    layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], owners: Mapping[str, int]
+) -> list[tuple[int, list[str]]]:
+    """The order tensors are broadcast in on restore: ``(owner rank, names)`` per buffer.
+
+    Big tensors go one by one, small ones coalesced per (owner, dtype); every rank
+    computes the same list from the same manifest.
+    """
+    units: list[tuple[int, list[str]]] = []
+    small: dict[tuple[int, str], list[str]] = {}
+    for name in sorted(layout):
+        shape, dtype = layout[name]
+        nbytes = _numel(shape) * dtype.itemsize
+        if nbytes >= SMALL_TENSOR_BYTES:
+            units.append((owners[name], [name]))
+        else:
+            small.setdefault((owners[name], str(dtype)), []).append(name)
+    units += [(owner, names) for (owner, _), names in sorted(small.items())]
+    return units
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 class CheckpointWorkerMixin:
-    """Mixed into :class:`planaria.worker.Worker`; methods are called by the controller's Checkpointer."""
+    """Mixed into :class:`planaria.worker.Worker`; called by the controller's Checkpointer."""
+
+    if TYPE_CHECKING:  # provided by Worker
+        name: str
+        model: torch.nn.Module
+        optimizer: Any
+        scheduler: Any
+        steps_done: int
+        pending: int | None
+        comm: Collective | None
+
+        def _check(self, gen: int) -> None: ...
+        def _drop_pending(self) -> None: ...
+        def _set_phase(self, phase: str, step: int) -> None: ...
+
+    _ckpt_writer: AsyncShardWriter | None = None
+    _ckpt_writer_key: tuple[str, str, bool] | None = None
+    _ckpt_save_id: str | None = None
+    _ckpt_staged: tuple[str, dict[str, torch.Tensor], dict[str, Any],
+                        dict[str, tuple[tuple[int, ...], torch.dtype]]] | None = None
+
+    # ---- saving ------------------------------------------------------------------------------
+
+    def ckpt_start(
+        self,
+        gen: int,
+        step: int,
+        index: int,
+        num_shards: int,
+        save_id: str,
+        root: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        if_busy: Literal["wait", "skip"] = "wait",
+        fsync: bool = True,
+    ) -> dict[str, Any]:
+        """Snapshots shard ``index`` of ``num_shards`` of the state after ``step`` steps and
+        starts writing it under ``root``; returns once the snapshot is taken.
+
+        The state must be settled (the controller calls ``commit`` first). Returns
+        ``stall_s`` (seconds the snapshot blocked; None if the save was skipped because
+        the previous write still runs, with ``if_busy="skip"``), ``bytes`` of the share
+        and, from shard 0, the state's JSON ``meta``.
+        """
+        self._check(gen)
+        if self.pending is not None or self.steps_done != step:
+            raise PlanariaError(
+                f"{self.name} cannot snapshot step {step}: it has {self.steps_done} steps done"
+                + (f" and step {self.pending} pending" if self.pending is not None else "")
+            )
+        self._set_phase("snapshot", step)
+        tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
+        plan = plan_shards({k: (t.shape, t.dtype) for k, t in tensors.items()}, num_shards)[index]
+        writer = self._writer(root, storage_options, if_busy, fsync)
+        stall = writer.start(step, tensors, plan, save_id=save_id)
+        if stall is not None:
+            self._ckpt_save_id = save_id
+        self._set_phase("idle", step)
+        return {"stall_s": stall, "bytes": plan.nbytes, "meta": meta if index == 0 else None}
+
+    def ckpt_poll(self, save_id: str) -> dict[str, Any] | None:
+        """The shard record of save ``save_id`` once written (None while writing); raises
+        the write's error if it failed. Not fenced by generation: it only reads what this
+        worker's writer did, and the controller matches records to the save by ``save_id``."""
+        writer = self._ckpt_writer
+        if writer is None or self._ckpt_save_id != save_id:
+            raise PlanariaError(f"{self.name} is not writing save {save_id}")
+        record = writer.poll()
+        if record is None:
+            return None
+        return {"record": record.to_dict(), "write_s": writer.last_write_s}
+
+    def _writer(
+        self,
+        root: str,
+        storage_options: Mapping[str, Any] | None,
+        if_busy: Literal["wait", "skip"],
+        fsync: bool,
+    ) -> AsyncShardWriter:
+        key = (root, repr(sorted((storage_options or {}).items())), fsync)
+        if self._ckpt_writer is None or self._ckpt_writer_key != key:
+            if self._ckpt_writer is not None:
+                self._ckpt_writer.close(timeout_s=300)
+            self._ckpt_writer = AsyncShardWriter(
+                root, if_busy=if_busy, fsync=fsync, storage_options=storage_options
+            )
+            self._ckpt_writer_key = key
+        self._ckpt_writer.if_busy = if_busy
+        return self._ckpt_writer
+
+    # ---- restoring ---------------------------------------------------------------------------
+
+    def ckpt_read(
+        self,
+        gen: int,
+        path: str,
+        names: list[str] | None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Phase 1 of a restore: reads tensors ``names`` (None: all) of the checkpoint at
+        ``path`` into fresh memory, verifying every byte read. Changes no training state.
+
+        Returns ``ok``, and ``error`` (naming the file at fault) when the checkpoint is
+        not usable, else ``bytes`` and ``read_s``.
+        """
+        self._check(gen)
+        self._ckpt_staged = None
+        self._set_phase("ckpt_read", -1)
+        t0 = time.perf_counter()
+        try:
+            manifest = read_manifest(path, storage_options=storage_options)
+            tensors, meta = load_checkpoint(path, names=names, storage_options=storage_options)
+        except CheckpointError as err:
+            return {"ok": False, "error": str(err)}
+        finally:
+            self._set_phase("idle", -1)
+        layout = {n: (t.shape, DTYPES[t.dtype]) for n, t in manifest.tensors.items()}
+        self._ckpt_staged = (path, tensors, meta, layout)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return {"ok": True, "bytes": nbytes, "read_s": time.perf_counter() - t0}
+
+    def ckpt_apply(
+        self, gen: int, path: str, owners: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        """Phase 2: loads what :meth:`ckpt_read` read. With ``owners`` (tensor name → the rank
+        that read it) every tensor is first broadcast from its owner over this generation's
+        process group. Returns ``steps_done`` and ``bcast_s``."""
+        self._check(gen)
+        if self._ckpt_staged is None or self._ckpt_staged[0] != path:
+            raise PlanariaError(f"{self.name} has not read {path}")
+        _, tensors, meta, layout = self._ckpt_staged
+        self._ckpt_staged = None
+        t0 = time.perf_counter()
+        if owners is not None:
+            self._set_phase("ckpt_bcast", -1)
+            tensors = self._broadcast(tensors, layout, owners)
+        bcast_s = time.perf_counter() - t0
+        load_state(self.model, self.optimizer, self.scheduler, tensors, meta)
+        self._drop_pending()
+        self.steps_done = int(meta["steps_done"])
+        self._set_phase("idle", self.steps_done)
+        return {"steps_done": self.steps_done, "bcast_s": bcast_s}
+
+    def _broadcast(
+        self,
+        mine: dict[str, torch.Tensor],
+        layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        owners: Mapping[str, int],
+    ) -> dict[str, torch.Tensor]:
+        comm = self.comm
+        assert comm is not None, "restore before join"
+        out: dict[str, torch.Tensor] = {}
+        for owner, names in broadcast_units(layout, owners):
+            here = owner == comm.rank
+            if len(names) == 1:
+                name = names[0]
+                shape, dtype = layout[name]
+                buf = mine[name].contiguous() if here else torch.empty(shape, dtype=dtype)
+                comm.broadcast(buf, owner)
+                out[name] = buf
+                continue
+            dtype = layout[names[0]][1]
+            sizes = [_numel(layout[n][0]) for n in names]
+            if here:
+                flat = torch.cat([mine[n].reshape(-1) for n in names])
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype)
+            comm.broadcast(flat, owner)
+            for name, part in zip(names, torch.split(flat, sizes), strict=True):
+                out[name] = part.view(layout[name][0]).clone() if not here else mine[name]
+        return out
