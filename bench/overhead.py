@@ -19,12 +19,14 @@ Figures:
 - ``ddp_step_ms``: rank 0's time per step (micro-batches, allreduce, Adam).
 - ``ratio``: planaria ÷ DDP.
 - ``controller_overhead_ms``: per step, planaria's wall time minus the
-  slowest worker's own ``data_wait_s + compute_s + reduce_s`` (its step
-  result), minus one Adam ``optimizer.step`` on the model (measured here, 1
-  thread): a worker applies the committed update at the start of its next
-  step call, outside its timers, and DDP's step pays for that update too.
-  What is left is the price of the controller: Ray dispatch and return,
-  argument and result (de)serialisation, the step boundary, the event log.
+  slowest worker's own ``data_wait_s + compute_s + reduce_s`` (from its step
+  result) minus its update apply. A worker applies the committed update
+  (Adam) at the start of its next step call, outside its timers, and DDP's
+  step pays for that update too, so it is work, not overhead; the bench's
+  worker subclass (``bench.planaria_side.TimedWorker``: two ``perf_counter``
+  calls) reports it. What is left is the price of the controller: Ray
+  dispatch and return, (de)serialisation, the step boundary, the event log.
+  ``breakdown_ms`` splits the step further (see ``run_planaria_steady``).
 - a ``tiny``-model cross-check (``--no-tiny`` to skip): the same comparison
   with a model whose compute is a few ms, so that the difference of the two
   step times is the fixed per-step cost.
@@ -50,7 +52,7 @@ sys.path.insert(0, str(_REPO))
 
 from bench import common  # noqa: E402
 from bench.baselines.runners import run_ddp_steady  # noqa: E402
-from bench.planaria_side import apply_ms, run_planaria_steady  # noqa: E402
+from bench.planaria_side import run_planaria_steady  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,9 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="small", choices=sorted(common.SIZES))
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker / rank")
-    p.add_argument("--steps", type=int, default=40, help="steps per run (warm-up included)")
+    p.add_argument("--steps", type=int, default=30, help="steps per run (warm-up included)")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=2, help="planaria, DDP pairs (interleaved)")
+    p.add_argument("--rounds", type=int, default=3, help="planaria, DDP pairs (interleaved)")
     p.add_argument("--no-tiny", action="store_true", help="skip the tiny-model cross-check")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--workdir", default=None)
@@ -80,6 +82,17 @@ def _loadavg() -> str:
 
 def _med(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+BREAKDOWN = (
+    "worker_ms",
+    "apply_ms",
+    "worker_other_ms",
+    "transport_ms",
+    "bookkeeping_ms",
+    "gap_ms",
+    "controller_ms",
+)
 
 
 def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path) -> dict[str, Any]:
@@ -106,30 +119,26 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path) -> dict
         )
         pl_ms += pl["step_ms"]
         ddp_ms += ddp["step_ms"]
-        per_round.append(
-            {
-                "planaria_step_ms": pl["step_ms_median"],
-                "ddp_step_ms": ddp["step_ms_median"],
-                "worker_ms": pl["worker_ms_median"],
-                "gap_ms": pl["gap_ms_median"],
-                "dispatch_gap_ms": pl["dispatch_gap_ms_median"],
-            }
-        )
+        row = {"planaria_step_ms": pl["step_ms_median"], "ddp_step_ms": ddp["step_ms_median"]}
+        row["ratio"] = row["planaria_step_ms"] / row["ddp_step_ms"]
+        row.update({k: pl[f"{k}_median"] for k in BREAKDOWN})
+        per_round.append(row)
         print(
-            f"  round {i} ({size}): planaria {pl['step_ms_median']:.1f} ms "
-            f"(slowest worker {pl['worker_ms_median']:.1f} ms, gap {pl['gap_ms_median']:.1f} ms), "
-            f"DDP {ddp['step_ms_median']:.1f} ms; load {_loadavg()}",
+            f"  round {i} ({size}): planaria {row['planaria_step_ms']:.1f} ms "
+            f"(slowest worker {row['worker_ms']:.1f} + apply {row['apply_ms']:.1f} ms, "
+            f"controller {row['controller_ms']:.1f} ms), DDP {row['ddp_step_ms']:.1f} ms, "
+            f"ratio {row['ratio']:.3f}; load {_loadavg()}",
             flush=True,
         )
-    return {
+    out = {
         "planaria_step_ms": _med(pl_ms),
         "ddp_step_ms": _med(ddp_ms),
         "ratio": _med(pl_ms) / _med(ddp_ms),
-        "gap_ms": _med([r["gap_ms"] for r in per_round]),
-        "dispatch_gap_ms": _med([r["dispatch_gap_ms"] for r in per_round]),
-        "worker_ms": _med([r["worker_ms"] for r in per_round]),
+        "ratio_per_round_median": _med([r["ratio"] for r in per_round]),
         "rounds": per_round,
     }
+    out.update({k: _med([r[k] for r in per_round]) for k in BREAKDOWN})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -144,43 +153,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     main_cmp = _compare(args, args.size, args.rounds, wd)
-    apply = apply_ms(args.size, threads=args.threads)
-    overhead = main_cmp["gap_ms"] - apply
     tiny = None
     if not args.no_tiny and args.size != "tiny":
         tiny = _compare(args, "tiny", 1, wd)
     load_after = _loadavg()
 
+    m = main_cmp
     print()
-    print(f"{'':<34} {'planaria':>9} {'DDP':>9} {'ratio':>7}")
+    print(f"{'':<36} {'planaria':>9} {'DDP':>9} {'ratio':>7}")
     print(
-        f"{'median step ms (' + args.size + ')':<34} {main_cmp['planaria_step_ms']:>9.1f} "
-        f"{main_cmp['ddp_step_ms']:>9.1f} {main_cmp['ratio']:>7.3f}"
+        f"{'median step ms (' + args.size + ')':<36} {m['planaria_step_ms']:>9.1f} "
+        f"{m['ddp_step_ms']:>9.1f} {m['ratio']:>7.3f}"
     )
     if tiny is not None:
         print(
-            f"{'median step ms (tiny cross-check)':<34} {tiny['planaria_step_ms']:>9.1f} "
+            f"{'median step ms (tiny cross-check)':<36} {tiny['planaria_step_ms']:>9.1f} "
             f"{tiny['ddp_step_ms']:>9.1f} {tiny['ratio']:>7.3f}"
         )
-    print(f"slowest worker's data+compute+reduce: {main_cmp['worker_ms']:.1f} ms")
-    print(f"step wall minus that:                 {main_cmp['gap_ms']:.1f} ms")
-    print(f"  of which Adam apply (measured):      {apply:.1f} ms")
-    print(f"  controller overhead:                 {overhead:.1f} ms per step")
+    print(f"ratio, median of the per-round ratios: {m['ratio_per_round_median']:.3f}")
+    print("planaria's step, per-step medians (median over rounds), ms:")
+    print(f"  slowest worker data wait + compute + reduce  {m['worker_ms']:7.1f}")
+    print(f"  its update apply (Adam, outside its timers)  {m['apply_ms']:7.1f}")
+    print(f"  rest of its step call                        {m['worker_other_ms']:7.1f}")
+    print(f"  Ray transport (dispatch -> results back)     {m['transport_ms']:7.1f}")
+    print(f"  controller bookkeeping (boundary, log)       {m['bookkeeping_ms']:7.1f}")
+    print(f"  step wall - data/compute/reduce ('gap')      {m['gap_ms']:7.1f}")
+    print(f"  controller overhead (gap - apply)            {m['controller_ms']:7.1f}")
     print(f"load average before {load_before} after {load_after}; wall {time.time() - t0:.0f} s")
 
     out = {
         "bench": "overhead",
-        "planaria_step_ms": main_cmp["planaria_step_ms"],
-        "ddp_step_ms": main_cmp["ddp_step_ms"],
-        "ratio": main_cmp["ratio"],
-        "controller_overhead_ms": overhead,
-        "worker_step_ms": main_cmp["worker_ms"],
-        "gap_ms": main_cmp["gap_ms"],
-        "apply_ms": apply,
+        "planaria_step_ms": m["planaria_step_ms"],
+        "ddp_step_ms": m["ddp_step_ms"],
+        "ratio": m["ratio"],
+        "controller_overhead_ms": m["controller_ms"],
+        "ratio_per_round_median": m["ratio_per_round_median"],
+        "breakdown_ms": {k: m[k] for k in BREAKDOWN},
         "tiny": None
         if tiny is None
-        else {k: tiny[k] for k in ("planaria_step_ms", "ddp_step_ms", "ratio", "gap_ms")},
-        "rounds": main_cmp["rounds"],
+        else {k: tiny[k] for k in ("planaria_step_ms", "ddp_step_ms", "ratio", "controller_ms")},
+        "rounds": m["rounds"],
         "size": args.size,
         "replicas": args.replicas,
         "threads": args.threads,

@@ -19,12 +19,14 @@ Every function starts (and shuts down) its own local Ray, so runs are independen
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,10 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from bench import common  # noqa: E402
+from planaria.worker import Worker  # noqa: E402
 
 __all__ = [
-    "apply_ms",
+    "TimedWorker",
     "make_spec",
     "recovery_figures",
     "run_planaria_kill",
@@ -72,20 +75,61 @@ def make_spec(size: str = "small") -> Any:
     )
 
 
+class _TimedWorkerMixin:
+    """Bench instrumentation of the worker: times the whole ``step`` call and its settle.
+
+    A worker applies the committed update (Adam) in ``_settle`` at the start of
+    its next ``step`` call, before its own timers start; this adds ``apply_s``
+    (that settle) and ``call_s`` (the whole call, worker side) to the step
+    result. Two ``perf_counter`` calls per step: nothing else changes.
+    """
+
+    def _settle(self, steps_done: int, *, allow_behind: bool = False) -> None:
+        t0 = time.perf_counter()
+        super()._settle(steps_done, allow_behind=allow_behind)  # type: ignore[misc]
+        self._bench_settle_s = time.perf_counter() - t0
+
+    def step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self._bench_settle_s = 0.0
+        out = super().step(*args, **kwargs)  # type: ignore[misc]
+        out["apply_s"] = self._bench_settle_s
+        out["call_s"] = time.perf_counter() - t0
+        return out
+
+
+class TimedWorker(_TimedWorkerMixin, Worker):
+    """planaria's worker with the bench timings (module level: Ray imports it by name)."""
+
+
+@contextlib.contextmanager
+def _timed_workers() -> Iterator[None]:
+    """Workers started inside this block are :class:`TimedWorker` workers."""
+    import planaria.workers as pool_module
+
+    original = pool_module.Worker
+    pool_module.Worker = TimedWorker
+    try:
+        yield
+    finally:
+        pool_module.Worker = original
+
+
+_TIMES = ("data_wait_s", "compute_s", "reduce_s", "apply_s", "call_s")
+
+
 def _timed_job_class() -> type:
     """A Job that keeps the workers' own step timings (bench instrumentation only)."""
     from planaria import Job
 
     class TimedJob(Job):
-        worker_times: dict[int, dict[str, dict[str, float]]]
-
         def _gather(
             self, refs: dict[str, Any], *, deadline_s: float, step: int | None
         ) -> dict[str, Any]:
             results = super()._gather(refs, deadline_s=deadline_s, step=step)
             if step is not None:
                 times = {
-                    name: {k: float(r[k]) for k in ("data_wait_s", "compute_s", "reduce_s")}
+                    name: {k: float(r.get(k, 0.0)) for k in _TIMES}
                     for name, r in results.items()
                     if isinstance(r, dict) and "compute_s" in r
                 }
@@ -100,33 +144,6 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def apply_ms(size: str = "small", reps: int = 20, threads: int = 1) -> float:
-    """Median time of one Adam ``optimizer.step`` on the model (1 torch thread).
-
-    A worker applies the committed update at the start of its next ``step``
-    call, before its own timers start, so this is part of the worker's work
-    that ``compute_s`` does not include.
-    """
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        model = common.make_model(size)
-        opt = common.make_optimizer(model.parameters())
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()  # creates the moments
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1000
-    finally:
-        torch.set_num_threads(before)
-
-
 def run_planaria_steady(
     steps: int,
     size: str = "small",
@@ -136,14 +153,25 @@ def run_planaria_steady(
     warmup: int = 3,
     run_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
-    """``steps`` steps on ``replicas`` workers, no faults; step times after ``warmup``.
+    """``steps`` steps on ``replicas`` workers, no faults; per-step medians after ``warmup``.
 
-    Returns ``step_ms`` / ``step_ms_median`` (driver wall time per
-    ``train_step``: boundary + dispatch + gather + commit bookkeeping),
-    ``duration_ms_median`` (the controller's ``duration_s``: dispatch → all
-    results), ``worker_ms_median`` (per step, the slowest worker's
-    ``data_wait_s + compute_s + reduce_s``) and ``gap_ms_median`` (per step,
-    driver wall time minus that: everything outside the workers' timers).
+    Per step (then the median over the steady steps), in ms:
+
+    - ``step_ms``: the driver loop's wall time per ``train_step`` (boundary,
+      dispatch, wait for every result, commit bookkeeping): the step period;
+    - ``duration_ms``: the controller's ``duration_s`` (dispatch → all results);
+    - ``worker_ms``: the slowest worker's ``data_wait_s + compute_s + reduce_s``;
+    - ``gap_ms``: ``step_ms - worker_ms``;
+    - ``apply_ms``: the slowest worker's update apply (Adam; outside its timers);
+    - ``worker_other_ms``: the rest of the slowest worker's ``step`` call (generation
+      check, prefetch submit, result);
+    - ``transport_ms``: ``duration_ms`` minus the slowest worker's whole call: Ray
+      dispatch, scheduling onto the actor, (de)serialisation, return, ``ray.wait``;
+    - ``bookkeeping_ms``: ``step_ms - duration_ms``: step boundary (poll for
+      replacements, chaos, checkpoint), loss and metrics, the event log;
+    - ``controller_ms``: ``step_ms`` minus the slowest worker's
+      ``data_wait + compute + reduce + apply``: what the controller adds to the
+      work a DDP rank does in a step.
     """
     from planaria import RunConfig
 
@@ -152,34 +180,61 @@ def run_planaria_steady(
     _ensure_worker_path()
     rd = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="planaria_steady_"))
     config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads)
-    job = _timed_job_class()(make_spec(size), config)
+    with _timed_workers():
+        job = _timed_job_class()(make_spec(size), config)
+        job.start()
     wall: dict[int, float] = {}
     duration: dict[int, float] = {}
-    with job:
+    try:
         while job.steps_done < steps:
             t0 = time.perf_counter()
             result = job.train_step()  # no faults here: a Failure is a benchmark error
             wall[result.step] = time.perf_counter() - t0
             duration[result.step] = result.duration_s
         job.commit_all()
+    finally:
+        job.close()
     times: dict[int, dict[str, dict[str, float]]] = getattr(job, "worker_times", {})
-    steady = [s for s in sorted(wall) if s >= warmup]
-    worker = {
-        s: max(t["data_wait_s"] + t["compute_s"] + t["reduce_s"] for t in times[s].values())
-        for s in steady
-        if s in times
+    per_step: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "step_ms",
+            "duration_ms",
+            "worker_ms",
+            "gap_ms",
+            "apply_ms",
+            "worker_other_ms",
+            "transport_ms",
+            "bookkeeping_ms",
+            "controller_ms",
+        )
     }
-    return {
-        "step_ms": [wall[s] * 1000 for s in steady],
-        "step_ms_median": _median([wall[s] * 1000 for s in steady]),
-        "duration_ms_median": _median([duration[s] * 1000 for s in steady]),
-        "worker_ms_median": _median([w * 1000 for w in worker.values()]),
-        "gap_ms_median": _median([(wall[s] - worker[s]) * 1000 for s in worker]),
-        "dispatch_gap_ms_median": _median([(duration[s] - worker[s]) * 1000 for s in worker]),
-        "replicas": replicas,
-        "size": size,
-        "run_dir": str(rd),
-    }
+    for s in sorted(wall):
+        if s < warmup or s not in times:
+            continue
+        # The slowest worker: the one whose own work (incl. the apply) took longest.
+        w = max(
+            times[s].values(),
+            key=lambda t: t["data_wait_s"] + t["compute_s"] + t["reduce_s"] + t["apply_s"],
+        )
+        timed = w["data_wait_s"] + w["compute_s"] + w["reduce_s"]
+        call = max(t["call_s"] for t in times[s].values())
+        row = {
+            "step_ms": wall[s],
+            "duration_ms": duration[s],
+            "worker_ms": timed,
+            "gap_ms": wall[s] - timed,
+            "apply_ms": w["apply_s"],
+            "worker_other_ms": w["call_s"] - timed - w["apply_s"],
+            "transport_ms": duration[s] - call,
+            "bookkeeping_ms": wall[s] - duration[s],
+            "controller_ms": wall[s] - timed - w["apply_s"],
+        }
+        for k, v in row.items():
+            per_step[k].append(v * 1000)
+    out: dict[str, Any] = {f"{k}_median": _median(v) for k, v in per_step.items()}
+    out.update(step_ms=per_step["step_ms"], replicas=replicas, size=size, run_dir=str(rd))
+    return out
 
 
 def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:

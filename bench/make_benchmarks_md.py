@@ -1,0 +1,337 @@
+"""Regenerates BENCHMARKS.md from the benchmark scripts' JSON outputs.
+
+    python bench/make_benchmarks_md.py                     # from the saved bench/results/*.json
+    python bench/make_benchmarks_md.py --run               # run every bench script first
+    python bench/make_benchmarks_md.py --run --only overhead
+    python bench/make_benchmarks_md.py --ingest overhead=/tmp/overhead.out
+
+Each bench script (``bench/overhead.py``, ``bench/recovery.py`` and, when it
+exists, ``bench/checkpoint.py``) prints one JSON object as its last line.
+``--run`` runs a script and saves that object to ``bench/results/NAME.json``
+with the command, the date, the machine and the load average around the run;
+``--ingest NAME=PATH`` saves the last line of an output captured earlier (the
+command recorded is ``python bench/NAME.py``, or ``--command``). BENCHMARKS.md
+is then written from every saved result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parents[1]
+RESULTS = _REPO / "bench" / "results"
+BENCHES = ("overhead", "recovery", "checkpoint")
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    info: dict[str, Any] = {"nproc": os.cpu_count(), "python": platform.python_version()}
+    for mod in ("torch", "ray", "torchft"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            info[mod] = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+        info["mem_gib"] = round(mem_kb / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+def last_json(text: str) -> dict[str, Any]:
+    """The JSON object on the last non-empty line of a bench script's output."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("empty output")
+    return json.loads(lines[-1])
+
+
+def save(name: str, result: dict[str, Any], command: str, **extra: Any) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {
+        "bench": name,
+        "command": command,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        **extra,
+        "result": result,
+    }
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def run(name: str, extra_args: list[str], timeout_s: float) -> Path:
+    script = _REPO / "bench" / f"{name}.py"
+    cmd = [sys.executable, str(script), *extra_args]
+    shown = " ".join(["python", f"bench/{name}.py", *extra_args])
+    before, t0 = _loadavg(), time.time()
+    print(f"running: {shown}", flush=True)
+    proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise RuntimeError(f"{shown} exited with {proc.returncode}")
+    print(proc.stdout, flush=True)
+    return save(
+        name,
+        last_json(proc.stdout),
+        shown,
+        loadavg_before=before,
+        loadavg_after=_loadavg(),
+        wall_s=round(time.time() - t0, 1),
+        table=_table_lines(proc.stdout),
+    )
+
+
+def _table_lines(text: str) -> list[str]:
+    """The human-readable part of the output (everything but the JSON line)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return [line for line in lines[:-1] if "Token authentication" not in line]
+
+
+def load_results() -> dict[str, dict[str, Any]]:
+    return {
+        p.stem: json.loads(p.read_text())
+        for p in sorted(RESULTS.glob("*.json"))
+        if p.stem in BENCHES
+    }
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _f(x: Any, spec: str = ".2f") -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, (int, float)):
+        return format(x, spec)
+    return str(x)
+
+
+def _ok(met: bool | None) -> str:
+    return "—" if met is None else ("met" if met else "**missed**")
+
+
+def _header(rec: dict[str, Any]) -> list[str]:
+    lines = [f"Command: `{rec['command']}` — {rec['date']}"]
+    load = rec["result"].get("loadavg") or {}
+    before = rec.get("loadavg_before") or load.get("before")
+    after = rec.get("loadavg_after") or load.get("after")
+    if before or after:
+        lines.append(f"Load average (1/5/15 min) before: {before}; after: {after}.")
+    return lines
+
+
+def render_overhead(rec: dict[str, Any]) -> list[str]:
+    r = rec["result"]
+    ratio = r.get("ratio")
+    out = ["## Steady-state overhead: planaria vs DDP", "", *_header(rec), ""]
+    out += [
+        f"Model `{r.get('size')}`, {r.get('replicas')} replicas x {r.get('threads')} torch "
+        f"thread, global batch 64 (micro-batch 16), {r.get('steps')} steps per run with "
+        f"{r.get('warmup')} warm-up steps left out, {len(r.get('rounds') or [])} interleaved "
+        "rounds (planaria, DDP, planaria, DDP...); medians over every steady step.",
+        "",
+        "| | planaria | DDP (torchrun) | ratio | target |",
+        "|---|---:|---:|---:|---|",
+        f"| median step time (ms) | {_f(r['planaria_step_ms'], '.1f')} | "
+        f"{_f(r['ddp_step_ms'], '.1f')} | {_f(ratio, '.3f')} | ratio ≤ 1.05: "
+        f"{_ok(None if ratio is None else ratio <= 1.05)} |",
+    ]
+    tiny = r.get("tiny")
+    if tiny:
+        out.append(
+            f"| cross-check, `tiny` model (ms) | {_f(tiny['planaria_step_ms'], '.1f')} | "
+            f"{_f(tiny['ddp_step_ms'], '.1f')} | {_f(tiny['ratio'], '.3f')} | — |"
+        )
+    out += [
+        "",
+        "Where planaria's step goes (medians per step):",
+        "",
+        "- slowest worker's own data wait + compute + reduce: "
+        f"{_f(r.get('worker_step_ms'), '.1f')} ms",
+        f"- step wall time minus that: {_f(r.get('gap_ms'), '.1f')} ms, of which one Adam "
+        "update (applied by the worker outside its timers; measured): "
+        f"{_f(r.get('apply_ms'), '.1f')} ms",
+        f"- **controller overhead: {_f(r['controller_overhead_ms'], '.1f')} ms per step** "
+        "(Ray dispatch and return, (de)serialisation, step boundary, event log)",
+        "",
+    ]
+    rounds = r.get("rounds") or []
+    if rounds:
+        out += [
+            "| round | planaria ms | DDP ms | slowest worker ms | gap ms |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for i, rr in enumerate(rounds):
+            out.append(
+                f"| {i} | {_f(rr['planaria_step_ms'], '.1f')} | {_f(rr['ddp_step_ms'], '.1f')} | "
+                f"{_f(rr['worker_ms'], '.1f')} | {_f(rr['gap_ms'], '.1f')} |"
+            )
+        out.append("")
+    return out
+
+
+def render_recovery(rec: dict[str, Any]) -> list[str]:
+    r = rec["result"]
+    pl, tr, ft = r["planaria"], r["torchrun"], r["torchft"]
+    s_tr, s_ft = r.get("speedup_vs_torchrun"), r.get("speedup_vs_torchft")
+    gbps = pl.get("transfer_gb_per_s")
+    out = ["## Recovery from one SIGKILL: planaria vs torchrun vs torchft", "", *_header(rec), ""]
+    out += [
+        f"Model `{r.get('size')}`, {r.get('replicas')} replicas x 1 thread, {r.get('steps')} "
+        f"steps, one worker SIGKILLed at step {r.get('kill_at_step')}. planaria: resize policy, "
+        "kill by its chaos plan, replacement hot-joins; torchrun: DDP, checkpoint every "
+        f"{tr.get('ckpt_every')} steps, `--max-restarts`; torchft: replica groups + lighthouse.",
+        "",
+        "| system | step ms | recover_s | back_s | lost_steps |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, x in (("planaria", pl), ("torchrun", tr), ("torchft", ft)):
+        out.append(
+            f"| {name} | {_f(x.get('step_ms'), '.0f')} | {_f(x['recover_s'])} | "
+            f"{_f(x['back_s'])} | {x['lost_steps']} |"
+        )
+    nbytes = pl.get("transfer_bytes")
+    out += [
+        "",
+        "| figure | value | target |",
+        "|---|---:|---|",
+        f"| back_s speed-up vs torchrun | {_f(s_tr, '.1f')}x | ≥ 10x: "
+        f"{_ok(None if s_tr is None else s_tr >= 10)} |",
+        f"| back_s speed-up vs torchft | {_f(s_ft, '.1f')}x | ≥ 4x: "
+        f"{_ok(None if s_ft is None else s_ft >= 4)} |",
+        f"| planaria lost_steps | {pl['lost_steps']} | 0: {_ok(pl['lost_steps'] == 0)} |",
+        f"| planaria detect_s | {_f(pl.get('detect_s'), '.3f')} | — |",
+        f"| planaria replacement start (requested → ready) | {_f(pl.get('replacement_s'))} s | — |",
+        f"| planaria join_s (ready → first commit with it) | {_f(pl.get('join_s'))} s | — |",
+        f"| planaria state transfer (`{pl.get('transfer_size')}`, "
+        f"{_f(None if nbytes is None else nbytes / 1e6, '.0f')} MB) | {_f(gbps)} GB/s | "
+        f"≥ 1 GB/s: {_ok(None if gbps is None else gbps >= 1)} |",
+        "",
+    ]
+    if tr.get("phases_s"):
+        ph = tr["phases_s"]
+        out += [
+            "torchrun's restart, kill → restarted workers ready: "
+            + ", ".join(f"{k} {_f(v)} s" for k, v in ph.items())
+            + ".",
+            "",
+        ]
+    return out
+
+
+def _flat(prefix: str, value: Any, out: list[tuple[str, Any]]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif not isinstance(value, list):
+        out.append((prefix, value))
+
+
+def render_generic(name: str, rec: dict[str, Any]) -> list[str]:
+    rows: list[tuple[str, Any]] = []
+    _flat("", {k: v for k, v in rec["result"].items() if k != "bench"}, rows)
+    out = [f"## {name.capitalize()}", "", *_header(rec), "", "| figure | value |", "|---|---:|"]
+    out += [f"| {k} | {_f(v, '.4g') if isinstance(v, float) else _f(v)} |" for k, v in rows]
+    return [*out, ""]
+
+
+def render(results: dict[str, dict[str, Any]]) -> str:
+    any_rec = next(iter(results.values()), None)
+    m = any_rec["machine"] if any_rec else machine()
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `python bench/make_benchmarks_md.py` from `bench/results/*.json`; "
+        "see `bench/README.md` for what each script measures and how. Every comparison "
+        "runs the systems side by side in one run, so ratios come from the same machine "
+        "state; the load average shows how busy the machine was.",
+        "",
+        f"Machine: {m.get('nproc')} CPUs ({m.get('cpu', 'n/a')}), {m.get('mem_gib', 'n/a')} GiB, "
+        f"Python {m.get('python')}, torch {m.get('torch')}, ray {m.get('ray')}, "
+        f"torchft {m.get('torchft')}; no GPU.",
+        "",
+    ]
+    for name in BENCHES:
+        rec = results.get(name)
+        if rec is None:
+            continue
+        if name == "overhead":
+            out += render_overhead(rec)
+        elif name == "recovery":
+            out += render_recovery(rec)
+        else:
+            out += render_generic(name, rec)
+        if rec.get("table"):
+            out += [
+                "<details><summary>script output</summary>",
+                "",
+                "```",
+                *rec["table"],
+                "```",
+                "",
+                "</details>",
+                "",
+            ]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", action="store_true", help="run the bench scripts first")
+    p.add_argument("--only", action="append", choices=BENCHES, help="with --run: just these")
+    p.add_argument("--args", default="", help="with --run: extra arguments for every script")
+    p.add_argument(
+        "--ingest",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="save the last line of a captured output as NAME's result",
+    )
+    p.add_argument("--command", default=None, help="with --ingest: the command that produced it")
+    p.add_argument("--timeout-s", type=float, default=3600.0)
+    p.add_argument("--out", default=str(_REPO / "BENCHMARKS.md"))
+    args = p.parse_args(argv)
+    for item in args.ingest:
+        name, _, path = item.partition("=")
+        text = Path(path).read_text()
+        save(
+            name,
+            last_json(text),
+            args.command or f"python bench/{name}.py",
+            table=_table_lines(text),
+        )
+    if args.run:
+        for name in args.only or BENCHES:
+            if (_REPO / "bench" / f"{name}.py").exists():
+                run(name, args.args.split(), args.timeout_s)
+            else:
+                print(f"skipping {name}: bench/{name}.py does not exist")
+    Path(args.out).write_text(render(load_results()))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Smoke runs of the benchmark scripts (``--quick``: tiny model, few steps).
+
+Each script must print, as its last line, one JSON object with the figures
+BENCHMARKS.md is built from. Real processes: Ray workers, torchrun, torchft.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_quick(script: str, tmp_path: Path, timeout_s: float) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), "--quick", f"--workdir={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
+    return json.loads(last)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_overhead_quick(tmp_path):
+    out = run_quick("overhead.py", tmp_path, timeout_s=280)
+
+    assert out["bench"] == "overhead"
+    for key in ("planaria_step_ms", "ddp_step_ms", "ratio", "controller_overhead_ms"):
+        assert isinstance(out[key], float), key
+    assert out["planaria_step_ms"] > 0 and out["ddp_step_ms"] > 0
+    assert out["ratio"] == pytest.approx(out["planaria_step_ms"] / out["ddp_step_ms"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_recovery_quick(tmp_path):
+    out = run_quick("recovery.py", tmp_path, timeout_s=580)
+
+    assert out["bench"] == "recovery"
+    pl = out["planaria"]
+    for key in ("recover_s", "back_s", "lost_steps", "join_s", "transfer_gb_per_s"):
+        assert key in pl, key
+    assert pl["lost_steps"] == 0 and pl["recover_s"] > 0
+    for system in ("torchrun", "torchft"):
+        assert {"recover_s", "back_s", "lost_steps"} <= out[system].keys(), system
+    assert "speedup_vs_torchrun" in out and "speedup_vs_torchft" in out
+
+
+def test_make_benchmarks_md_renders(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO))
+    from bench import make_benchmarks_md as mk
+
+    monkeypatch.setattr(mk, "RESULTS", tmp_path)
+    side = {"recover_s": 1.0, "back_s": 2.0, "lost_steps": 3, "step_ms": 100.0}
+    line = json.dumps(
+        {
+            "bench": "recovery",
+            "planaria": {
+                **side,
+                "lost_steps": 0,
+                "join_s": 0.1,
+                "transfer_gb_per_s": 1.5,
+                "transfer_bytes": 132e6,
+                "transfer_size": "large",
+            },
+            "torchrun": {**side, "ckpt_every": 20},
+            "torchft": side,
+            "speedup_vs_torchrun": 10.0,
+            "speedup_vs_torchft": 4.0,
+        }
+    )
+    mk.save("recovery", mk.last_json("table\n" + line + "\n"), "python bench/recovery.py")
+    text = mk.render(mk.load_results())
+    assert "python bench/recovery.py" in text and "| torchrun |" in text
+    assert "nproc" not in text and "CPUs" in text
