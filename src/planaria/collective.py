@@ -63,33 +63,49 @@ class Collective:
         """Sums each tensor over the ranks, in place."""
         if self.world_size == 1:
             return
-        works = [self.pg.allreduce([t]) for t in tensors]
-        for work in works:
-            work.wait()
+        self._run(lambda pg: [pg.allreduce([t]) for t in tensors])
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         if self.world_size == 1:
             return
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        for chunk in _chunks(tensor):
-            self.pg.broadcast([chunk], opts).wait()
+        self._run(lambda pg: [pg.broadcast([c], opts) for c in _chunks(tensor)])
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Sends a flat tensor in chunks; pipelined, then waited for."""
-        works = [self.pg.send([c], dst, i) for i, c in enumerate(_chunks(tensor))]
-        for w in works:
-            w.wait()
+        self._run(lambda pg: [pg.send([c], dst, i) for i, c in enumerate(_chunks(tensor))])
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
-        works = [self.pg.recv([c], src, i) for i, c in enumerate(_chunks(tensor))]
-        for w in works:
-            w.wait()
+        self._run(lambda pg: [pg.recv([c], src, i) for i, c in enumerate(_chunks(tensor))])
+
+    def _run(self, issue: Any) -> None:
+        """Issues the operations and waits for them; on any error the group is closed.
+
+        A failed rank must close its connections: a peer blocked waiting on data
+        from it (not from the dead rank) only notices when its sockets close, and
+        would otherwise wait for the whole collective timeout.
+        """
+        if self.pg is None:
+            raise RuntimeError(f"the process group of generation {self.gen} was closed")
+        works: list[Any] = []
+        try:
+            works = issue(self.pg)
+            for work in works:
+                work.wait()
+        except Exception:
+            works.clear()  # pending work holds the group's connections too
+            self.close()
+            raise
 
     def close(self) -> None:
-        # A group whose peer died may refuse a clean shutdown.
-        with contextlib.suppress(Exception):
-            self.pg.shutdown()
+        """Shuts the group down and drops it, which closes its sockets."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            # A group whose peer died may refuse a clean shutdown.
+            with contextlib.suppress(Exception):
+                pg.shutdown()
+            del pg
 
 
 def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
