@@ -36,7 +36,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 N, G, STEPS = 512, 64, 30
-FAST_HANG = HangConfig(heartbeat_timeout_s=1.5, floor_s=2.0, heartbeat_s=0.1)
+FAST_HANG = HangConfig(heartbeat_timeout_s=2.5, floor_s=3.0, heartbeat_s=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -148,7 +148,7 @@ class Recovery:
             self._abort("the retry_policy hook declined to retry", failure)
         job.evict(failure.workers)
         self._replace(failure.workers)
-        if isinstance(failure, AllReplicasLost) or not job.members:
+        if isinstance(failure, AllReplicasLost) or not any(h.has_state for h in job.members):
             job.log.emit("action", fault_id=fault.fault_id, action="restore")
             self._restore(fault, keep_survivors=False)
             return
@@ -213,9 +213,6 @@ class Recovery:
     def _restore(self, fault: _OpenFault, *, keep_survivors: bool) -> None:
         """Reloads the newest viable checkpoint into every member, in this process."""
         job = self.job
-        if not keep_survivors:
-            for handle in list(job.members):
-                job.evict([handle.name])
         need = (job.config.replicas if keep_survivors else job.policy.min_replicas) - job.width
         if need > 0:
             job.members = job.members + self._wait_for(need, "restore")
