@@ -42,10 +42,12 @@ def _loadavg() -> str:
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     info: dict[str, Any] = {"nproc": os.cpu_count(), "python": platform.python_version()}
+    from importlib.metadata import PackageNotFoundError, version
+
     for mod in ("torch", "ray", "torchft"):
         try:
-            info[mod] = __import__(mod).__version__
-        except Exception:
+            info[mod] = version(mod)
+        except PackageNotFoundError:
             info[mod] = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -67,12 +69,15 @@ def last_json(text: str) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def save(name: str, result: dict[str, Any], command: str, **extra: Any) -> Path:
+def save(
+    name: str, result: dict[str, Any], command: str, *, when: float | None = None, **extra: Any
+) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.fromtimestamp(time.time() if when is None else when, dt.UTC)
     record = {
         "bench": name,
         "command": command,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "date": stamp.isoformat(timespec="seconds"),
         "machine": machine(),
         **extra,
         "result": result,
@@ -145,6 +150,7 @@ def _header(rec: dict[str, Any]) -> list[str]:
 
 def render_overhead(rec: dict[str, Any]) -> list[str]:
     r = rec["result"]
+    b = r.get("breakdown_ms") or {}
     ratio = r.get("ratio")
     out = ["## Steady-state overhead: planaria vs DDP", "", *_header(rec), ""]
     out += [
@@ -169,13 +175,15 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
         "",
         "Where planaria's step goes (medians per step):",
         "",
-        "- slowest worker's own data wait + compute + reduce: "
-        f"{_f(r.get('worker_step_ms'), '.1f')} ms",
-        f"- step wall time minus that: {_f(r.get('gap_ms'), '.1f')} ms, of which one Adam "
+        f"- slowest worker's own data wait + compute + reduce: {_f(b.get('worker_ms'), '.1f')} ms",
+        f"- step wall time minus that: {_f(b.get('gap_ms'), '.1f')} ms, of which one Adam "
         "update (applied by the worker outside its timers; measured): "
-        f"{_f(r.get('apply_ms'), '.1f')} ms",
+        f"{_f(b.get('apply_ms'), '.1f')} ms",
         f"- **controller overhead: {_f(r['controller_overhead_ms'], '.1f')} ms per step** "
-        "(Ray dispatch and return, (de)serialisation, step boundary, event log)",
+        "(Ray dispatch and return, (de)serialisation, step boundary, event log), of which "
+        f"Ray transport {_f(b.get('transport_ms'), '.1f')} ms (dispatch → results back, minus "
+        "the slowest worker's whole call) and controller bookkeeping "
+        f"{_f(b.get('bookkeeping_ms'), '.1f')} ms (step boundary, loss, event log)",
         "",
     ]
     rounds = r.get("rounds") or []
