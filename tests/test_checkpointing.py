@@ -281,6 +281,7 @@ fit(mlp.make_spec(n=512), steps=int(steps), replicas=int(replicas), run_dir=Path
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 21 job starts: ~4 min idle, much longer on a loaded machine
 @pytest.mark.usefixtures("ray_cluster")
 def test_whole_job_sigkill_during_saves(tmp_path: Path) -> None:
     kills = int(os.environ.get("PLANARIA_CRASH_KILLS", "20"))

@@ -22,14 +22,17 @@ used. Two ways to get the state into N replicas (``restore_strategy``):
 - ``share``: every replica reads 1/N of the tensors (byte-balanced) and the
   rest arrives over the process group (gloo broadcast).
 
-Measured on the 2-core CPU box, 3 replicas, 213 MB of state, local disk, warm
-page cache (``python bench/checkpoint.py``): ``read_all`` 0.81 s, ``share``
-1.95 s; at 2 replicas 0.64 s and 1.33 s. Reading from the page cache or a
-local disk runs at memory speed with hardware CRC-32C, while a gloo broadcast
-over loopback TCP moves about 0.2 GB/s here, so ``auto`` picks ``read_all``
-for local and in-memory storage. For object stores, where every replica
-reading everything multiplies the egress and a remote read is slower than the
-replicas' interconnect, ``auto`` picks ``share``.
+Measured with ``python bench/checkpoint.py --repeat 2`` (3 replicas on the 2-core
+CPU box, 208 MB of state, local disk, the machine shared with other jobs, load
+average ~10): restoring into 3 replicas took 0.43 s with ``read_all`` against
+0.54 s with ``share`` (page cache dropped), and 0.30 s against 0.45 s (warm); a
+second run under heavier load gave 0.34 s / 0.43 s cold and 0.43 s / 0.32 s
+warm. Local reads with hardware CRC-32C run near memory speed while the gloo
+broadcast over loopback TCP adds a second pass over every byte, so ``auto``
+picks ``read_all`` for local and in-memory storage. On object stores every
+replica reading everything multiplies the egress and a remote read is slower
+than the replicas' interconnect, so ``auto`` picks ``share`` there (not
+measured against a remote store: the tests' S3 server is on loopback).
 """
 
 from __future__ import annotations
@@ -307,7 +310,8 @@ class Checkpointer:
         assert self._inflight is None
         step = job.steps_done
         t0 = time.time()
-        job.commit_all()
+        job.commit_all()  # the update would be applied at the next step anyway: not stall
+        t1 = time.time()
         save = _Save(step, new_save_id(), reason, {h.name: h.actor for h in job.members}, t0)
         width = len(save.writers)
         refs = {
@@ -322,7 +326,7 @@ class Checkpointer:
         except Failure as failure:
             self._abandon(save, f"a writer failed during the snapshot: {failure}")
             raise
-        save.stall_s = time.time() - t0
+        save.stall_s = time.time() - t1
         save.nbytes = sum(int(r["bytes"]) for r in results.values())
         save.meta = dict(results[job.members[0].name]["meta"])
         assert job.plan is not None
