@@ -72,12 +72,15 @@ class Collective:
         opts.rootRank = src
         self._run(lambda pg: [pg.broadcast([c], opts) for c in _chunks(tensor)])
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Sends a flat tensor in chunks; pipelined, then waited for."""
-        self._run(lambda pg: [pg.send([c], dst, i) for i, c in enumerate(_chunks(tensor))])
+    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """Sends contiguous tensors to ``dst`` in chunks, all in flight at once, then waits."""
+        chunks = [c for t in tensors for c in _chunks(t)]
+        self._run(lambda pg: [pg.send([c], dst, i) for i, c in enumerate(chunks)])
 
-    def recv(self, tensor: torch.Tensor, src: int) -> None:
-        self._run(lambda pg: [pg.recv([c], src, i) for i, c in enumerate(_chunks(tensor))])
+    def recv(self, tensors: list[torch.Tensor], src: int) -> None:
+        """Receives what :meth:`send` sent, into contiguous tensors of the same layout."""
+        chunks = [c for t in tensors for c in _chunks(t)]
+        self._run(lambda pg: [pg.recv([c], src, i) for i, c in enumerate(chunks)])
 
     def _run(self, issue: Any) -> None:
         """Issues the operations and waits for them; on any error the group is closed.

@@ -105,8 +105,13 @@ class Worker(CheckpointWorkerMixin):
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def setup(self) -> dict[str, Any]:
-        """Builds model, optimizer, scheduler and dataset from the spec's factories."""
+    def setup(self, *, prebuild_optimizer_state: bool = False) -> dict[str, Any]:
+        """Builds model, optimizer, scheduler and dataset from the spec's factories.
+
+        A replacement (``prebuild_optimizer_state``) also materialises its
+        optimizer state now, off the critical path, so that the state it will
+        receive lands in memory that is already allocated and touched.
+        """
         self.phase = "setup"
         spec = self.spec
         torch.manual_seed(spec.seed)
@@ -126,6 +131,8 @@ class Worker(CheckpointWorkerMixin):
             self.collate = default_collate
         num_samples = _user("len(dataset)", len, self.dataset)
         self._bind_grad_buffers()
+        if prebuild_optimizer_state:
+            self._prebuild_optimizer_state()
         self.phase = "idle"
         tensors, _ = flatten_state(self.model, self.optimizer, self.scheduler)
         return {
@@ -136,6 +143,18 @@ class Worker(CheckpointWorkerMixin):
             "param_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "threads": torch.get_num_threads(),
         }
+
+    def _prebuild_optimizer_state(self) -> None:
+        """One optimizer step on zero gradients creates the state tensors (exp_avg, ...).
+
+        It may move the parameters (weight decay): no matter, a replacement's
+        parameters and optimizer state are all overwritten by the state it receives.
+        """
+        try:
+            self.optimizer.step()
+        except Exception:  # e.g. an optimizer that needs a closure: received into fresh memory
+            _log.debug("%s could not pre-build optimizer state", self.name, exc_info=True)
+        self._drop_pending()
 
     def _bind_grad_buffers(self) -> None:
         """Makes every parameter's .grad a view into one flat buffer per dtype.
@@ -345,55 +364,57 @@ class Worker(CheckpointWorkerMixin):
         buffers = [tensors[k].contiguous() for k in big]
         buffers += [torch.cat([tensors[k].reshape(-1) for k in names]) for names in small]
         for dst in dsts:
-            for buf in buffers:
-                self.comm.send(buf, dst)
+            self.comm.send(buffers, dst)
         self._set_phase("idle", self.steps_done)
         return sum(_nbytes(b) for b in buffers) * len(dsts)
 
     def recv_state(self, gen: int, src: int, source: dict[str, Any]) -> int:
-        """Receives the state sent by rank ``src``; model tensors are filled in place."""
+        """Receives the state sent by rank ``src`` straight into this replica's live tensors.
+
+        The model's tensors, and the optimizer state pre-built at setup, are
+        filled in place: no copy, and no page faults on the critical path.
+        """
         self._check(gen)
         assert self.comm is not None
         self._set_phase("recv_state", -1)
-        live = {f"model/{k}": v for k, v in self.model.state_dict().items()}
+        live, _ = flatten_state(self.model, self.optimizer, self.scheduler)
         tensors: dict[str, torch.Tensor] = {}
         for name, (shape, dtype) in source["layout"].items():
             target = live.get(name)
             want = getattr(torch, dtype)
-            if target is None or list(target.shape) != shape or target.dtype != want:
-                if name.startswith("model/"):
-                    raise PlanariaError(f"{name}: the joiner's model does not match the source's")
+            fits = target is not None and list(target.shape) == shape and target.dtype == want
+            if not fits and name.startswith("model/"):
+                raise PlanariaError(f"{name}: the joiner's model does not match the source's")
+            if target is None or not fits or not target.is_contiguous():
                 target = torch.empty(shape, dtype=want, device=self.device)
             tensors[name] = target
         big, small = _transfer_plan(tensors)
-        received = 0
+        flats = [
+            torch.empty(
+                sum(tensors[k].numel() for k in names),
+                dtype=tensors[names[0]].dtype,
+                device=self.device,
+            )
+            for names in small
+        ]
         with torch.no_grad():
-            for name in big:
-                target = tensors[name]
-                buf = target if target.is_contiguous() else torch.empty_like(target).contiguous()
-                self.comm.recv(buf, src)
-                if buf is not target:
-                    target.copy_(buf)
-                received += _nbytes(buf)
-            for names in small:
-                flat = torch.empty(
-                    sum(tensors[k].numel() for k in names),
-                    dtype=tensors[names[0]].dtype,
-                    device=self.device,
-                )
-                self.comm.recv(flat, src)
-                received += _nbytes(flat)
+            self.comm.recv([tensors[k] for k in big] + flats, src)
+            for names, flat in zip(small, flats, strict=True):
                 offset = 0
                 for k in names:
                     n = tensors[k].numel()
                     tensors[k].copy_(flat[offset : offset + n].view_as(tensors[k]))
                     offset += n
+            model_live = {f"model/{k}": v for k, v in self.model.state_dict().items()}
+            for name, tensor in tensors.items():
+                if name in model_live and model_live[name].data_ptr() != tensor.data_ptr():
+                    model_live[name].copy_(tensor)
         optim = {k: v for k, v in tensors.items() if k.startswith("optim/")}
         load_state(None, self.optimizer, self.scheduler, optim, source["meta"])
         self._drop_pending()
         self.steps_done = int(source["steps_done"])
         self._set_phase("idle", self.steps_done)
-        return received
+        return sum(_nbytes(tensors[k]) for k in big) + sum(_nbytes(f) for f in flats)
 
     def get_state(self, gen: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Copies of the whole state (model and optimizer tensors, metadata)."""

@@ -112,7 +112,7 @@ class WorkerPool:
             use_gpu=cfg.use_gpu,
         )
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt)
-        handle.setup_ref = actor.setup.remote()
+        handle.setup_ref = actor.setup.remote(prebuild_optimizer_state=replaces is not None)
         self.starting.append(handle)
         if replaces is not None and attempt == 1:
             self.log.emit("replacement_requested", worker=name, replaces=replaces)
