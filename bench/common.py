@@ -83,6 +83,8 @@ SIZES: dict[str, Size] = {
     "tiny": Size(tokens=4, dim=32, hidden=64, layers=1),
     # 100-200 ms per step with 2 ranks x 1 thread on the 2-core box (global batch 64)
     "small": Size(tokens=32, dim=128, hidden=512, layers=3),
+    # about 100 ms per step with 3 ranks x 1 thread on the 2-core box: the recovery bench
+    "medium": Size(tokens=16, dim=128, hidden=512, layers=2),
     # >= 100 MB of state with Adam (params x 3 x 4 bytes): state-transfer runs
     "large": Size(tokens=1, dim=1024, hidden=1536, layers=4),
 }

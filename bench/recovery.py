@@ -53,7 +53,7 @@ MIN_TRANSFER_BYTES = 100 * 10**6
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="small", choices=sorted(common.SIZES))
+    p.add_argument("--size", default="medium", choices=sorted(common.SIZES))
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-at", type=int, default=30, help="SIGKILL once this step runs")

@@ -27,6 +27,7 @@ def test_run_ddp_steady_tiny(tmp_path):
 
 def test_batch_ids_is_a_permutation_per_epoch():
     import numpy as np
+
     from bench import common
 
     n, g = 256, 64

@@ -19,10 +19,22 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "src" / "planaria" / "examples"
 @pytest.mark.usefixtures("ray_cluster")
 def test_run_with_chaos_kill_then_report_agrees_with_events(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code = main([
-        "run", f"{EXAMPLES / 'mlp.py'}:spec", "--replicas", "3", "--steps", "40",
-        "--run-dir", str(run_dir), "--chaos", "kill:w1@step10", "--ledger", "--no-resume",
-    ])
+    code = main(
+        [
+            "run",
+            f"{EXAMPLES / 'mlp.py'}:spec",
+            "--replicas",
+            "3",
+            "--steps",
+            "40",
+            "--run-dir",
+            str(run_dir),
+            "--chaos",
+            "kill:w1@step10",
+            "--ledger",
+            "--no-resume",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "w1 lost" in out and "done: 40 steps" in out
@@ -52,11 +64,37 @@ def test_run_with_chaos_kill_then_report_agrees_with_events(tmp_path, capsys):
 
 
 def test_run_names_a_missing_script_and_a_missing_spec(tmp_path, capsys):
-    assert main(["run", str(tmp_path / "nope.py"), "--replicas", "1", "--steps", "1",
-                 "--run-dir", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "run",
+                str(tmp_path / "nope.py"),
+                "--replicas",
+                "1",
+                "--steps",
+                "1",
+                "--run-dir",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
-    assert main(["run", f"{EXAMPLES / 'mlp.py'}:nothing", "--replicas", "1", "--steps", "1",
-                 "--run-dir", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "run",
+                f"{EXAMPLES / 'mlp.py'}:nothing",
+                "--replicas",
+                "1",
+                "--steps",
+                "1",
+                "--run-dir",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "no TrainSpec named 'nothing'" in err and ":spec" in err
 

@@ -78,7 +78,7 @@ def test_policy_rejects_bad_values(kwargs, words):
 
 
 def test_hang_config_rejects_a_timeout_shorter_than_the_heartbeat():
-    with pytest.raises(ConfigError, match="heartbeat_timeout_s=0.1"):
+    with pytest.raises(ConfigError, match=r"heartbeat_timeout_s=0\.1"):
         HangConfig(heartbeat_s=0.5, heartbeat_timeout_s=0.1)
 
 
@@ -91,14 +91,20 @@ def test_job_rejects_min_replicas_above_replicas_and_too_many_replicas(tmp_path)
     from planaria import Job
 
     with pytest.raises(ConfigError, match="min_replicas=3"):
-        Job(spec(), RunConfig(steps=5, replicas=2, run_dir=tmp_path), policy=RecoveryPolicy(min_replicas=3))
+        Job(
+            spec(),
+            RunConfig(steps=5, replicas=2, run_dir=tmp_path),
+            policy=RecoveryPolicy(min_replicas=3),
+        )
     with pytest.raises(ConfigError, match="replicas=65"):
         Job(spec(), RunConfig(steps=5, replicas=65, run_dir=tmp_path))
 
 
-@pytest.mark.parametrize("text", ["kill:w1", "explode:w1@step3", "kill:x@step3", "kill:w1@soon", ""])
+@pytest.mark.parametrize(
+    "text", ["kill:w1", "explode:w1@step3", "kill:x@step3", "kill:w1@soon", ""]
+)
 def test_chaos_plan_rejects_bad_events(text):
-    with pytest.raises(ConfigError, match="ACTION:TARGET@WHEN|empty"):
+    with pytest.raises(ConfigError, match=r"ACTION:TARGET@WHEN|empty"):
         ChaosPlan.parse(text)
 
 

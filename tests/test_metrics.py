@@ -56,7 +56,7 @@ def test_no_faults() -> None:
     events = [start(replicas=2, steps=3), ev(1.0, "generation", gen=0, workers=["w0", "w1"],
                                                 world_size=2, build_s=0.1, reason="start"),
               commit(2.0, 0, width=2, wait=0.1), commit(3.0, 1, width=2), commit(4.0, 2, width=2),
-              ev(4.5, "checkpoint_saved", step=2, path="p", bytes=100, stall_s=0.2, save_s=0.5,
+              ev(4.5, "checkpoint_saved", step=3, path="p", bytes=100, stall_s=0.2, save_s=0.5,
                  writers=2),
               ev(5.0, "run_end", status="ok", step=2, wall_s=5.0, error=None)]
     s = summarize(events)
@@ -185,7 +185,7 @@ def test_in_process_restore_counts_lost_steps() -> None:
     events = [start(), commit(2.0, 0), commit(3.0, 1), commit(4.0, 2), commit(5.0, 3),
               *fault(5.6, "f1", 5.5, kind="all_lost", worker=None),  # type: ignore[arg-type]
               ev(5.6, "action", fault_id="f1", action="restore"),
-              ev(6.5, "restore", step=1, path="ck", restore_s=0.5, lost_steps=2),
+              ev(6.5, "restore", step=2, path="ck", restore_s=0.5, lost_steps=2),
               commit(7.5, 2), commit(8.5, 3),
               ev(8.5, "run_end", status="ok", step=3, wall_s=8.5, error=None)]
     s = summarize(events)
@@ -201,11 +201,11 @@ def test_in_process_restore_counts_lost_steps() -> None:
 
 def test_resumed_run() -> None:
     events = [start(), commit(2.0, 0), commit(3.0, 1), commit(4.0, 2),
-              ev(4.5, "checkpoint_saved", step=2, path="p", bytes=1, stall_s=0.1, save_s=0.4,
+              ev(4.5, "checkpoint_saved", step=3, path="p", bytes=1, stall_s=0.1, save_s=0.4,
                  writers=3),
               commit(5.0, 3), commit(6.0, 4),  # then the controller crashed
               start(10.0, start_step=3),
-              ev(11.5, "restore", step=2, path="p", restore_s=0.5, lost_steps=2),
+              ev(11.5, "restore", step=3, path="p", restore_s=0.5, lost_steps=2),
               commit(13.0, 3), commit(14.0, 4), commit(15.0, 5),
               ev(15.5, "run_end", status="ok", step=5, wall_s=5.5, error=None)]
     s = summarize(events)

@@ -135,7 +135,7 @@ class Job:
             run_id=uuid.uuid4().hex[:12],
             replicas=cfg.replicas,
             steps=cfg.steps,
-            start_step=0,
+            start_step=None,  # known once a checkpoint is (or is not) resumed: see `restore`
             global_batch_size=self.spec.global_batch_size,
             micro_batch_size=self.spec.micro_batch_size,
             seed=self.spec.seed,
@@ -262,8 +262,12 @@ class Job:
         gen = self.gen
         self.members = list(members)
         timeouts = (self.config.join_timeout_s, self.config.collective_timeout_s)
+        # Each rank starts loading its share of the next step while the group forms.
+        parts = self._split(self.steps_done, len(members))
         refs = {
-            h.name: h.actor.join.remote(gen, rank, len(members), self.steps_done, timeouts)
+            h.name: h.actor.join.remote(
+                gen, rank, len(members), self.steps_done, timeouts, parts[rank]
+            )
             for rank, h in enumerate(members)
         }
         results = self._gather(refs, deadline_s=self.config.join_timeout_s + 5, step=None)
@@ -328,8 +332,8 @@ class Job:
         self.boundary()
         assert self.plan is not None
         step = self.steps_done
-        parts = split_contiguous(self.plan.batch(step), self.width)
-        nxt = split_contiguous(self.plan.batch(step + 1), self.width)
+        parts = self._split(step, self.width)
+        nxt = self._split(step + 1, self.width)
         t0 = time.time()
         refs = {
             h.name: h.actor.step.remote(self.gen, step, parts[r], self.steps_done, nxt[r])
@@ -377,6 +381,12 @@ class Job:
         self.recovery.on_commit(step)
         return result
 
+    def _split(self, step: int, width: int) -> list[np.ndarray]:
+        """Step ``step``'s sample ids split over ``width`` ranks (empty parts before the plan)."""
+        if self.plan is None:
+            return [np.empty(0, dtype=np.int64)] * width
+        return split_contiguous(self.plan.batch(step), width)
+
     def commit_all(self) -> None:
         """Makes every worker apply the committed steps now (before a snapshot or the end)."""
         refs = {h.name: h.actor.commit.remote(self.gen, self.steps_done) for h in self.members}
@@ -415,9 +425,12 @@ class Job:
             if now >= limit:
                 hung += self._find_hung([by_ref[r] for r in pending], past_deadline=True)
                 break
-            done, pending = ray.wait(
-                pending, num_returns=len(pending), timeout=min(0.25, limit - now)
-            )
+            # Wake on the first answer (a death is known the moment Ray reports it),
+            # then sweep whatever else is ready too.
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(0.25, limit - now))
+            if done and pending:
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                done += more
             for ref in done:
                 name = by_ref[ref]
                 try:

@@ -11,14 +11,16 @@ Time accounting (:func:`time_breakdown`)
     badput buckets add up to 1. Labelled intervals, highest priority first:
 
     1. ``checkpoint_stall``: ``[c, c + stall_s]`` per ``checkpoint_saved``,
-       where ``c`` is the latest commit of that checkpoint's step (else the
+       where ``c`` is the latest commit of the checkpoint's last step (else the
        latest commit before the record, else ``t - save_s``).
     2. ``restore``: ``[t - restore_s, t]`` per ``restore``.
     3. A committed step's own interval ``[t - duration_s, t]``: if the commit
        stayed committed, its first ``data_wait_s`` is ``data_wait`` and the
        rest is goodput; if it was later rolled back (the same or an earlier
-       step committed again later, or a later segment's ``start_step`` is at
-       or below it) the whole interval is ``wasted_steps``.
+       step committed again later, a ``restore`` to a checkpoint holding fewer
+       steps, or a later segment's ``start_step`` at or below it) the whole
+       interval is ``wasted_steps``. Checkpoint and restore ``step`` fields count
+       the steps a checkpoint holds (the next step to run).
     4. ``waiting_for_replicas``: ``action`` with ``action="pause"`` → the next
        commit (or segment end).
     5. ``recovery``: ``fault_t`` → recovery time of each fault (segment end if
@@ -91,6 +93,9 @@ def _rolled_back(segments: Sequence[Segment]) -> set[int]:
             if rec["event"] == "step_committed":
                 pop_while(step_of(rec))
                 kept.append(rec)
+            elif rec["event"] == "restore" and (back_to := num(rec.get("step"))) is not None:
+                # Training went back to the checkpoint's step: what came after is undone.
+                pop_while(back_to)
     return lost
 
 
@@ -163,7 +168,8 @@ def _segment_intervals(
             waiting_since = t
         elif ev == "checkpoint_saved":
             stall = num(rec.get("stall_s")) or 0.0
-            c = commit_t.get(num(rec.get("step")) or -1.0, last_commit)
+            # A checkpoint's step counts the steps it holds: its last commit is step - 1.
+            c = commit_t.get((num(rec.get("step")) or 0.0) - 1, last_commit)
             if c is None:
                 c = t - (num(rec.get("save_s")) or 0.0)
             out.append((c, c + stall, "checkpoint_stall"))

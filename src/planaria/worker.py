@@ -183,14 +183,18 @@ class Worker(CheckpointWorkerMixin):
         world_size: int,
         steps_done: int,
         timeouts: tuple[float, float],
+        next_ids: np.ndarray | None = None,
     ) -> dict[str, Any]:
         """Enters generation ``gen``: settles the pending step, builds the new group.
 
         A worker with no state yet (a replacement) may be behind ``steps_done``;
         the controller sends it the state next and checks survivors are not behind.
+        ``next_ids`` (this rank's share of the next step) start loading at once.
         """
         self._enter(gen)
         self._settle(steps_done, allow_behind=True)
+        if next_ids is not None and len(next_ids):
+            self._prefetch(next_ids)
         if self.comm is not None:
             self.comm.close()
             self.comm = None
