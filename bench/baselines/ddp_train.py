@@ -31,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench import common  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from bench import common  # noqa: E402
 
 
 class JsonLog:

@@ -44,10 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for bench.common
 
 import torch
-from bench import common
 from ddp_train import JsonLog
 from torch.distributed import ReduceOp, TCPStore
 from torchft import Manager, ProcessGroupGloo
+
+from bench import common
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
