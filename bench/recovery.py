@@ -60,6 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun's checkpoint interval")
     p.add_argument("--transfer-size", default="large", choices=sorted(common.SIZES))
     p.add_argument("--transfer-steps", type=int, default=10)
+    p.add_argument(
+        "--torchft-restart-delay-s",
+        type=float,
+        default=3.0,
+        help="when the torchft replacement starts after the kill: a replacement that starts "
+        "at once heartbeats under the dead group's id and the lighthouse waits for it to join "
+        "(seen here: survivors stalled ~10 s); a few seconds later, as a scheduler would, "
+        "lets survivors go on after the heartbeat timeout, torchft's best case",
+    )
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each baseline run")
     p.add_argument("--workdir", default=None, help="where runs write (default: a temp dir)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, few steps")
@@ -111,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.kill_at,
         args.size,
         groups=args.replicas,
+        restart_delay_s=args.torchft_restart_delay_s,
         timeout_s=args.timeout_s,
         workdir=wd / "torchft",
     )
