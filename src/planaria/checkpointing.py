@@ -254,6 +254,7 @@ class Checkpointer:
         warnings: list[str] = []
         candidates = [c for c in reversed(list_checkpoints(self.root, storage_options=self.options))
                       if c.committed]
+        tried = False
         for c in candidates:
             try:
                 manifest = read_manifest(c.path, storage_options=self.options)
@@ -261,6 +262,7 @@ class Checkpointer:
                 warnings.append(f"step {c.step} ({c.path}) skipped: {err}")
                 continue
             strategy = self._strategy()
+            tried = True
             problems = self._load(c.path, manifest, strategy)
             if problems:
                 warnings.append(f"step {c.step} ({c.path}) skipped: {problems}")
@@ -287,6 +289,13 @@ class Checkpointer:
             _log.warning("checkpoint %s", w)
         if warnings:
             _log.warning("no viable checkpoint under %s", self.root)
+        if tried:  # failed reads went into the live state: back to the initial one
+            job._gather(
+                {h.name: h.actor.reinit.remote(job.gen) for h in job.members},
+                deadline_s=self.config.timeout_s,
+                step=None,
+            )
+            job.steps_done = 0
         return None
 
     def close(self) -> None:

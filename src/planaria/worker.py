@@ -114,14 +114,7 @@ class Worker(CheckpointWorkerMixin):
         """
         self.phase = "setup"
         spec = self.spec
-        torch.manual_seed(spec.seed)
-        self.model = _user("the model factory", spec.model).to(self.device)
-        self.optimizer = _user("the optimizer factory", spec.optimizer, self.model.parameters())
-        self.scheduler = (
-            _user("the lr_scheduler factory", spec.lr_scheduler, self.optimizer)
-            if spec.lr_scheduler
-            else None
-        )
+        self._build_model()
         self.dataset = _user("the dataset factory", spec.dataset)
         if spec.collate is not None:
             self.collate = spec.collate
@@ -130,7 +123,6 @@ class Worker(CheckpointWorkerMixin):
 
             self.collate = default_collate
         num_samples = _user("len(dataset)", len, self.dataset)
-        self._bind_grad_buffers()
         if prebuild_optimizer_state:
             self._prebuild_optimizer_state()
         self.phase = "idle"
@@ -143,6 +135,28 @@ class Worker(CheckpointWorkerMixin):
             "param_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "threads": torch.get_num_threads(),
         }
+
+    def _build_model(self) -> None:
+        """Model, optimizer and scheduler in their initial state (torch seeded from the spec)."""
+        spec = self.spec
+        torch.manual_seed(spec.seed)
+        self.model = _user("the model factory", spec.model).to(self.device)
+        self.optimizer = _user("the optimizer factory", spec.optimizer, self.model.parameters())
+        self.scheduler = (
+            _user("the lr_scheduler factory", spec.lr_scheduler, self.optimizer)
+            if spec.lr_scheduler
+            else None
+        )
+        self._bind_grad_buffers()
+
+    def reinit(self, gen: int) -> int:
+        """Back to the initial state (after a restore that failed part-way); returns checksum."""
+        self._check(gen)
+        self._build_model()
+        self.pending = None
+        self.steps_done = 0
+        self.ckpt_dirty = False
+        return param_checksum(self.model)
 
     def _prebuild_optimizer_state(self) -> None:
         """One optimizer step on zero gradients creates the state tensors (exp_avg, ...).

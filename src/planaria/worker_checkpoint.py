@@ -9,11 +9,14 @@ controller, which commits the checkpoint once it holds every record. Every
 replica computes the same byte-balanced :func:`~planaria.checkpoint.plan_shards`
 plan from its own (identical) tensor layout, so no plan crosses the wire.
 
-Restoring is two-phase so that a checkpoint found bad leaves every replica
-untouched: :meth:`~CheckpointWorkerMixin.ckpt_read` reads (and verifies) tensors
-into fresh memory, :meth:`~CheckpointWorkerMixin.ckpt_apply` then loads them,
-after broadcasting each tensor from the replica that read it when the replicas
-read shares.
+Restoring is two-phase: :meth:`~CheckpointWorkerMixin.ckpt_read` reads (and
+verifies) tensors straight into the replica's live tensors (memory already
+allocated and touched: reading into fresh memory costs more in page faults than
+the read itself), :meth:`~CheckpointWorkerMixin.ckpt_apply` then loads the rest
+(optimizer and scheduler metadata), after broadcasting each tensor from the
+replica that read it when the replicas read shares. A read that fails leaves the
+replica's state partly overwritten (``ckpt_dirty``): the controller then tries
+an older checkpoint, or rebuilds the initial state (``Worker.reinit``).
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class CheckpointWorkerMixin:
 
         def _check(self, gen: int) -> None: ...
         def _drop_pending(self) -> None: ...
+        def _prebuild_optimizer_state(self) -> None: ...
         def _set_phase(self, phase: str, step: int) -> None: ...
 
     _ckpt_writer: AsyncShardWriter | None = None
@@ -94,6 +98,9 @@ class CheckpointWorkerMixin:
     _ckpt_save_id: str | None = None
     _ckpt_staged: tuple[str, dict[str, torch.Tensor], dict[str, Any],
                         dict[str, tuple[tuple[int, ...], torch.dtype]]] | None = None
+    _ckpt_live: dict[str, torch.Tensor] | None = None
+    ckpt_dirty: bool = False
+    """A restore wrote into the live state and did not finish: the state is not to be used."""
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -183,9 +190,16 @@ class CheckpointWorkerMixin:
         self._ckpt_staged = None
         self._set_phase("ckpt_read", -1)
         t0 = time.perf_counter()
+        if not self.optimizer.state:  # so that the optimizer state too lands in touched memory
+            self._prebuild_optimizer_state()
+        live, _ = flatten_state(self.model, self.optimizer, self.scheduler)
+        self._ckpt_live = live
+        self.ckpt_dirty = True
         try:
             manifest = read_manifest(path, storage_options=storage_options)
-            tensors, meta = load_checkpoint(path, names=names, storage_options=storage_options)
+            tensors, meta = load_checkpoint(
+                path, names=names, storage_options=storage_options, into=live
+            )
         except CheckpointError as err:
             return {"ok": False, "error": str(err)}
         finally:
@@ -207,11 +221,22 @@ class CheckpointWorkerMixin:
         _, tensors, meta, layout = self._ckpt_staged
         self._ckpt_staged = None
         t0 = time.perf_counter()
+        live = self._ckpt_live or {}
         if owners is not None:
             self._set_phase("ckpt_bcast", -1)
-            tensors = self._broadcast(tensors, layout, owners)
+            tensors = self._broadcast(tensors, layout, owners, live)
         bcast_s = time.perf_counter() - t0
-        load_state(self.model, self.optimizer, self.scheduler, tensors, meta)
+        with torch.no_grad():  # model tensors not filled in place (a layout mismatch) are copied
+            for name, tensor in tensors.items():
+                target = live.get(name)
+                if target is None or not name.startswith("model/"):
+                    continue
+                if target.data_ptr() != tensor.data_ptr():
+                    target.copy_(tensor)
+        optim = {k: v for k, v in tensors.items() if not k.startswith("model/")}
+        load_state(None, self.optimizer, self.scheduler, optim, meta)
+        self._ckpt_live = None
+        self.ckpt_dirty = False
         self._drop_pending()
         self.steps_done = int(meta["steps_done"])
         self._set_phase("idle", self.steps_done)
@@ -222,16 +247,25 @@ class CheckpointWorkerMixin:
         mine: dict[str, torch.Tensor],
         layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
         owners: Mapping[str, int],
+        live: Mapping[str, torch.Tensor],
     ) -> dict[str, torch.Tensor]:
         comm = self.comm
         assert comm is not None, "restore before join"
         out: dict[str, torch.Tensor] = {}
+
+        def target(name: str) -> torch.Tensor:
+            shape, dtype = layout[name]
+            t = live.get(name)
+            fits = t is not None and tuple(t.shape) == tuple(shape) and t.dtype == dtype
+            if t is not None and fits and t.is_contiguous():
+                return t
+            return torch.empty(shape, dtype=dtype)
+
         for owner, names in broadcast_units(layout, owners):
             here = owner == comm.rank
             if len(names) == 1:
                 name = names[0]
-                shape, dtype = layout[name]
-                buf = mine[name].contiguous() if here else torch.empty(shape, dtype=dtype)
+                buf = mine[name].contiguous() if here else target(name)
                 comm.broadcast(buf, owner)
                 out[name] = buf
                 continue
@@ -243,5 +277,9 @@ class CheckpointWorkerMixin:
                 flat = torch.empty(sum(sizes), dtype=dtype)
             comm.broadcast(flat, owner)
             for name, part in zip(names, torch.split(flat, sizes), strict=True):
-                out[name] = part.view(layout[name][0]).clone() if not here else mine[name]
+                if here:
+                    out[name] = mine[name]
+                else:
+                    out[name] = target(name)
+                    out[name].copy_(part.view(layout[name][0]))
         return out

@@ -171,12 +171,25 @@ def _read_file(
 
 def _destinations(
     chosen: Mapping[str, TensorEntry],
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, memoryview]]:
-    """Fresh tensors for ``chosen`` and, by slice key, the bytes each slice is read into."""
+    """Tensors for ``chosen`` and, by slice key, the bytes each slice is read into.
+
+    A tensor of ``into`` with the same shape and dtype (contiguous, on the CPU) is
+    filled in place; the others are fresh.
+    """
     tensors: dict[str, torch.Tensor] = {}
     dest: dict[str, memoryview] = {}
     for name, t in chosen.items():
-        full = torch.empty(t.shape, dtype=DTYPES[t.dtype])
+        full = into.get(name) if into is not None else None
+        if (
+            full is None
+            or tuple(full.shape) != tuple(t.shape)
+            or full.dtype != DTYPES[t.dtype]
+            or not full.is_contiguous()
+            or full.device.type != "cpu"
+        ):
+            full = torch.empty(t.shape, dtype=DTYPES[t.dtype])
         tensors[name] = full
         for s in t.slices:
             part = full if s.rows is None else full[s.rows[0] : s.rows[1]]
@@ -192,6 +205,7 @@ def _read_all(
     keep: bool,
     verify: bool,
     storage_options: Mapping[str, Any] | None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     st = Storage(path, storage_options)
     if names is not None:
@@ -203,7 +217,7 @@ def _read_all(
     for name, t in chosen.items():
         for s in t.slices:
             wanted[s.file].append((name, s))
-    tensors, dest = _destinations(chosen) if keep else ({}, None)
+    tensors, dest = _destinations(chosen, into) if keep else ({}, None)
     jobs = [(fe, wanted[fe.name]) for fe in manifest.files if names is None or wanted[fe.name]]
     problems: list[str] = []
     with ThreadPoolExecutor(max_workers=max(1, min(_IO_THREADS, len(jobs)))) as pool:
@@ -223,8 +237,13 @@ def load_checkpoint(
     verify: bool = True,
     names: Collection[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Loads the committed checkpoint at ``path``: ``(tensors by name, meta)``.
+
+    ``into`` names tensors to fill in place (e.g. a replica's live, already touched
+    memory: no page faults, no copy afterwards); if the load then fails they hold
+    partial data.
 
     Split tensors come back whole, on the CPU. With ``names`` only those tensors
     are read (only their byte ranges; e.g. a replica reading its share), else
@@ -236,7 +255,7 @@ def load_checkpoint(
     """
     manifest = read_manifest(path, storage_options=storage_options)
     tensors, problems = _read_all(path, manifest, names, keep=True, verify=verify,
-                                  storage_options=storage_options)
+                                  storage_options=storage_options, into=into)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         missing = problems[0].endswith(_MISSING)
