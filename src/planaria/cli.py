@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="train the tiny GPT for about a minute, killing a worker partway"
     )
-    _run_options(demo, steps=150, replicas=3)
+    _run_options(demo, steps=70, replicas=3)
     demo.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
     demo.add_argument("--no-chaos", action="store_true", help="do not kill a worker")
 
