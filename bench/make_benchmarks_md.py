@@ -211,7 +211,9 @@ def render_recovery(rec: dict[str, Any]) -> list[str]:
         f"Model `{r.get('size')}`, {r.get('replicas')} replicas x 1 thread, {r.get('steps')} "
         f"steps, one worker SIGKILLed at step {r.get('kill_at_step')}. planaria: resize policy, "
         "kill by its chaos plan, replacement hot-joins; torchrun: DDP, checkpoint every "
-        f"{tr.get('ckpt_every')} steps, `--max-restarts`; torchft: replica groups + lighthouse.",
+        f"{tr.get('ckpt_every')} steps, `--max-restarts`; torchft: replica groups + lighthouse. "
+        f"{r.get('repeat', 1)} kill run(s) per system, interleaved; the table shows each "
+        "system's median run (by back_s); every run's back_s below.",
         "",
         "| system | step ms | recover_s | back_s | lost_steps |",
         "|---|---:|---:|---:|---:|",
@@ -222,6 +224,11 @@ def render_recovery(rec: dict[str, Any]) -> list[str]:
             f"{_f(x['back_s'])} | {x['lost_steps']} |"
         )
     nbytes = pl.get("transfer_bytes")
+    out += [""] + [
+        f"- {name} back_s of every run: "
+        + ", ".join(_f(v) for v in x.get("back_s_all") or [x["back_s"]])
+        for name, x in (("planaria", pl), ("torchrun", tr), ("torchft", ft))
+    ]
     out += [
         "",
         "| figure | value | target |",
