@@ -43,6 +43,7 @@ __all__ = [
     "batch_ids",
     "collate",
     "load_batch",
+    "loadavg",
     "loss_fn",
     "make_dataset",
     "make_model",
@@ -197,3 +198,13 @@ def split_ids(ids: np.ndarray, rank: int, world: int) -> np.ndarray:
 def micro_batches(ids: np.ndarray, micro: int = MICRO_BATCH) -> list[np.ndarray]:
     """Chunks of at most ``micro`` ids (an empty list for no ids)."""
     return [ids[i : i + micro] for i in range(0, len(ids), micro)]
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages (``n/a`` where /proc has none): printed beside
+    every figure, since these machines are shared and noisy."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"

@@ -28,15 +28,12 @@ from pathlib import Path
 from typing import Any
 
 _REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO))  # for bench.common, when run as a script
+
+from bench import common  # noqa: E402
+
 RESULTS = _REPO / "bench" / "results"
 BENCHES = ("overhead", "recovery", "checkpoint")
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def machine() -> dict[str, Any]:
@@ -91,7 +88,7 @@ def run(name: str, extra_args: list[str], timeout_s: float) -> Path:
     script = _REPO / "bench" / f"{name}.py"
     cmd = [sys.executable, str(script), *extra_args]
     shown = " ".join(["python", f"bench/{name}.py", *extra_args])
-    before, t0 = _loadavg(), time.time()
+    before, t0 = common.loadavg(), time.time()
     print(f"running: {shown}", flush=True)
     proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
@@ -103,7 +100,7 @@ def run(name: str, extra_args: list[str], timeout_s: float) -> Path:
         last_json(proc.stdout),
         shown,
         loadavg_before=before,
-        loadavg_after=_loadavg(),
+        loadavg_after=common.loadavg(),
         wall_s=round(time.time() - t0, 1),
         table=_table_lines(proc.stdout),
     )

@@ -73,13 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 def _med(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -127,7 +120,7 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path) -> dict
             f"  round {i} ({size}): planaria {row['planaria_step_ms']:.1f} ms "
             f"(slowest worker {row['worker_ms']:.1f} + apply {row['apply_ms']:.1f} ms, "
             f"controller {row['controller_ms']:.1f} ms), DDP {row['ddp_step_ms']:.1f} ms, "
-            f"ratio {row['ratio']:.3f}; load {_loadavg()}",
+            f"ratio {row['ratio']:.3f}; load {common.loadavg()}",
             flush=True,
         )
     out = {
@@ -145,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     wd = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_overhead_"))
     wd.mkdir(parents=True, exist_ok=True)
-    load_before = _loadavg()
+    load_before = common.loadavg()
     t0 = time.time()
     print(
         f"overhead: size={args.size}, {args.replicas} replicas x {args.threads} thread, "
@@ -156,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tiny = None
     if not args.no_tiny and args.size != "tiny":
         tiny = _compare(args, "tiny", 1, wd)
-    load_after = _loadavg()
+    load_after = common.loadavg()
 
     m = main_cmp
     print()

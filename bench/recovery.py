@@ -83,13 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run whose back_s is the median of the repeats (its other figures stay its own)."""
     done = sorted((r for r in runs if r.get("back_s") is not None), key=lambda r: r["back_s"])
@@ -106,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     wd = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_recovery_"))
     wd.mkdir(parents=True, exist_ok=True)
-    load = {"before": _loadavg()}
+    load = {"before": common.loadavg()}
     t0 = time.time()
 
     print(
@@ -156,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.replicas,
             run_dir=wd / "planaria_transfer",
         )
-    load["after"] = _loadavg()
+    load["after"] = common.loadavg()
 
     rows = [("planaria", pl), ("torchrun", tr), ("torchft", ft)]
     print()
