@@ -306,14 +306,11 @@ def run_planaria_kill(
     config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads)
     chaos = planaria.ChaosPlan.parse(f"kill:{victim}@step{kill_at_step}")
     job = planaria.Job(make_spec(size), config, chaos=chaos)
-    deadline = time.time() + join_wait_s
     with job:
         while job.steps_done < steps:
             try:
-                if job.steps_done >= steps - 3 and job.width < replicas and time.time() < deadline:
-                    time.sleep(0.2)
-                    job.boundary()  # admits the replacement once it is ready
-                    continue
+                if job.steps_done == steps - 3:  # the hot-join must happen within the run
+                    job.wait_for_width(replicas, timeout_s=join_wait_s)
                 job.train_step()
             except planaria.Failure as failure:
                 job.recovery.handle(failure)

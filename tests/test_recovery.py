@@ -57,22 +57,20 @@ def of(evs: list[dict], name: str) -> list[dict]:
 def run_with_faults(
     run_dir: Path, *, chaos: str, hang: HangConfig | None = None
 ) -> planaria.FitResult:
-    """fit()'s loop, except that the last steps wait (bounded) for a pending replacement to
-    join, so that a slow worker start on a loaded machine cannot end the run before it."""
+    """fit()'s loop, except that before the last steps it waits (bounded) for a pending
+    replacement to join, so that a slow worker start on a loaded machine cannot end the
+    run before it."""
     job = Job(
         mlp.make_spec(n=N),
         RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True),
         chaos=planaria.ChaosPlan.parse(chaos),
         hang=hang,
     )
-    deadline = time.time() + 180
     with job:
         while job.steps_done < STEPS:
             try:
-                if job.steps_done >= STEPS - 3 and job.width < 3 and time.time() < deadline:
-                    time.sleep(0.2)
-                    job.boundary()  # admits the replacement once it is ready
-                    continue
+                if job.steps_done == STEPS - 3:
+                    job.wait_for_width(3, timeout_s=180)
                 job.train_step()
             except planaria.Failure as failure:
                 job.recovery.handle(failure)

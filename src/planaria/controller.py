@@ -504,6 +504,23 @@ class Job:
             self.checkpointer.maybe_save()
         self._chaos_by_time()
 
+    def wait_for_width(self, width: int, *, timeout_s: float) -> int:
+        """Waits at a step boundary, admitting replacements as they become ready, until
+        ``width`` replicas are live or ``timeout_s`` has passed; returns the width reached.
+
+        For a run that should end at full width, or a benchmark that must see the
+        hot-join: training does not advance while it waits. Raises a Failure if one
+        happens meanwhile (recover from it as from a step's).
+        """
+        end = time.monotonic() + timeout_s
+        while self.width < width and time.monotonic() < end:
+            ready = self.pool.poll(timeout_s=min(0.2, max(0.0, end - time.monotonic())))
+            if ready:
+                self.recovery.admit(ready)
+            if not ready and self.pool.pending_count == 0:
+                break  # nothing is coming
+        return self.width
+
     def _chaos_by_time(self) -> None:
         if self.chaos is None:
             return
