@@ -64,37 +64,10 @@ def test_run_with_chaos_kill_then_report_agrees_with_events(tmp_path, capsys):
 
 
 def test_run_names_a_missing_script_and_a_missing_spec(tmp_path, capsys):
-    assert (
-        main(
-            [
-                "run",
-                str(tmp_path / "nope.py"),
-                "--replicas",
-                "1",
-                "--steps",
-                "1",
-                "--run-dir",
-                str(tmp_path),
-            ]
-        )
-        == 2
-    )
+    options = ["--replicas", "1", "--steps", "1", "--run-dir", str(tmp_path)]
+    assert main(["run", str(tmp_path / "nope.py"), *options]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert (
-        main(
-            [
-                "run",
-                f"{EXAMPLES / 'mlp.py'}:nothing",
-                "--replicas",
-                "1",
-                "--steps",
-                "1",
-                "--run-dir",
-                str(tmp_path),
-            ]
-        )
-        == 2
-    )
+    assert main(["run", f"{EXAMPLES / 'mlp.py'}:nothing", *options]) == 2
     err = capsys.readouterr().err
     assert "no TrainSpec named 'nothing'" in err and ":spec" in err
 

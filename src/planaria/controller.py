@@ -524,14 +524,14 @@ class Job:
     def _chaos_by_time(self) -> None:
         if self.chaos is None:
             return
-        for ev in self.chaos.due(step=None, elapsed_s=time.time() - self._t0):
+        for ev in self.chaos.due(step=None, elapsed_s=self.elapsed_s):
             if ev.step is None:
                 self._inject(ev.action, ev.target, self.steps_done)
 
     def _chaos_during_step(self, step: int) -> None:
         if self.chaos is None:
             return
-        for ev in self.chaos.due(step=step, elapsed_s=time.time() - self._t0):
+        for ev in self.chaos.due(step=step, elapsed_s=self.elapsed_s):
             if ev.step is not None:
                 # Land inside the step: after dispatch, about a third of a typical step in.
                 typical = self.deadline.typical_step_s or 0.05

@@ -511,10 +511,6 @@ class Worker(CheckpointWorkerMixin):
             )
         return "\n".join(parts)
 
-    @ray.method(concurrency_group="control")
-    def ping(self) -> str:
-        return self.name
-
 
 def _to_device(batch: Any, device: torch.device) -> Any:
     if device.type == "cpu":

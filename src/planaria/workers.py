@@ -85,7 +85,7 @@ class WorkerPool:
         self.starting: list[WorkerHandle] = []
         self._retry_at: list[tuple[float, WorkerHandle]] = []
         self.local_node = socket.gethostname()
-        # Two lanes: steps and state in the default one, stack dumps and pings in "control".
+        # Two lanes: steps and state in the default one, stack dumps (mid-step) in "control".
         remote: Any = ray.remote
         self._actor_cls = remote(concurrency_groups={"control": 1})(Worker)
 
