@@ -8,6 +8,7 @@ broken group and build the next one without tearing anything else down.
 from __future__ import annotations
 
 import contextlib
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 __all__ = ["Collective", "connect_store"]
 
 CHUNK_BYTES = 32 << 20  # big sends in chunks: gloo moves 8 chunks ~10x faster than one cold call
+PRESENCE_POLL_S = 0.1  # how often a rank waiting for its peers looks at the abort key
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -47,6 +49,7 @@ class Collective:
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         )
         prefixed = dist.PrefixStore(f"gen{gen}/", store)
+        _wait_for_peers(store, prefixed, gen, rank, world_size, join_timeout_s)
         self.pg: Any
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
@@ -109,6 +112,37 @@ class Collective:
             with contextlib.suppress(Exception):
                 pg.shutdown()
             del pg
+
+
+def _wait_for_peers(
+    store: dist.Store, prefixed: dist.Store, gen: int, rank: int, world_size: int, timeout_s: float
+) -> None:
+    """Waits until every rank of the generation has arrived, or the generation is aborted.
+
+    The process group's own rendezvous cannot be interrupted: a rank that waits
+    in it for a peer that died waits for the whole join deadline. Meeting here
+    first, in short waits that look at ``abort/<gen>`` in between, lets the
+    controller end a doomed rendezvous at once.
+    """
+    from planaria.errors import StepAborted
+
+    if world_size == 1:
+        return
+    prefixed.set(f"present/{rank}", "1")
+    keys = [f"present/{r}" for r in range(world_size)]
+    end = time.monotonic() + timeout_s
+    pause = 0.005
+    # Polled with check (a store wait that times out logs a warning in C++ every time).
+    while not prefixed.check(keys):
+        if store.check([f"abort/{gen}"]):
+            raise StepAborted(f"generation {gen} was aborted during its rendezvous")
+        if time.monotonic() > end:
+            raise RuntimeError(
+                f"timeout: generation {gen}'s peers did not all arrive within "
+                f"{timeout_s:g} s (rank {rank} of {world_size})"
+            )
+        time.sleep(pause)
+        pause = min(PRESENCE_POLL_S, pause * 2)
 
 
 def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:

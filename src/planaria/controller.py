@@ -13,6 +13,7 @@ import math
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,11 +31,14 @@ from planaria.data_plan import DataPlan, Ledger, split_contiguous
 from planaria.errors import (
     ConfigError,
     ElasticRuntimeError,
+    Failure,
+    InternalError,
     NonFiniteLoss,
     PlanariaError,
     classify,
 )
 from planaria.events import EventLog
+from planaria.liveness import WORK_PHASES, Liveness
 from planaria.policy import HangConfig, RecoveryPolicy
 from planaria.watchdog import StepDeadline
 from planaria.workers import WorkerHandle, WorkerPool
@@ -44,7 +48,7 @@ __all__ = ["Job", "StepResult"]
 _log = logging.getLogger("planaria.commits")
 _mlog = logging.getLogger("planaria.membership")
 
-FAILURE_GRACE_S = 5.0  # after a first error, how long the other ranks get to report
+LOSS_HISTORY = 100_000  # committed (step, loss) pairs kept in memory; the event log has all
 
 
 @dataclass
@@ -108,7 +112,9 @@ class Job:
         self.gen = -1
         self.members: list[WorkerHandle] = []
         self.steps_done = 0
-        self.losses: list[tuple[int, float]] = []
+        self.last_skipped = -1  # the newest step whose update was dropped (non-finite): workers
+        # learn it with the next call, as they learn of commits (see Worker._settle)
+        self.losses: deque[tuple[int, float]] = deque(maxlen=LOSS_HISTORY)
         self.plan: DataPlan | None = None
         self._started_ray = False
         self._t0 = time.time()
@@ -150,6 +156,7 @@ class Job:
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
         self.store_host = host
+        self.liveness = Liveness(self.store, timeout_s=self.hang.heartbeat_timeout_s)
         self.pool = WorkerPool(
             self.spec,
             cfg,
@@ -182,7 +189,10 @@ class Job:
             self.checkpointer.on_start()
         self.build_generation(self.members, reason="start")
         if self.checkpointer is not None:
-            self.checkpointer.resume_if_asked()
+            try:
+                self.checkpointer.resume_if_asked()
+            except Failure as failure:  # a worker died while resuming: recover as from any
+                self.recovery.handle(failure)
 
     def _init_ray(self) -> None:
         if ray.is_initialized():
@@ -261,12 +271,14 @@ class Job:
         self.gen += 1
         gen = self.gen
         self.members = list(members)
+        self.deadline.rescale(len(members))  # per-rank work scales with 1/width
         timeouts = (self.config.join_timeout_s, self.config.collective_timeout_s)
         # Each rank starts loading its share of the next step while the group forms.
         parts = self._split(self.steps_done, len(members))
         refs = {
             h.name: h.actor.join.remote(
-                gen, rank, len(members), self.steps_done, timeouts, parts[rank]
+                gen, rank, len(members), self.steps_done, timeouts, parts[rank],
+                skipped=self.last_skipped,
             )
             for rank, h in enumerate(members)
         }
@@ -275,8 +287,10 @@ class Job:
             behind = results[h.name]["steps_done"] != self.steps_done
             # A restore overwrites every member's state: fresh replacements may be behind.
             if h.has_state and reason != "restore" and behind:
-                raise PlanariaError(
-                    f"{h.name} has {results[h.name]['steps_done']} steps, the job {self.steps_done}"
+                raise InternalError(
+                    f"{h.name} has {results[h.name]['steps_done']} steps, the job "
+                    f"{self.steps_done}: its state is not the job's",
+                    workers=(h.name,),
                 )
         joiners = [r for r, h in enumerate(members) if not h.has_state]
         if joiners:
@@ -292,7 +306,9 @@ class Job:
         _mlog.info("generation %d: %s (%s)", gen, self.names, reason)
 
     def _send_state(self, joiners: list[int]) -> None:
-        src_rank = next(r for r, h in enumerate(self.members) if h.has_state)
+        src_rank = next((r for r, h in enumerate(self.members) if h.has_state), None)
+        if src_rank is None:
+            raise InternalError("no member holds the state to send to the joiners")
         src = self.members[src_rank]
         t0 = time.time()
         source = self._gather(
@@ -336,11 +352,15 @@ class Job:
         nxt = self._split(step + 1, self.width)
         t0 = time.time()
         refs = {
-            h.name: h.actor.step.remote(self.gen, step, parts[r], self.steps_done, nxt[r])
+            h.name: h.actor.step.remote(
+                self.gen, step, parts[r], self.steps_done, nxt[r], skipped=self.last_skipped
+            )
             for r, h in enumerate(self.members)
         }
         self._chaos_during_step(step)
-        results = self._gather(refs, deadline_s=self.deadline.seconds, step=step)
+        # Hangs are judged by heartbeat and progress (see planaria.liveness); the step's own
+        # deadline is only the last resort.
+        results = self._gather(refs, deadline_s=self.hang.ceiling_s, step=step)
         duration = time.time() - t0
         n = sum(r["n"] for r in results.values())
         loss = sum(r["loss_sum"] for r in results.values()) / max(1, n)
@@ -348,8 +368,10 @@ class Job:
         for r in results.values():
             for k, v in r["metric_sums"].items():
                 metrics[k] = metrics.get(k, 0.0) + v / max(1, n)
-        if not math.isfinite(loss):
-            raise NonFiniteLoss(f"loss is {loss} at step {step}", step=step)
+        grad_norm = max(float(r["grad_norm"]) for r in results.values())
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+            raise NonFiniteLoss(f"{what} at step {step}", step=step)
         self.steps_done = step + 1  # committed: the update rides on the next call to each worker
         self.deadline.observe(duration)
         data_wait = max(r["data_wait_s"] for r in results.values())
@@ -389,13 +411,19 @@ class Job:
 
     def commit_all(self) -> None:
         """Makes every worker apply the committed steps now (before a snapshot or the end)."""
-        refs = {h.name: h.actor.commit.remote(self.gen, self.steps_done) for h in self.members}
+        refs = {
+            h.name: h.actor.commit.remote(self.gen, self.steps_done, skipped=self.last_skipped)
+            for h in self.members
+        }
         self._gather(refs, deadline_s=self.deadline.seconds, step=None)
 
     def skip_pending(self, step: int) -> None:
-        """Drops step ``step``'s update everywhere; the step counts as done (non-finite loss)."""
-        refs = {h.name: h.actor.skip.remote(self.gen, step) for h in self.members}
-        self._gather(refs, deadline_s=60, step=step)
+        """Drops step ``step``'s update everywhere; the step counts as done (non-finite loss).
+
+        Nothing is sent now: like a commit, the skip rides on each worker's next call, so a
+        fault meanwhile cannot leave some workers past the step and others not.
+        """
+        self.last_skipped = step
         self.steps_done = step + 1
         self.log.emit("step_skipped", step=step, reason="nonfinite_loss")
         if self.ledger is not None:
@@ -407,27 +435,29 @@ class Job:
     ) -> dict[str, Any]:
         """Waits for one call per worker; raises the classified Failure if any went wrong.
 
-        Every wait has a deadline. While waiting, a worker whose heartbeat stops
-        is hung (a stopped or frozen process); past the deadline, the workers
-        that have not answered and are not waiting in a collective are.
+        Every wait has a deadline, but busy is not hung: while waiting, a worker is
+        hung only if its heartbeat stops or it makes no progress in its own work past
+        the learned deadline (:class:`~planaria.liveness.Liveness`). From the first
+        error on, the generation is aborted (``abort/<gen>``): the others abandon the
+        call between micro-batches and answer, so the wait ends in about one
+        micro-batch. Past ``deadline_s`` (the last resort), the workers not waiting
+        on a peer are hung, or all of them if every one is.
         """
         by_ref = {ref: name for name, ref in refs.items()}
         results: dict[str, Any] = {}
         errors: dict[str, BaseException] = {}
         hung: list[str] = []
-        start = time.time()
-        end = start + deadline_s
-        first_error_t: float | None = None
+        end = time.monotonic() + deadline_s
         pending = list(by_ref)
+        self.liveness.observe(list(refs))
         while pending:
-            now = time.time()
-            limit = end if first_error_t is None else min(end, first_error_t + FAILURE_GRACE_S)
-            if now >= limit:
-                hung += self._find_hung([by_ref[r] for r in pending], past_deadline=True)
+            now = time.monotonic()
+            if now >= end:
+                hung += self._past_deadline([by_ref[r] for r in pending])
                 break
             # Wake on the first answer (a death is known the moment Ray reports it),
             # then sweep whatever else is ready too.
-            done, pending = ray.wait(pending, num_returns=1, timeout=min(0.25, limit - now))
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(0.25, end - now))
             if done and pending:
                 more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
                 done += more
@@ -437,18 +467,21 @@ class Job:
                     results[name] = ray.get(ref)
                 except Exception as err:
                     errors[name] = err
-                    first_error_t = first_error_t or time.time()
+                    self._abort_generation()
             if pending:
-                stale = self._find_hung([by_ref[r] for r in pending], past_deadline=False)
+                stale = self.liveness.hung([by_ref[r] for r in pending], self.deadline.seconds)
+                stale = [n for n in stale if n not in hung]
                 if stale:
                     hung += stale
-                    first_error_t = first_error_t or time.time()
-                    self._evict_hung(stale)
+                    self._abort_generation()
+                    self._evict_hung(stale)  # killed: their calls end with ActorDiedError
         if not errors and not hung:
             return results
-        hung_set = [h for h in dict.fromkeys(hung) if h not in errors]
+        hung_set = [h for h in dict.fromkeys(hung) if h not in errors or _is_death(errors[h])]
         if hung_set:
             self._evict_hung([h for h in hung_set if h in self.names])
+            for h in hung_set:
+                errors.pop(h, None)  # the death is the one we caused
         faulty = set(hung_set) | {n for n, e in errors.items() if _is_death(e)}
         failure = classify(
             errors,
@@ -467,42 +500,56 @@ class Job:
             )
         raise failure
 
-    def _find_hung(self, names: list[str], *, past_deadline: bool) -> list[str]:
-        now = time.time()
-        beats = {n: self.pool.heartbeat(n) for n in names}
-        stale = [
-            n
-            for n, hb in beats.items()
-            if hb is not None and now - hb.t > self.hang.heartbeat_timeout_s
+    def _abort_generation(self) -> None:
+        """Tells every member of this generation to abandon what it is doing (see Worker)."""
+        try:
+            self.store.set(f"abort/{self.gen}", "1")
+        except Exception:  # the store is ours; nothing to do if it fails but wait
+            _log.debug("could not set abort/%d", self.gen, exc_info=True)
+
+    def _past_deadline(self, names: list[str]) -> list[str]:
+        """The last resort: past the call's deadline, whoever is not waiting on a peer."""
+        self.liveness.observe(names)
+        working = [
+            n for n in names
+            if (hb := self.liveness.last(n)) is None or hb.phase in WORK_PHASES
         ]
-        if stale or not past_deadline:
-            return stale
-        # Past the deadline with live heartbeats: the ones not waiting in the collective.
-        outside = [n for n, hb in beats.items() if hb is None or hb.phase != "reduce"]
-        return outside or names
+        return working or names
 
     def _evict_hung(self, names: list[str]) -> None:
         for name in names:
             handle = next((h for h in self.members if h.name == name), None)
             if handle is None:
                 continue
+            hb = self.liveness.last(name)
             stack = self.pool.stack(handle, timeout_s=0.5)
-            self.log.emit("hang_stack", worker=name, stack=stack)
+            self.log.emit(
+                "hang_stack",
+                worker=name,
+                stack=stack,
+                phase=None if hb is None else hb.phase,
+                silent_s=round(self.liveness.silent_s(name), 3),
+            )
             self.evict([name])
 
     # ---- the step boundary -------------------------------------------------------------------
 
     def boundary(self) -> None:
         """Between steps: drain preempted workers, admit ready replacements, save, inject chaos."""
-        if self._draining:
-            self.recovery.drain(sorted(self._draining))
-            self._draining.clear()
         ready = self.pool.poll(timeout_s=0.0)
-        if ready:
+        if ready:  # first, so that a joiner can take the state from a worker about to drain
             self.recovery.admit(ready)
+        if self._draining:
+            draining = sorted(self._draining)
+            self._draining.clear()
+            self.recovery.drain(draining)
         if self.checkpointer is not None:
             self.checkpointer.maybe_save()
         self._chaos_by_time()
+
+    def keep_draining(self, name: str) -> None:
+        """``name`` got a preemption notice but stays until a later boundary (see drain)."""
+        self._draining.add(name)
 
     def wait_for_width(self, width: int, *, timeout_s: float) -> int:
         """Waits at a step boundary, admitting replacements as they become ready, until
@@ -552,11 +599,12 @@ class Job:
         self.log.emit("chaos", action=action, worker=handle.name, pid=handle.pid, step=step)
 
     def fault_time(self, names: tuple[str, ...]) -> float:
-        """Best estimate of when a fault happened: the chaos signal, else the last heartbeat."""
+        """Best estimate of when a fault happened: the chaos signal, else the last heartbeat
+        change the controller saw (on its own clock)."""
         times = [self._chaos_at.pop(n) for n in names if n in self._chaos_at]
         if times:
             return min(times)
-        beats = [hb.t for hb in (self.pool.heartbeat(n) for n in names) if hb is not None]
+        beats = [t for t in (self.liveness.last_alive_t(n) for n in names) if t is not None]
         return min(beats) if beats else time.time()
 
     # ---- state -------------------------------------------------------------------------------

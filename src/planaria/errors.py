@@ -15,10 +15,13 @@ __all__ = [
     "ConfigError",
     "ElasticRuntimeError",
     "Failure",
+    "InfrastructureError",
+    "InternalError",
     "NonFiniteLoss",
     "PlanariaError",
     "Preempted",
     "StaleGeneration",
+    "StepAborted",
     "UserCodeError",
     "WorkerHung",
     "WorkerLost",
@@ -40,6 +43,10 @@ class CheckpointError(PlanariaError):
 
 class StaleGeneration(PlanariaError):
     """A call carried an older generation than the worker's: the caller is fenced off."""
+
+
+class StepAborted(PlanariaError):
+    """Not an error but a control signal: a worker abandoned a step because a peer failed."""
 
 
 class ElasticRuntimeError(PlanariaError):
@@ -82,18 +89,13 @@ class AllReplicasLost(Failure):
 
 
 class NonFiniteLoss(Failure):
-    """The global loss of a step was NaN or infinite."""
+    """The global loss or the reduced gradient of a step was NaN or infinite."""
 
     kind = "nonfinite_loss"
 
 
-class UserCodeError(Failure):
-    """The user's own code (model, loss, dataset, optimizer) raised; never retried.
-
-    ``remote_traceback`` is the worker's original traceback text.
-    """
-
-    kind = "user_code_error"
+class _WithTraceback(Failure):
+    """A failure that carries the worker's original traceback text (``remote_traceback``)."""
 
     def __init__(
         self,
@@ -116,15 +118,38 @@ class UserCodeError(Failure):
 
     def __reduce__(self) -> Any:  # keep keyword fields across Ray's pickling
         return (
-            _rebuild_user_code_error,
-            (self.args[0], self.remote_traceback, self.workers, self.step),
+            _rebuild,
+            (type(self), self.args[0], self.remote_traceback, self.workers, self.step),
         )
 
 
-def _rebuild_user_code_error(
-    message: str, tb: str, workers: tuple[str, ...], step: int | None
-) -> UserCodeError:
-    return UserCodeError(message, remote_traceback=tb, workers=workers, step=step)
+def _rebuild(
+    cls: type[_WithTraceback], message: str, tb: str, workers: tuple[str, ...], step: int | None
+) -> _WithTraceback:
+    return cls(message, remote_traceback=tb, workers=workers, step=step)
+
+
+class InfrastructureError(_WithTraceback):
+    """The worker's host or device failed under the user's code (CUDA error, out of memory,
+    ECC, storage or network I/O): the worker is replaced, the job goes on."""
+
+    kind = "infrastructure_error"
+
+
+class InternalError(_WithTraceback):
+    """planaria itself found its state inconsistent on a worker (an invariant broke, a stale
+    generation): the worker is replaced and the job goes on; a bug to report, not the user's."""
+
+    kind = "internal_error"
+
+
+class UserCodeError(_WithTraceback):
+    """The user's own code (model, loss, dataset, optimizer) raised; never retried.
+
+    ``remote_traceback`` is the worker's original traceback text.
+    """
+
+    kind = "user_code_error"
 
 
 # Phrases in a survivor's collective error that mean "a peer went away", not a bug here.
@@ -199,23 +224,33 @@ def classify(
 
     user: list[tuple[str, UserCodeError]] = []
     dead: list[str] = []
+    broken: list[tuple[str, InfrastructureError | InternalError]] = []
     nonfinite: list[str] = []
     peer: list[str] = []
-    other: list[tuple[str, BaseException]] = []
     for name, raw in errors.items():
         err = _root_cause(raw)
         if isinstance(err, UserCodeError):
             user.append((name, err))
         elif isinstance(raw, died_types) or isinstance(err, died_types):
             dead.append(name)
+        elif isinstance(err, (InfrastructureError, InternalError)):
+            broken.append((name, err))
         elif isinstance(err, NonFiniteLoss):
             nonfinite.append(name)
-        elif isinstance(err, StaleGeneration):
-            other.append((name, err))
-        elif is_peer_failure(err):
-            peer.append(name)
-        else:
-            other.append((name, err))
+        elif isinstance(err, StepAborted) or is_peer_failure(err):
+            peer.append(name)  # a consequence of another worker's failure, never a cause
+        else:  # planaria's own code failed on that worker (an invariant, a stale generation)
+            broken.append(
+                (
+                    name,
+                    InternalError(
+                        f"planaria internal error on {name}: {type(err).__name__}: {err}",
+                        remote_traceback=_format(err),
+                        workers=(name,),
+                        step=step,
+                    ),
+                )
+            )
 
     if user:
         name, err = user[0]
@@ -225,29 +260,32 @@ def classify(
             workers=(name,),
             step=step,
         )
-    faulty = tuple(sorted(set(dead) | set(hung), key=_worker_order))
+    faulty = tuple(sorted(set(dead) | set(hung) | {n for n, _ in broken}, key=_worker_order))
     if faulty and live_after <= 0:
         return AllReplicasLost(
-            f"every replica is gone ({', '.join(faulty)} lost or hung)", workers=faulty, step=step
+            f"every replica is gone ({', '.join(faulty)} lost, hung or broken)",
+            workers=faulty,
+            step=step,
         )
     if dead:
         return WorkerLost(f"worker {', '.join(faulty)} lost", workers=faulty, step=step)
     if hung:
         return WorkerHung(f"worker {', '.join(faulty)} hung", workers=faulty, step=step)
+    if broken:
+        name, first = broken[0]
+        cls = type(first)
+        return cls(
+            f"{first.args[0] if first.args else cls.kind} (on {', '.join(faulty)})",
+            remote_traceback=first.remote_traceback,
+            workers=faulty,
+            step=step,
+        )
     if nonfinite:
         return NonFiniteLoss(f"non-finite loss at step {step}", workers=(), step=step)
     if preempting:
         return Preempted(f"worker {', '.join(preempting)} preempted", workers=preempting, step=step)
-    if other:
-        name, err = other[0]
-        return UserCodeError(
-            f"{type(err).__name__}: {err}",
-            remote_traceback=_format(err),
-            workers=(name,),
-            step=step,
-        )
     if peer:
-        # Only collective errors and nobody dead: some peer must have failed unseen.
+        # Only consequences and nobody dead: some peer must have failed unseen.
         return WorkerLost(
             f"collective failed on {', '.join(peer)} with no dead worker seen",
             workers=(),

@@ -12,7 +12,7 @@ import torch
 from planaria.chaos import ChaosPlan
 from planaria.config import RunConfig, TrainSpec
 from planaria.controller import Job, StepResult
-from planaria.errors import Failure
+from planaria.errors import ElasticRuntimeError, Failure
 from planaria.events import EVENTS_FILE
 from planaria.policy import HangConfig, RecoveryPolicy
 
@@ -79,9 +79,7 @@ def fit(
                 continue
             if on_step is not None:
                 on_step(result)
-        if job.checkpointer is not None:
-            job.checkpointer.save_final()
-        state = job.model_state_dict()
+        state = _finish(job)
         return FitResult(
             final_step=job.steps_done,
             losses=list(job.losses),
@@ -89,3 +87,25 @@ def fit(
             state_dict=state,
             run_dir=job.run_dir,
         )
+
+
+def _finish(job: Job, attempts: int = 5) -> dict[str, torch.Tensor]:
+    """The final save and the final weights, recovering from a fault meanwhile (a worker
+    can die after the last committed step too: the survivors hold the state)."""
+    for _ in range(attempts):
+        try:
+            if job.checkpointer is not None:
+                job.checkpointer.save_final()
+            state = job.model_state_dict()
+            break
+        except Failure as failure:
+            job.recovery.handle(failure)
+    else:
+        raise ElasticRuntimeError(f"could not read the final state in {attempts} attempts")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise ElasticRuntimeError(
+            f"the final weights are not finite ({', '.join(bad[:5])}): the run diverged; "
+            "use RecoveryPolicy(on_nonfinite='rollback') with checkpoints, or 'abort'"
+        )
+    return state

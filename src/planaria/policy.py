@@ -31,7 +31,10 @@ class RecoveryPolicy:
     max_preemptions: int = 100
     """Planned departures (preemption notices) tolerated before giving up."""
     on_nonfinite: NonFiniteAction = "abort"
-    """skip: drop the step's update; rollback: restore the latest checkpoint; abort: stop."""
+    """skip: drop the step's update; rollback: restore the latest checkpoint (a step that is
+    non-finite again after its rollback is skipped); abort: stop."""
+    max_nonfinite: int = 10
+    """Non-finite steps (loss or reduced gradient) tolerated before giving up."""
     replace_workers: bool = True
     """Ask Ray for a replacement whenever a worker leaves."""
     max_replacement_attempts: int = 5
@@ -55,6 +58,7 @@ class RecoveryPolicy:
         check(self.min_replicas >= 1, "min_replicas", self.min_replicas, "an integer >= 1")
         check(self.pause_timeout_s > 0, "pause_timeout_s", self.pause_timeout_s, "seconds > 0")
         check(self.max_failures >= 0, "max_failures", self.max_failures, "an integer >= 0")
+        check(self.max_nonfinite >= 0, "max_nonfinite", self.max_nonfinite, "an integer >= 0")
         check(self.max_preemptions >= 0, "max_preemptions", self.max_preemptions, "an integer >= 0")
         check(
             self.max_replacement_attempts >= 1,

@@ -47,6 +47,8 @@ class Recovery:
         self.job = job
         self.failures = 0
         self.preemptions = 0
+        self.nonfinite = 0
+        self._rolled_back: set[int] = set()  # steps already rolled back for a non-finite value
         self._next_fault_id = 0
         self._open: list[_OpenFault] = []
         self._joining: dict[str, float] = {}
@@ -94,6 +96,12 @@ class Recovery:
         job = self.job
         if not job.members:  # nothing to send them: the restore path takes them
             return
+        room = job.config.replicas - job.width
+        for handle in ready[room:]:  # never wider than asked: extra replacements go home
+            job.pool.release(handle)
+        ready = ready[: max(0, room)]
+        if not ready:
+            return
         for handle in ready:
             self._joining[handle.name] = handle.ready_t or time.time()
         job.build_generation(job.members + ready, reason="join")
@@ -104,6 +112,16 @@ class Recovery:
         names = [n for n in names if n in job.names]
         if not names:
             return
+        if len(names) == job.width:
+            # Every member got a notice: the last one stays (a notice leaves time) until a
+            # replacement has received the state from it, so the state never leaves the job.
+            keep = names[-1]
+            names = names[:-1]
+            job.keep_draining(keep)
+            if not names:
+                if not self._joining_soon():
+                    self._replace([keep])
+                return
         notice = Preempted(f"{', '.join(names)} preempted", workers=tuple(names))
         self._current = notice
         fault = self._open_fault(notice)
@@ -163,15 +181,36 @@ class Recovery:
 
     def _nonfinite(self, failure: NonFiniteLoss, fault: _OpenFault) -> None:
         job = self.job
-        action = job.policy.on_nonfinite
+        policy = job.policy
+        self.nonfinite += 1
+        if self.nonfinite > policy.max_nonfinite:
+            self._open.remove(fault)
+            self._abort(
+                f"{self.nonfinite} non-finite steps, more than max_nonfinite="
+                f"{policy.max_nonfinite}",
+                failure,
+            )
+        action = policy.on_nonfinite
+        step = failure.step if failure.step is not None else job.steps_done
+        if action == "rollback" and step in self._rolled_back:
+            # The same step is poisoned again after a rollback: it is the data, not a glitch.
+            _log.warning("step %d is non-finite again after a rollback: skipping it", step)
+            action = "skip"
+        if action == "rollback" and job.checkpointer is None:
+            self._open.remove(fault)
+            self._abort(
+                "on_nonfinite='rollback' needs checkpoints to roll back to: pass checkpoint="
+                "CheckpointConfig(every=...) or choose on_nonfinite='skip'",
+                failure,
+            )
         job.log.emit("action", fault_id=fault.fault_id, action=action)
         if action == "abort":
             self._open.remove(fault)
             self._abort("the loss is not finite and on_nonfinite='abort'", failure)
         if action == "skip":
-            assert failure.step is not None
-            job.skip_pending(failure.step)
+            job.skip_pending(step)
             return
+        self._rolled_back.add(step)
         self._restore(fault, keep_survivors=True)
 
     # ---- actions -----------------------------------------------------------------------------
@@ -186,7 +225,6 @@ class Recovery:
             joiners = self._wait_for(want - job.width, reason)
         for handle in joiners:
             self._joining[handle.name] = handle.ready_t or time.time()
-        job.deadline.reset()
         job.build_generation(job.members + joiners, reason=reason)
 
     def _wait_for(self, count: int, reason: str) -> list[WorkerHandle]:
@@ -244,6 +282,9 @@ class Recovery:
         job.build_generation(ready, reason="restore")
         job.log.emit("restore", step=0, path=None, restore_s=time.time() - t0, lost_steps=before)
         return 0
+
+    def _joining_soon(self) -> bool:
+        return self.job.pool.pending_count > 0
 
     def _replace(self, names: tuple[str, ...] | list[str]) -> None:
         job = self.job

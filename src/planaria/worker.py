@@ -10,6 +10,7 @@ the worker's phase to the controller's store, and makes a fenced-off worker
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -29,7 +30,9 @@ import torch
 
 from planaria.collective import Collective, connect_store
 from planaria.config import TrainSpec
-from planaria.errors import PlanariaError, StaleGeneration, UserCodeError
+from planaria.errors import Failure, PlanariaError, StaleGeneration, StepAborted
+from planaria.faults import user_call
+from planaria.liveness import Heartbeat
 from planaria.state import flatten_state, load_state, tensor_layout
 from planaria.worker_checkpoint import CheckpointWorkerMixin
 
@@ -50,13 +53,9 @@ def param_checksum(model: torch.nn.Module) -> int:
 
 
 def _user(what: str, fn: Callable[..., T], *args: Any) -> T:
-    """Runs user code; its exceptions become UserCodeError carrying the original traceback."""
-    try:
-        return fn(*args)
-    except Exception as err:
-        raise UserCodeError(
-            f"{what} raised {type(err).__name__}: {err}", remote_traceback=traceback.format_exc()
-        ) from err
+    """Runs user code: a bug becomes UserCodeError, an infrastructure error raised inside it
+    (CUDA, out of memory, storage I/O) InfrastructureError; both carry the traceback."""
+    return user_call(what, fn, *args)
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -90,6 +89,9 @@ class Worker(CheckpointWorkerMixin):
         self.pending: int | None = None
         self.phase = "starting"
         self.phase_step = -1
+        self._grad_norm = 0.0
+        self.progress = 0  # bumped at every phase change and micro-batch: see planaria.liveness
+        self._beat = 0
         self.preempting = False
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-loader")
         self._prefetched: tuple[bytes, Future[list[Any]]] | None = None
@@ -198,6 +200,8 @@ class Worker(CheckpointWorkerMixin):
         steps_done: int,
         timeouts: tuple[float, float],
         next_ids: np.ndarray | None = None,
+        *,
+        skipped: int = -1,
     ) -> dict[str, Any]:
         """Enters generation ``gen``: settles the pending step, builds the new group.
 
@@ -206,13 +210,13 @@ class Worker(CheckpointWorkerMixin):
         ``next_ids`` (this rank's share of the next step) start loading at once.
         """
         self._enter(gen)
-        self._settle(steps_done, allow_behind=True)
+        self._settle(steps_done, skipped, allow_behind=True)
         if next_ids is not None and len(next_ids):
             self._prefetch(next_ids)
         if self.comm is not None:
             self.comm.close()
             self.comm = None
-        self.phase = "joining"
+        self._set_phase("joining", self.steps_done)
         self.comm = Collective(
             self._store,
             gen,
@@ -240,56 +244,66 @@ class Worker(CheckpointWorkerMixin):
         ids: np.ndarray,
         steps_done: int,
         next_ids: np.ndarray | None = None,
+        *,
+        skipped: int = -1,
     ) -> dict[str, Any]:
         """Computes step ``step`` on ``ids`` and reduces the gradient; applies nothing yet.
 
         ``steps_done`` is the controller's count of committed steps: if this
         worker's pending step is among them it is applied first (the commit rides
-        on the next dispatch), otherwise it is dropped.
+        on the next dispatch), otherwise it is dropped; ``skipped`` is the newest
+        step whose update the controller dropped (a non-finite one): it counts as done.
         """
         self._check(gen)
-        self._settle(steps_done)
+        self._settle(steps_done, skipped)
         if step != self.steps_done:
             raise PlanariaError(f"{self.name} asked for step {step} but has {self.steps_done} done")
         # From here the gradient buffers hold this step's (maybe partial) gradient: if the
         # step fails anywhere, the next settle drops it rather than apply or accumulate it.
         self.pending = step
         t0 = time.perf_counter()
-        self._set_phase("loading", step)
-        micro_batches = self._take(ids)
-        data_wait_s = time.perf_counter() - t0
-        if next_ids is not None and len(next_ids):
-            self._prefetch(next_ids)
-        self._set_phase("compute", step)
-        torch.manual_seed(_step_seed(self.spec.seed, step))
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
-        error: UserCodeError | None = None
         gbs = self.spec.global_batch_size
+        assert self.comm is not None, "step before join"
         try:
+            self._set_phase("loading", step)
+            micro_batches = self._take(ids)
+            data_wait_s = time.perf_counter() - t0
+            if next_ids is not None and len(next_ids):
+                self._prefetch(next_ids)
+            self._set_phase("compute", step)
+            torch.manual_seed(_step_seed(self.spec.seed, step))
             self.model.train()
             for n, batch in micro_batches:
+                self._raise_if_aborted(step)
                 out = _user("the loss function", self.spec.loss, self.model, batch)
                 loss, metrics = out if isinstance(out, tuple) else (out, {})
                 _user("backward", (loss * (n / gbs)).backward)
                 loss_sum += float(loss.detach()) * n
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * n
-        except UserCodeError as err:
-            error = err
+                self.progress += 1
+            self._raise_if_aborted(step)
+        except Failure as err:
+            # This step is lost whatever happens: tell the peers to abandon it now (they poll
+            # between micro-batches) and close the group so that none waits in a collective.
+            self._abort_generation(step)
+            err.workers, err.step = (self.name,), step
+            raise
+        except StepAborted:
+            self._abort_generation(step)
+            raise
         t1 = time.perf_counter()
         self._set_phase("reduce", step)
-        # A rank whose user code failed still joins the reduction, so its peers are not
-        # left waiting in the collective; the controller will not commit this step.
-        assert self.comm is not None, "step before join"
         self.comm.allreduce_sum(self.grad_buffers)
+        # The reduced gradient is the same on every rank: its norm tells every rank (and the
+        # controller) whether the update is finite, and serves the clipping at apply.
+        self._grad_norm = _global_norm(self.grad_buffers)
         t2 = time.perf_counter()
         self._set_phase("idle", step)
-        if error is not None:
-            error.workers = (self.name,)
-            error.step = step
-            raise error
         return {
+            "grad_norm": self._grad_norm,
             "loss_sum": loss_sum,
             "n": int(sum(n for n, _ in micro_batches)),
             "metric_sums": metric_sums,
@@ -300,24 +314,18 @@ class Worker(CheckpointWorkerMixin):
             "preempting": self.preempting,
         }
 
-    def skip(self, gen: int, step: int) -> int:
-        """Drops step ``step``'s pending update on purpose (non-finite loss); it counts as done."""
-        self._check(gen)
-        if self.pending != step or self.steps_done != step:
-            raise PlanariaError(f"{self.name} cannot skip step {step}: pending {self.pending}")
-        self._drop_pending()
-        self.steps_done += 1
-        return self.steps_done
-
-    def commit(self, gen: int, steps_done: int) -> int:
+    def commit(self, gen: int, steps_done: int, *, skipped: int = -1) -> int:
         """Applies the pending step if the controller counts it committed; returns steps done."""
         self._check(gen)
-        self._settle(steps_done)
+        self._settle(steps_done, skipped)
         return self.steps_done
 
-    def _settle(self, steps_done: int, *, allow_behind: bool = False) -> None:
+    def _settle(self, steps_done: int, skipped: int = -1, *, allow_behind: bool = False) -> None:
         if self.pending is not None:
-            if self.pending == steps_done - 1:
+            if self.pending == steps_done - 1 and self.pending == skipped:
+                self._drop_pending()  # done, without its update
+                self.steps_done += 1
+            elif self.pending == steps_done - 1:
                 self._apply()
             else:
                 self._drop_pending()
@@ -328,8 +336,12 @@ class Worker(CheckpointWorkerMixin):
 
     def _apply(self) -> None:
         self._set_phase("apply", self.pending if self.pending is not None else -1)
-        if self.spec.grad_clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.spec.grad_clip_norm)
+        clip = self.spec.grad_clip_norm
+        if clip is not None:  # torch's clip_grad_norm_, with the norm computed after the reduce
+            coef = min(1.0, clip / (self._grad_norm + 1e-6))
+            if coef < 1.0:
+                for flat in self.grad_buffers:
+                    flat.mul_(coef)
         _user("optimizer.step", self.optimizer.step)
         if self.scheduler is not None:
             _user("lr_scheduler.step", self.scheduler.step)
@@ -457,7 +469,26 @@ class Worker(CheckpointWorkerMixin):
 
     # ---- fencing, heartbeat, diagnostics --------------------------------------------------
 
+    def _raise_if_aborted(self, step: int) -> None:
+        """A peer failed during this step (the controller or a peer set ``abort/<gen>``)."""
+        comm = self.comm
+        if comm is not None and comm.world_size > 1 and self._store.check([f"abort/{self.gen}"]):
+            raise StepAborted(f"{self.name} abandoned step {step}: a peer failed")
+
+    def _abort_generation(self, step: int) -> None:
+        with contextlib.suppress(Exception):
+            self._store.set(f"abort/{self.gen}", str(step))
+        if self.comm is not None:
+            self.comm.close()
+
+    def _refuse_if_fenced(self) -> None:
+        """A call queued before this worker was evicted finds the fence and ends the process."""
+        if self._store.check([f"fence/{self.name}"]):
+            _log.warning("%s was fenced off by the controller; exiting", self.name)
+            os._exit(0)
+
     def _enter(self, gen: int) -> None:
+        self._refuse_if_fenced()
         if gen < self.gen:
             raise StaleGeneration(
                 f"{self.name} is in generation {self.gen}, refused call from {gen}"
@@ -465,6 +496,7 @@ class Worker(CheckpointWorkerMixin):
         self.gen = gen
 
     def _check(self, gen: int) -> None:
+        self._refuse_if_fenced()
         if gen != self.gen:
             raise StaleGeneration(
                 f"{self.name} is in generation {self.gen}, refused a call from generation {gen}"
@@ -472,13 +504,16 @@ class Worker(CheckpointWorkerMixin):
 
     def _set_phase(self, phase: str, step: int) -> None:
         self.phase, self.phase_step = phase, step
+        self.progress += 1
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.preempting = True
 
     def _heartbeat_record(self) -> str:
-        pre = int(self.preempting)
-        return f"{time.time():.3f}|{self.phase}|{self.phase_step}|{self.gen}|{pre}"
+        self._beat += 1  # changes every beat: the controller judges liveness on its own clock
+        return Heartbeat(
+            self._beat, self.phase, self.phase_step, self.gen, self.preempting, self.progress
+        ).format()
 
     def _publish_heartbeat(self) -> None:
         record = self._heartbeat_record()
@@ -510,6 +545,13 @@ class Worker(CheckpointWorkerMixin):
                 f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
             )
         return "\n".join(parts)
+
+
+def _global_norm(buffers: list[torch.Tensor]) -> float:
+    if not buffers:
+        return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(b.float()) for b in buffers])
+    return float(torch.linalg.vector_norm(norms))
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -20,25 +20,9 @@ from planaria.events import EventLog
 from planaria.policy import HangConfig
 from planaria.worker import Worker
 
-__all__ = ["Heartbeat", "WorkerHandle", "WorkerPool"]
+__all__ = ["WorkerHandle", "WorkerPool"]
 
 _log = logging.getLogger("planaria.membership")
-
-
-@dataclass
-class Heartbeat:
-    """A worker's last report: when, what it was doing, in which step and generation."""
-
-    t: float
-    phase: str
-    step: int
-    gen: int
-    preempting: bool
-
-    @staticmethod
-    def parse(raw: bytes) -> Heartbeat:
-        t, phase, step, gen, pre = raw.decode().split("|")
-        return Heartbeat(float(t), phase, int(step), int(gen), pre == "1")
 
 
 @dataclass
@@ -83,6 +67,7 @@ class WorkerPool:
         self.max_attempts = max_attempts
         self._next_index = 0
         self.starting: list[WorkerHandle] = []
+        self.last_start_error: str | None = None
         self._retry_at: list[tuple[float, WorkerHandle]] = []
         self.local_node = socket.gethostname()
         # Two lanes: steps and state in the default one, stack dumps (mid-step) in "control".
@@ -160,6 +145,8 @@ class WorkerPool:
         return ready
 
     def _failed_start(self, handle: WorkerHandle, err: BaseException) -> None:
+        self.last_start_error = f"{handle.name}: {type(err).__name__}: {str(err)[:2000]}"
+        self.kill(handle, fence=False)  # a half-started actor holds CPUs, maybe a GPU
         self.log.emit(
             "replacement_failed", worker=handle.name, attempt=handle.attempt, error=str(err)[:500]
         )
@@ -172,15 +159,6 @@ class WorkerPool:
     @property
     def pending_count(self) -> int:
         return len(self.starting) + len(self._retry_at)
-
-    def heartbeat(self, name: str) -> Heartbeat | None:
-        key = f"hb/{name}"
-        try:
-            if not self.store.check([key]):
-                return None
-            return Heartbeat.parse(self.store.get(key))
-        except Exception:
-            return None
 
     def stack(self, handle: WorkerHandle, timeout_s: float = 1.0) -> str | None:
         """The worker's Python stacks if it still answers within the deadline."""

@@ -1,0 +1,137 @@
+"""Is a worker alive, and is it making progress? Judged on the controller's clock alone.
+
+Busy is not hung. Two separate signals come from each worker's heartbeat record
+in the controller's store (``hb/<name>``, written by a thread in the worker):
+
+- **liveness**: the record carries a counter that the heartbeat thread bumps at
+  every beat, so it changes every ``heartbeat_s`` while the process runs. A
+  record that has not changed for ``heartbeat_timeout_s`` (measured here, since
+  the controller last saw it change: no two hosts' clocks are ever compared)
+  means a stopped or frozen process.
+- **progress**: the record also carries the worker's phase and a progress
+  counter that its main thread bumps at every micro-batch and phase change. A
+  worker in a phase of its own work (loading, computing, applying) whose
+  progress counter has not moved for longer than the step deadline learned at
+  the current width is stuck (a deadlock, a hung kernel) though its heartbeat
+  thread still runs. A worker waiting on its peers (in a collective, a
+  rendezvous, a state transfer) is never judged by progress: it waits for
+  someone else, and that someone is the one to judge.
+
+A peer's death never makes the survivors suspects: they abandon the step
+(``abort/<gen>`` in the store, polled between micro-batches) and answer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = ["WORK_PHASES", "Heartbeat", "Liveness"]
+
+WORK_PHASES = frozenset({"loading", "compute", "apply"})
+"""Phases in which a worker does its own work, so that no progress means stuck."""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A worker's last report: a beat counter, its phase, step, generation, notice, progress."""
+
+    beat: int
+    phase: str
+    step: int
+    gen: int
+    preempting: bool
+    progress: int
+
+    @staticmethod
+    def parse(raw: bytes) -> Heartbeat:
+        beat, phase, step, gen, pre, progress = raw.decode().split("|")
+        return Heartbeat(int(beat), phase, int(step), int(gen), pre == "1", int(progress))
+
+    def format(self) -> str:
+        return (
+            f"{self.beat}|{self.phase}|{self.step}|{self.gen}|{int(self.preempting)}|"
+            f"{self.progress}"
+        )
+
+
+@dataclass
+class _Seen:
+    record: Heartbeat
+    changed_t: float  # controller's monotonic clock: when the record last changed
+    progress_t: float  # ... when the progress counter (or the phase) last changed
+
+
+class Liveness:
+    """The controller's view of every worker's heartbeat, on its own monotonic clock."""
+
+    def __init__(self, store: dist.Store, *, timeout_s: float) -> None:
+        self.store = store
+        self.timeout_s = timeout_s
+        self._seen: dict[str, _Seen] = {}
+
+    def observe(self, names: list[str]) -> None:
+        """Reads the heartbeats of ``names`` (one store round trip) and notes what changed."""
+        if not names:
+            return
+        keys = [f"hb/{n}" for n in names]
+        try:  # multi_get would wait for a missing key: check first (one round trip when all are)
+            if self.store.check(keys):
+                present = list(names)
+            else:
+                present = [n for n, k in zip(names, keys, strict=True) if self.store.check([k])]
+            raws = self.store.multi_get([f"hb/{n}" for n in present]) if present else []
+        except Exception:  # the store itself is the controller's: a read error is transient
+            return
+        now = time.monotonic()
+        for name, raw in zip(present, raws, strict=True):
+            try:
+                record = Heartbeat.parse(raw)
+            except ValueError:
+                continue
+            seen = self._seen.get(name)
+            if seen is None:
+                self._seen[name] = _Seen(record, now, now)
+                continue
+            if record != seen.record:
+                moved = (record.progress, record.phase) != (seen.record.progress, seen.record.phase)
+                seen.record, seen.changed_t = record, now
+                if moved:
+                    seen.progress_t = now
+
+    def last(self, name: str) -> Heartbeat | None:
+        seen = self._seen.get(name)
+        return None if seen is None else seen.record
+
+    def silent_s(self, name: str) -> float:
+        """Seconds since the heartbeat last changed (0 if never seen)."""
+        seen = self._seen.get(name)
+        return 0.0 if seen is None else time.monotonic() - seen.changed_t
+
+    def stopped(self, name: str) -> bool:
+        """The heartbeat thread stopped: the process is stopped, frozen or gone."""
+        return self.silent_s(name) > self.timeout_s
+
+    def stuck(self, name: str, deadline_s: float) -> bool:
+        """In a phase of its own work with no progress for longer than ``deadline_s``."""
+        seen = self._seen.get(name)
+        if seen is None or seen.record.phase not in WORK_PHASES:
+            return False
+        return time.monotonic() - seen.progress_t > deadline_s
+
+    def hung(self, names: list[str], deadline_s: float) -> list[str]:
+        """Of ``names``, those whose heartbeat stopped or that are stuck in their own work."""
+        self.observe(names)
+        return [n for n in names if self.stopped(n) or self.stuck(n, deadline_s)]
+
+    def last_alive_t(self, name: str) -> float | None:
+        """Wall-clock estimate of when ``name`` was last seen alive (for fault timing)."""
+        seen = self._seen.get(name)
+        if seen is None:
+            return None
+        return time.time() - (time.monotonic() - seen.changed_t)
+
+    def forget(self, name: str) -> None:
+        self._seen.pop(name, None)

@@ -1,0 +1,119 @@
+"""Faults during recovery and at the edges of a run: each ends recovered, never with an
+uncaught exception, and the final state equals a fault-free run with exactly-once data."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+import planaria
+from planaria import Job, RecoveryPolicy, fit
+from planaria.examples import mlp
+from tests.assertions import assert_exactly_once, assert_same_state
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+
+N, G, STEPS = 512, 64, 16
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, ray_cluster):
+    return fit(
+        mlp.make_spec(n=N), steps=STEPS, replicas=2, run_dir=tmp_path_factory.mktemp("ref")
+    ).state_dict
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def of(evs: list[dict], name: str) -> list[dict]:
+    return [e for e in evs if e["event"] == name]
+
+
+def test_every_member_preempted_at_once_keeps_the_state(tmp_path, reference):
+    job = Job(
+        mlp.make_spec(n=N),
+        planaria.RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True),
+        chaos=planaria.ChaosPlan.parse("preempt:w0@step4,preempt:w1@step4,preempt:w2@step4"),
+    )
+    with job:
+        while job.steps_done < STEPS:
+            if job.steps_done == STEPS - 3:  # let the replacements take the state from w2
+                job.wait_for_width(3, timeout_s=180)
+            job.train_step()  # a preemption never fails a step: no recovery needed here
+        state = job.model_state_dict()
+    assert_same_state(reference, state)
+    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(tmp_path)
+    assert not of(evs, "restore"), "the state must never have left the job"
+    assert not of(evs, "step_failed")
+    assert {e["worker"] for e in of(evs, "drained")} == {"w0", "w1", "w2"}
+
+
+def test_a_death_after_the_last_committed_step(tmp_path, reference, monkeypatch):
+    original = Job.commit_all
+    killed: list[str] = []
+
+    def commit_all_but_kill_one_first(self):
+        if self.steps_done == STEPS and not killed:
+            victim = self.members[1]
+            killed.append(victim.name)
+            os.kill(victim.pid, signal.SIGKILL)
+        return original(self)
+
+    monkeypatch.setattr(Job, "commit_all", commit_all_but_kill_one_first)
+    result = fit(mlp.make_spec(n=N), steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True)
+    assert killed
+    assert result.final_step == STEPS
+    assert_same_state(reference, result.state_dict)
+    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
+    assert [f["kind"] for f in of(events(tmp_path), "fault")] == ["worker_lost"]
+
+
+def _loss_with_nan_gradient(model, batch):
+    """mse; on a batch holding the marked sample, the gradient is NaN while the loss is not
+    (d sqrt(u)/du at u = 0 is infinite, times 0)."""
+    x, y = batch
+    loss = mlp.mse(model, batch)
+    if bool((y > 100).any()):
+        out = model(x)
+        loss = loss + 0.0 * torch.sqrt((out - out.detach()).pow(2).sum())
+    return loss
+
+
+class _Marked(mlp.Regression):
+    def __init__(self) -> None:
+        super().__init__(n=N)
+        self.y[11] = 1000.0
+
+
+def test_nonfinite_gradient_is_caught_and_skip_never_loops(tmp_path):
+    spec = planaria.TrainSpec(
+        model=mlp.make_model,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+        loss=_loss_with_nan_gradient,
+        dataset=_Marked,
+        global_batch_size=G,
+        micro_batch_size=16,
+        seed=0,
+    )
+    policy = RecoveryPolicy(on_nonfinite="skip")
+    result = fit(spec, steps=STEPS, replicas=2, run_dir=tmp_path, policy=policy, ledger=True)
+    evs = events(tmp_path)
+    skipped = of(evs, "step_skipped")
+    assert len(skipped) == STEPS * G // N  # the marked sample's step, once in each epoch
+    assert all(e["reason"] == "nonfinite_loss" for e in skipped)
+    assert result.final_step == STEPS
+    for value in result.state_dict.values():
+        assert bool(torch.isfinite(value).all())
+    assert of(evs, "run_end")[0]["status"] == "ok"
