@@ -117,3 +117,47 @@ def test_nonfinite_gradient_is_caught_and_skip_never_loops(tmp_path):
     for value in result.state_dict.values():
         assert bool(torch.isfinite(value).all())
     assert of(evs, "run_end")[0]["status"] == "ok"
+
+
+class _LossWithStorageHiccup:
+    """mse; the first worker to claim ``marker`` (an atomic rename) raises an OSError, as a
+    network file system does under the user's data loading."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, model, batch):
+        try:
+            os.rename(self.marker, self.marker + ".claimed")
+        except FileNotFoundError:
+            return mlp.mse(model, batch)
+        raise OSError(116, "Stale file handle")
+
+
+def test_infrastructure_error_under_user_code_replaces_the_worker(tmp_path, reference):
+    marker = tmp_path / "hiccup"
+    base = mlp.make_spec(n=N)
+    spec = planaria.TrainSpec(
+        model=base.model,
+        optimizer=base.optimizer,
+        loss=_LossWithStorageHiccup(str(marker)),
+        dataset=base.dataset,
+        global_batch_size=G,
+        micro_batch_size=16,
+        grad_clip_norm=base.grad_clip_norm,
+    )
+
+    def arm(result) -> None:
+        if result.step == 4:
+            marker.write_text("1")
+
+    run_dir = tmp_path / "run"
+    result = fit(spec, steps=STEPS, replicas=3, run_dir=run_dir, ledger=True, on_step=arm)
+    assert (tmp_path / "hiccup.claimed").exists()
+    assert_same_state(reference, result.state_dict)
+    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(run_dir)
+    faults = of(evs, "fault")
+    assert [f["kind"] for f in faults] == ["infrastructure_error"]
+    assert of(evs, "replacement_requested")[0]["replaces"] == faults[0]["worker"]
+    assert of(evs, "run_end")[0]["status"] == "ok"
