@@ -201,6 +201,9 @@ class Job:
         if cfg.address is not None:
             ray.init(address=cfg.address, **cfg.ray_init_kwargs)
             return
+        from planaria.ray_logs import route_ray_logs
+
+        route_ray_logs(self.run_dir)  # Ray's notices go to RUN_DIR/ray.log, planaria's to you
         logical_cpus = max(os.cpu_count() or 1, math.ceil((cfg.replicas + 2) * cfg.cpus_per_worker))
         kwargs: dict[str, Any] = {
             "num_cpus": logical_cpus,
@@ -210,6 +213,7 @@ class Job:
         }
         kwargs.update(cfg.ray_init_kwargs)
         ray.init(**kwargs)
+        route_ray_logs(self.run_dir)
         self._started_ray = True
 
     def _wait_ready(self, count: int, *, timeout_s: float) -> list[WorkerHandle]:
