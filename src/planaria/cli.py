@@ -123,7 +123,9 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
     from planaria.progress import ProgressDisplay
 
     listeners: list[Any] = []
-    display = ProgressDisplay(args.steps, args.replicas, quiet=args.quiet)
+    display = ProgressDisplay(
+        args.steps, args.replicas, quiet=args.quiet, events_path=run_dir / "events.jsonl"
+    )
     listeners.append(display)
     exporter = None
     if args.metrics_port is not None:

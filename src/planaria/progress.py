@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -52,6 +53,7 @@ class ProgressDisplay:
         summary: bool = True,
         every_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        events_path: Path | None = None,
     ) -> None:
         self.total_steps = total_steps
         self.target_replicas = target_replicas
@@ -62,7 +64,10 @@ class ProgressDisplay:
         self._clock = clock
         self._tty = self.console.is_terminal and not self.console.is_dumb_terminal
         self._lock = threading.Lock()
-        self._events: list[dict[str, Any]] = []
+        # With the event log's path, the summary reads the log and memory stays bounded over a
+        # long run; without it, every record is kept for the summary.
+        self.events_path = events_path
+        self._events: deque[dict[str, Any]] = deque(maxlen=1000 if events_path else None)
         self._recent: deque[tuple[float, float]] = deque(maxlen=20)  # (t, samples) per commit
         self._step = -1
         self._loss: float | None = None
@@ -98,7 +103,12 @@ class ProgressDisplay:
             from planaria.metrics import summarize
             from planaria.report import render_summary
 
-            render_summary(summarize(self._events), self.console)
+            records = list(self._events)
+            if self.events_path is not None and self.events_path.exists():
+                from planaria.events import read_events
+
+                records = read_events(self.events_path).events
+            render_summary(summarize(records), self.console)
 
     def __enter__(self) -> ProgressDisplay:
         self.start()
