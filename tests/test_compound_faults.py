@@ -161,3 +161,46 @@ def test_infrastructure_error_under_user_code_replaces_the_worker(tmp_path, refe
     assert [f["kind"] for f in faults] == ["infrastructure_error"]
     assert of(evs, "replacement_requested")[0]["replaces"] == faults[0]["worker"]
     assert of(evs, "run_end")[0]["status"] == "ok"
+
+
+def test_a_death_during_a_new_generations_rendezvous_does_not_stall_it(
+    tmp_path, reference, monkeypatch
+):
+    from planaria.recovery import Recovery
+
+    original = Recovery.admit
+    killed: list[str] = []
+
+    def admit_but_kill_the_joiner_first(self, ready):
+        if not killed and ready:
+            killed.append(ready[0].name)
+            os.kill(ready[0].pid, signal.SIGKILL)
+        return original(self, ready)
+
+    monkeypatch.setattr(Recovery, "admit", admit_but_kill_the_joiner_first)
+    job = Job(
+        mlp.make_spec(n=N),
+        planaria.RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True),
+        chaos=planaria.ChaosPlan.parse("kill:w1@step3"),
+    )
+    with job:
+        while job.steps_done < STEPS:
+            try:
+                if job.steps_done == STEPS - 3:
+                    job.wait_for_width(3, timeout_s=180)
+                job.train_step()
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+        assert job.width <= 3
+        state = job.model_state_dict()
+    assert killed == ["w3"]
+    assert_same_state(reference, state)
+    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(tmp_path)
+    assert [f["worker"] for f in of(evs, "fault")] == ["w1", "w3"]
+    # The survivors, waiting for w3 at the rendezvous, were released at once (abort/<gen>),
+    # not after the 60 s join deadline.
+    fault_t = of(evs, "fault")[1]["t"]
+    next_gen = next(e for e in of(evs, "generation") if e["t"] > fault_t)
+    assert next_gen["t"] - fault_t < 15
+    assert max(e["width"] for e in of(evs, "step_committed")) <= 3
