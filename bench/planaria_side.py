@@ -84,9 +84,9 @@ class _TimedWorkerMixin:
     result. Two ``perf_counter`` calls per step: nothing else changes.
     """
 
-    def _settle(self, steps_done: int, *, allow_behind: bool = False) -> None:
+    def _settle(self, steps_done: int, skipped: int = -1, *, allow_behind: bool = False) -> None:
         t0 = time.perf_counter()
-        super()._settle(steps_done, allow_behind=allow_behind)  # type: ignore[misc]
+        super()._settle(steps_done, skipped, allow_behind=allow_behind)  # type: ignore[misc]
         self._bench_settle_s = time.perf_counter() - t0
 
     def step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
