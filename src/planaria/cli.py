@@ -84,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     report.add_argument("--png", type=Path, default=None, help="where the timeline goes")
 
+    plan = sub.add_parser(
+        "plan", help="simulate a large job: goodput per recovery strategy, best checkpoint interval"
+    )
+    from planaria.sim.cli import add_plan_arguments
+
+    add_plan_arguments(plan)
+
     ckpt = sub.add_parser("ckpt", help="list, verify and export checkpoints")
     ck = ckpt.add_subparsers(dest="ckpt_command", required=True)
     ls = ck.add_parser("ls", help="checkpoints of a run: step, size, committed, verified")
@@ -190,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             return report_main(args.run_dir, json=args.json, png=args.png)
         if args.command == "ckpt":
             return _ckpt(args)
+        if args.command == "plan":
+            from planaria.sim.cli import plan_main
+
+            return plan_main(args)
     except ConfigError as err:
         print(f"planaria: {err}", file=sys.stderr)
         return 2
