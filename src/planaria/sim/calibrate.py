@@ -1,11 +1,12 @@
 """Simulator figures measured from a real run's event log (docs/events.md).
 
-Every figure is a median over the run's records, from :mod:`planaria.metrics`
+Every other figure is a median over the run's records, from :mod:`planaria.metrics`
 where it defines one (``detect_s``, ``replacement_s``, ``restore_s``):
 
-- ``step_s``: the mean ``step_committed.duration_s`` at full width (a mean: the
-  total is what counts); other widths go to
-  ``step_s_by_width``. ``step_overhead_s``: commit-to-commit gap minus the step.
+- ``step_s``: the mean ``duration_s - data_wait_s`` of the commits at full width
+  (a mean: the total is what counts); other widths go to ``step_s_by_width``.
+  ``step_overhead_s``: the commit-to-commit gap minus the step, plus the mean
+  data wait.
 - ``rebuild_s``: ``recover_s - detect_s`` minus the recovering step itself.
 - ``join_stall_s``: the gap before the first commit that includes a
   replacement, beyond its step and the usual overhead.
@@ -58,44 +59,33 @@ def _median(values: list[float]) -> float | None:
 def _commit_figures(commits: list[dict[str, Any]], full: int) -> dict[str, Any]:
     by_width: dict[int, list[float]] = {}
     gaps: list[float] = []
+    waits: list[float] = []
     for c in commits:
         width, dur = int(num(c.get("width")) or 0), num(c.get("duration_s"))
+        wait = min(max(num(c.get("data_wait_s")) or 0.0, 0.0), dur or 0.0)
+        waits.append(wait)
         if width and dur is not None:
-            by_width.setdefault(width, []).append(dur)
+            by_width.setdefault(width, []).append(dur - wait)
     for a, b in itertools.pairwise(commits):
         same = a.get("gen") == b.get("gen") and num(b.get("step")) == (num(a.get("step")) or 0) + 1
         if same and (dur := num(b.get("duration_s"))) is not None:
             gaps.append(float(b["t"]) - float(a["t"]) - dur)
     medians = {w: statistics.fmean(v) for w, v in by_width.items()}
-    return {"full": medians.get(full), "by_width": medians,
-            "overhead": max(_median(gaps) or 0.0, 0.0)}
+    # Waiting for data is no step time in the event log's goodput: it joins the overhead.
+    overhead = max(_median(gaps) or 0.0, 0.0) + statistics.fmean(waits)
+    return {"full": medians.get(full), "by_width": medians, "overhead": overhead}
 
 
-def _joins(events: list[dict[str, Any]], overhead: float) -> list[float]:
+def _joins(events: list[dict[str, Any]], commits: list[dict[str, Any]], overhead: float
+           ) -> list[float]:
+    at = {(c.get("gen"), c.get("step")): i for i, c in enumerate(commits)}
     out: list[float] = []
-    prev: dict[str, Any] | None = None
-    commits_by_t: dict[float, dict[str, Any]] = {}
     for rec in events:
-        if rec["event"] == "step_committed":
-            commits_by_t[float(rec["t"])] = rec
-    for rec in events:
-        if rec["event"] == "step_committed":
-            prev = rec
-        elif rec["event"] == "joined" and prev is not None:
-            nxt = [c for t, c in commits_by_t.items() if t >= float(prev["t"]) and c is not prev
-                   and c.get("step") == rec.get("step")]
-            if nxt and (dur := num(nxt[0].get("duration_s"))) is not None:
-                out.append(max(float(nxt[0]["t"]) - float(prev["t"]) - dur - overhead, 0.0))
+        i = at.get((rec.get("gen"), rec.get("step"))) if rec["event"] == "joined" else None
+        if i and (dur := num(commits[i].get("duration_s"))) is not None:
+            gap = float(commits[i]["t"]) - float(commits[i - 1]["t"]) - dur - overhead
+            out.append(max(gap, 0.0))
     return out
-
-
-def _prior(events: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
-    """The last commit before ``t``, to start from the join's own window."""
-    last = None
-    for rec in events:
-        if rec["event"] == "step_committed" and float(rec["t"]) < t:
-            last = rec
-    return last
 
 
 def calibrate(run_dir: str | Path) -> Calibration:
@@ -125,7 +115,7 @@ def calibrate(run_dir: str | Path) -> Calibration:
         "detect_s": _median([f.detect_s for f in faults if f.detect_s is not None]),
         "rebuild_s": _median([max(r, 0.0) for r in rebuild]),
         "replacement_s": _median([f.replacement_s for f in faults if f.replacement_s]),
-        "join_stall_s": _median(_joins(events, steps["overhead"])),
+        "join_stall_s": _median(_joins(events, commits, steps["overhead"])),
         "restore_s": _median([num(e.get("restore_s")) or 0.0 for e in events
                               if e["event"] == "restore"]),
         "ckpt_stall_s": _median(stall),
@@ -140,6 +130,7 @@ def calibrate(run_dir: str | Path) -> Calibration:
         strategy = "resize"
     chosen = [e for e in events if e["event"] == "checkpoint_interval"]
     every = num(chosen[-1].get("every_steps")) if chosen else None
+    measured: dict[str, Any] = {k: v for k, v in figures.items() if k != "step_s" and v is not None}
     params = SimParams(
         nodes=full,
         gpus_per_node=1,
@@ -148,7 +139,7 @@ def calibrate(run_dir: str | Path) -> Calibration:
         step_s_by_width=tuple((w, s) for w, s in sorted(steps["by_width"].items()) if w != full),
         steps=int(num(run_start.get("steps")) or len(commits)),
         trace=_trace(events, segments[0].start, full),
-        **{k: v for k, v in figures.items() if k != "step_s" and v is not None},
+        **measured,
     )
     return Calibration(params=params, strategy=strategy, summary=summary, figures=figures,
                        interval_s=every * step_s if every else None)

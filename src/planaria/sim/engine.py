@@ -105,7 +105,8 @@ class _Job:
                     self.compute(n * self.every / speed, speed, shares)
                     first = max(1, n - 2 - math.ceil(p.ckpt_write_s / period))
                     for j in range(first, n + 1):
-                        self.save(p0 + j * self.every, t0 + j * self.every / speed + (j - 1) * stall)
+                        start = t0 + j * self.every / speed + (j - 1) * stall
+                        self.save(p0 + j * self.every, start)
                     self.checkpoints += n
                     self.bad["checkpoint_stall"] += n * stall
                     self.t = t0 + n * period
@@ -221,7 +222,7 @@ class _Job:
 
     def on_failure(self) -> None:
         p = self.p
-        replica, planned, in_service = self.take_failure()
+        _, planned, in_service = self.take_failure()
         if not in_service:
             return
         if self.strategy in ("restart", "restore"):

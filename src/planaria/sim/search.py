@@ -1,7 +1,7 @@
 """Each strategy at its best checkpoint interval, and which strategy to use.
 
-The interval search evaluates a log-spaced grid around Daly's optimum (¼× to
-64×), then refines around the best point by golden-section search
+The interval search evaluates a log-spaced grid around Daly's optimum (¼x to
+64x), then refines around the best point by golden-section search
 in log space. Every candidate runs on the same seeds, so the comparison is of
 intervals, not of luck (common random numbers).
 """
@@ -65,7 +65,7 @@ def best_interval(
 ) -> StrategyPlan:
     """The strategy at the interval with the highest mean goodput. Where only whole-job
     loss makes a save useful (pause, resize) the curve is flat and the longest interval
-    tried (64× Daly's) tends to win: saves are still needed against losing the job."""
+    tried (64x Daly's) tends to win: saves are still needed against losing the job."""
     cache: dict[int, StrategyPlan] = {}
 
     def at(interval: float) -> StrategyPlan:
@@ -145,7 +145,9 @@ def plan(
     refine: int = 10,
 ) -> Plan:
     """Each strategy at its best interval; the one with the highest goodput is recommended."""
-    found = {s: best_interval(params, s, seeds=seeds, refine=refine) for s in strategies}
+    found: dict[str, StrategyPlan] = {
+        s: best_interval(params, s, seeds=seeds, refine=refine) for s in strategies
+    }
     ranked = sorted(found.values(), key=lambda sp: -sp.goodput)
     return Plan(strategies=found, recommended=ranked[0].strategy, why=_why(ranked),
                 daly_interval_s=daly_interval(params), job_mtbf_s=params.job_mtbf_s)
