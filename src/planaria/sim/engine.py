@@ -26,9 +26,10 @@ import math
 
 from planaria.sim.params import STRATEGIES, SimParams, Strategy
 from planaria.sim.result import SimResult
-from planaria.sim.timeline import _EPS, Timeline
+from planaria.sim.timeline import EPS, Timeline
 
 __all__ = ["simulate"]
+
 
 class _Job(Timeline):
     def __init__(self, p: SimParams, strategy: Strategy, every: float, seed: int) -> None:
@@ -73,7 +74,7 @@ class _Job(Timeline):
         return self.t if short <= 0 else sorted(self.out.values())[short - 1]
 
     def back_in_service(self) -> None:
-        self.out = {r: ready for r, ready in self.out.items() if ready > self.t + _EPS}
+        self.out = {r: ready for r, ready in self.out.items() if ready > self.t + EPS}
 
     # ---- strategies -----------------------------------------------------------------------
 
@@ -148,11 +149,11 @@ class _Job(Timeline):
 
     def simulate(self) -> None:
         self.spend(self.p.startup_s, "startup")  # failures meanwhile are handled after it
-        while self.t < self.end - _EPS and not self.done:
+        while self.t < self.end - EPS and not self.done:
             nf = self.next_failure()
             nj = min(self.out.values()) if self.out and self.strategy == "resize" else math.inf
             self.run(min(nf, nj))
-            if self.done or self.t >= self.end - _EPS:
+            if self.done or self.t >= self.end - EPS:
                 break
             if nj <= nf:
                 self.join()

@@ -19,7 +19,7 @@ from planaria.sim.result import SimResult
 
 __all__ = ["Timeline"]
 
-_EPS = 1e-9
+EPS = 1e-9
 
 
 class Timeline:
@@ -75,7 +75,7 @@ class Timeline:
         speed = p.step_s / cycle
         shares = (min(st, p.step_s) / cycle, max(st - p.step_s, 0.0) / cycle)
         stall = p.ckpt_stall_s
-        while self.t < until - _EPS and not self.done:
+        while self.t < until - EPS and not self.done:
             if self.stall_left > 0:
                 d = min(self.stall_left, until - self.t)
                 self.stall_left -= d
@@ -85,7 +85,7 @@ class Timeline:
                 period = self.every / speed + stall
                 n = math.floor((until - self.t) / period)
                 if math.isfinite(self.target):
-                    n = min(n, math.ceil((self.target - self.progress) / self.every - _EPS) - 1)
+                    n = min(n, math.ceil((self.target - self.progress) / self.every - EPS) - 1)
                 if n >= 1:  # whole save cycles, in closed form
                     t0, p0 = self.t, self.progress
                     self.compute(n * self.every / speed, speed, shares)
@@ -101,9 +101,9 @@ class Timeline:
             to_end = (self.target - self.progress) / speed
             dt = min(to_ckpt, to_end, until - self.t)
             self.compute(dt, speed, shares)
-            if to_end <= dt + _EPS:
+            if to_end <= dt + EPS:
                 self.progress, self.done = self.target, True
-            elif to_ckpt <= dt + _EPS:
+            elif to_ckpt <= dt + EPS:
                 self.save(self.progress, self.t)
                 self.checkpoints += 1
                 self.stall_left = stall
@@ -134,7 +134,7 @@ class Timeline:
 
     def lose_step_in_flight(self) -> None:
         steps = self.progress / self.p.step_s
-        self.lose((steps - math.floor(steps + _EPS)) * self.p.step_s if steps > _EPS else 0.0)
+        self.lose((steps - math.floor(steps + EPS)) * self.p.step_s if steps > EPS else 0.0)
         self.stall_left = 0.0
         self.ckpts = [c for c in self.ckpts if c[1] <= self.t]
 
