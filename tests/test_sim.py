@@ -68,6 +68,14 @@ def test_a_checkpoint_counts_only_once_written():
     assert r.badput_s["wasted_steps"] == pytest.approx(15.5)
 
 
+def test_a_failure_given_by_step_strikes_when_the_job_gets_there():
+    trace = FailureTrace(times=(25.0,), replicas=(1,), unit="step")
+    slow = one_failure(0).with_(trace=trace, startup_s=50.0)
+    r = simulate(slow, "restore", interval_s=10)
+    assert r.badput_s["wasted_steps"] == pytest.approx(5.0)  # steps 20-24, whatever the start
+    assert r.wall_s == pytest.approx(50 + 100 + 5 + 3 + 8 + 3)
+
+
 def test_hot_spares_shorten_the_wait():
     r = simulate(one_failure(25.5, spares=1, spare_swap_s=2.0), "pause", interval_s=10)
     assert r.badput_s["waiting_for_replicas"] == pytest.approx(2.0 + 0.5)

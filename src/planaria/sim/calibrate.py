@@ -130,7 +130,10 @@ def calibrate(run_dir: str | Path) -> Calibration:
         strategy = "resize"
     chosen = [e for e in events if e["event"] == "checkpoint_interval"]
     every = num(chosen[-1].get("every_steps")) if chosen else None
-    measured: dict[str, Any] = {k: v for k, v in figures.items() if k != "step_s" and v is not None}
+    # Replaying the run, a cost it never paid is zero; a replacement that never came
+    # keeps the default (it arrives after the run's end).
+    measured: dict[str, Any] = {k: (0.0 if v is None else v) for k, v in figures.items()
+                                if k != "step_s" and not (k == "replacement_s" and v is None)}
     params = SimParams(
         nodes=full,
         gpus_per_node=1,
@@ -146,7 +149,10 @@ def calibrate(run_dir: str | Path) -> Calibration:
 
 
 def _trace(events: list[dict[str, Any]], start: float, replicas: int) -> FailureTrace:
+    """By step when every fault names its step in flight (the run's speed drifts with
+    its machine's load, its steps do not), else by time."""
     slot = {f"w{i}": i for i in range(replicas)}
+    at_step: list[float | None] = []
     times: list[float] = []
     slots: list[int] = []
     planned: list[bool] = []
@@ -158,6 +164,10 @@ def _trace(events: list[dict[str, Any]], start: float, replicas: int) -> Failure
             for worker in str(rec.get("worker") or "").split(","):
                 if worker.strip() in slot:
                     times.append(max(fault_t - start, 0.0))
+                    at_step.append(num(rec.get("step")))
                     slots.append(slot[worker.strip()])
                     planned.append(rec.get("kind") == "preempted")
+    if at_step and all(s is not None for s in at_step):
+        return FailureTrace(times=tuple(s or 0.0 for s in at_step), replicas=tuple(slots),
+                            planned=tuple(planned), unit="step")
     return FailureTrace(times=tuple(times), replicas=tuple(slots), planned=tuple(planned))

@@ -62,10 +62,10 @@ def params_from_args(args: argparse.Namespace) -> SimParams:
     if args.from_run is not None:
         from planaria.sim.calibrate import calibrate
 
-        measured = calibrate(args.from_run).params
-        keep = ("nodes", "step_s", "step_overhead_s", "detect_s", "rebuild_s", "replacement_s",
-                "join_stall_s", "restore_s", "ckpt_stall_s", "ckpt_write_s")
-        base = {k: getattr(measured, k) for k in keep}
+        cal = calibrate(args.from_run)
+        skip = ("startup_s", "shutdown_s")  # the run's own, not the planned job's
+        base = {k: v for k, v in cal.figures.items() if v is not None and k not in skip}
+        base["nodes"] = cal.params.nodes
     for field, _, _ in _FLAGS.values():
         if getattr(args, field_attr(field), None) is not None:
             base[field] = getattr(args, field_attr(field))

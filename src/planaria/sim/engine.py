@@ -58,7 +58,7 @@ class _Job(Timeline):
     def take_failure(self) -> tuple[int, bool, bool]:
         """Consumes the next failure: (replica, planned, it was in service)."""
         p = self.p
-        t = float(self.stream.times[self.i])
+        t = self.t if self.by_step else float(self.stream.times[self.i])
         replica, planned = int(self.stream.replicas[self.i]), bool(self.stream.planned[self.i])
         self.i += 1
         self.failures += 1
@@ -155,7 +155,7 @@ class _Job(Timeline):
             self.run(min(nf, nj))
             if self.done or self.t >= self.end - EPS:
                 break
-            if nj <= nf:
+            if nj <= self.next_failure():
                 self.join()
             else:
                 self.on_failure()

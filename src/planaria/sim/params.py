@@ -29,12 +29,14 @@ def _pos(value: Any) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class FailureTrace:
-    """Failures replayed at known times instead of drawn: ``(t, replica)`` pairs, t from
-    the job's start; ``planned`` marks departures announced ahead (preemptions)."""
+    """Failures replayed instead of drawn: ``(t, replica)`` pairs, t in seconds from the
+    job's start, or with ``unit="step"`` the step in flight (the failure strikes when the
+    job gets there); ``planned`` marks departures announced ahead (preemptions)."""
 
     times: tuple[float, ...]
     replicas: tuple[int, ...]
     planned: tuple[bool, ...] = ()
+    unit: Literal["s", "step"] = "s"
 
     def __post_init__(self) -> None:
         check(len(self.times) == len(self.replicas), "replicas", self.replicas,
@@ -42,6 +44,7 @@ class FailureTrace:
         check(not self.planned or len(self.planned) == len(self.times), "planned",
               self.planned, "empty, or one flag per failure time")
         check(all(_nonneg(t) for t in self.times), "times", self.times, "seconds >= 0")
+        check(self.unit in ("s", "step"), "unit", self.unit, "'s' or 'step'")
         check(all(isinstance(r, int) and r >= 0 for r in self.replicas), "replicas",
               self.replicas, "replica indices >= 0")
 

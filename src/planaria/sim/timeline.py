@@ -35,6 +35,9 @@ class Timeline:
                     else p.startup_s + 50.0 * self.target + 30 * 86_400.0)
         self.stream = draw_failures(p, self.rng, self.end)
         self.i = 0  # the next failure in the stream
+        # A replayed run's failures may be given by the step in flight: they strike when
+        # the job gets there, whatever its speed (docs/simulator.md).
+        self.by_step = p.trace is not None and p.trace.unit == "step"
         self.t = 0.0
         self.progress = self.since = self.stall_left = 0.0
         self.ckpts: list[tuple[float, float]] = []  # (progress held, usable from), oldest first
@@ -47,7 +50,15 @@ class Timeline:
     # ---- time -----------------------------------------------------------------------------
 
     def next_failure(self) -> float:
+        if self.by_step:
+            return self.t if self.progress >= self.fail_at() - EPS else math.inf
         return float(self.stream.times[self.i]) if self.i < len(self.stream) else math.inf
+
+    def fail_at(self) -> float:
+        """Progress at which the next failure strikes (step-given failures only)."""
+        if not self.by_step or self.i >= len(self.stream):
+            return math.inf
+        return float(self.stream.times[self.i]) * self.p.step_s
 
     def spend(self, until: float, bucket: str) -> None:
         until = min(until, self.end)
@@ -84,8 +95,9 @@ class Timeline:
             if self.since == 0 and math.isfinite(self.every):
                 period = self.every / speed + stall
                 n = math.floor((until - self.t) / period)
-                if math.isfinite(self.target):
-                    n = min(n, math.ceil((self.target - self.progress) / self.every - EPS) - 1)
+                limit = min(self.target, self.fail_at())
+                if math.isfinite(limit):
+                    n = min(n, math.ceil((limit - self.progress) / self.every - EPS) - 1)
                 if n >= 1:  # whole save cycles, in closed form
                     t0, p0 = self.t, self.progress
                     self.compute(n * self.every / speed, speed, shares)
@@ -99,7 +111,8 @@ class Timeline:
                     continue
             to_ckpt = (self.every - self.since) / speed
             to_end = (self.target - self.progress) / speed
-            dt = min(to_ckpt, to_end, until - self.t)
+            to_fail = (self.fail_at() - self.progress) / speed
+            dt = max(min(to_ckpt, to_end, to_fail, until - self.t), 0.0)
             self.compute(dt, speed, shares)
             if to_end <= dt + EPS:
                 self.progress, self.done = self.target, True
@@ -107,6 +120,8 @@ class Timeline:
                 self.save(self.progress, self.t)
                 self.checkpoints += 1
                 self.stall_left = stall
+            elif to_fail <= dt + EPS:
+                return
 
     def compute(self, dt: float, speed: float, shares: tuple[float, float]) -> None:
         self.t += dt
