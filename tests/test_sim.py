@@ -190,3 +190,60 @@ def test_plan_command_prints_one_json_object(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["recommended"] in out["strategies"] and png.stat().st_size > 0
     assert main(["plan", "--nodes", "0"]) == 2
+
+
+def synthetic_run(run_dir) -> None:
+    """2 replicas, 10 steps of 1 s; w1 dies in step 4 and w2 replaces it, joining at step 7."""
+    recs = [{"t": 100.0, "event": "run_start", "replicas": 2, "steps": 10,
+             "config": {"on_worker_lost": "resize"}}]
+    t, width = 105.0, 2
+    for step in range(10):
+        if step == 4:
+            recs += [
+                {"t": t + 0.5, "event": "fault", "fault_id": 0, "kind": "worker_lost",
+                 "worker": "w1", "step": 4, "fault_t": t + 0.3},
+                {"t": t + 0.5, "event": "detected", "fault_id": 0, "detect_s": 0.2},
+                {"t": t + 0.5, "event": "replacement_requested", "worker": "w2",
+                 "replaces": "w1"},
+                {"t": t + 0.5, "event": "action", "fault_id": 0, "action": "resize"},
+            ]
+            t, width = t + 0.5 + 0.3, 1  # rebuilt 0.3 s after detection
+        joining = step == 7
+        if joining:
+            recs.append({"t": t, "event": "replacement_ready", "worker": "w2",
+                         "replacement_s": 2.0})
+            t, width = t + 0.4, 2  # the join's stall
+        t += 1.0 if width == 2 else 1.5
+        recs.append({"t": t, "event": "step_committed", "step": step, "gen": int(step >= 4)
+                     + int(step >= 7), "width": width, "duration_s": 1.0 if width == 2 else 1.5})
+        if step == 4:
+            recs.append({"t": t, "event": "recovered", "fault_id": 0, "step": 4,
+                         "recover_s": t - 105.3 - 4, "lost_steps": 0})
+        if joining:
+            recs.append({"t": t, "event": "joined", "worker": "w2", "gen": 2, "step": 7,
+                         "join_s": 1.4})
+    recs.append({"t": t + 0.5, "event": "run_end", "status": "ok", "step": 10})
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_calibration_reads_the_figures_of_an_event_log(tmp_path, capsys):
+    from planaria.cli import main
+    from planaria.sim.calibrate import calibrate
+
+    synthetic_run(tmp_path)
+    cal = calibrate(tmp_path)
+    f = cal.figures
+    assert cal.strategy == "resize" and cal.interval_s is None
+    assert f["step_s"] == pytest.approx(1.0) and f["detect_s"] == pytest.approx(0.2)
+    assert f["rebuild_s"] == pytest.approx(0.3) and f["replacement_s"] == pytest.approx(2.0)
+    assert f["join_stall_s"] == pytest.approx(0.4) and f["startup_s"] == pytest.approx(5.0)
+    assert dict(cal.params.step_s_by_width) == {1: pytest.approx(1.5)}
+    assert cal.params.trace.times == (4.0,) and cal.params.trace.unit == "step"
+    predicted = simulate(cal.params, cal.strategy, interval_s=None)
+    measured = cal.measured_goodput
+    pred = predicted.goodput + predicted.badput["reduced_width"]
+    assert pred == pytest.approx(measured, abs=0.03)
+    assert main(["plan", "--from-run", str(tmp_path), "--nodes", "64", "--days", "2",
+                 "--node-mtbf-hours", "100",
+                 "--seeds", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"] in ("pause", "resize")
