@@ -146,6 +146,8 @@ def test_ledger_keeps_every_record_and_the_committing_attempt_counts(tmp_path):
     ledger.served(1, gen=1, worker="w2", ids=[3])
     ledger.commit(1, gen=1)
     ledger.close()
+    with (tmp_path / Ledger.FILE).open("a") as f:
+        f.write('{"kind":"commit","run":"a","st')  # torn by a crash
     resumed = Ledger(tmp_path, run_id="b")  # a later run re-does step 1 after a crash
     resumed.served(1, gen=0, worker="w5", ids=[3, 4], digests=[7, 8])
     resumed.commit(1, gen=0)
@@ -220,7 +222,8 @@ def test_a_kill_changes_nothing_with_dropout_and_batchnorm(tmp_path, bn_referenc
 
 
 class NumpyGlobalData(torch.utils.data.Dataset):
-    """What a user writes: random data from numpy's global generator, no seed of its own."""
+    """What a user writes: random data from numpy's global generator, no seed of its own,
+    and a random augmentation drawn from the sample's own generator."""
 
     def __init__(self, n: int = N) -> None:
         self.x = torch.from_numpy(np.random.randn(n, 32).astype(np.float32))
@@ -230,7 +233,8 @@ class NumpyGlobalData(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
+        noise = 0.1 * torch.randn(32, generator=planaria.sample_generator())
+        return self.x[i] + noise, self.y[i]
 
 
 class PerProcessData(NumpyGlobalData):

@@ -31,7 +31,10 @@ class Ledger:
     def __init__(self, run_dir: Path, *, run_id: str = "") -> None:
         self.path = Path(run_dir) / self.FILE
         self.run_id = run_id
+        torn = self.path.exists() and self.path.stat().st_size > 0 and not _ends_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
+        if torn:  # a crash mid-write: end the partial line so the next record stays whole
+            self._file.write("\n")
 
     def served(
         self,
@@ -110,3 +113,9 @@ class Ledger:
             step: [int(i) for r in served for i in r["ids"]]
             for step, served in Ledger.committed_records(run_dir).items()
         }
+
+
+def _ends_line(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
