@@ -528,10 +528,10 @@ class Job:
         if self._draining:
             self.recovery.drain(sorted(self._draining))
             self._draining.clear()
+        self._verify_if_due()  # before a joiner could copy a diverged replica's state
         ready = self.pool.poll(timeout_s=0.0)
         if ready:
             self.recovery.admit(ready)
-        self._verify_if_due()
         if self.checkpointer is not None:
             self.checkpointer.maybe_save()
         self._chaos_by_time()
