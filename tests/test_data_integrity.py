@@ -101,9 +101,26 @@ def test_divergent_replicas_is_the_minority_or_everyone():
     assert divergent_replicas({"w0": 1, "w1": 2, "w2": 3}) == ("w0", "w1", "w2")
 
 
+class _Counted(nn.Module):
+    """A module with a float buffer of its own (a running sum) and a non-persistent one,
+    both changed by forward: the first is averaged, the second left alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(1))
+        self.register_buffer("calls", torch.zeros(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total += x.sum().detach()
+        self.calls.add_(1.0)
+        return x
+
+
 def _bn_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1), nn.BatchNorm1d(1))
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1), nn.BatchNorm1d(1), _Counted()
+    )
 
 
 def test_buffer_sync_composes_batchnorm_statistics_like_one_replica():
@@ -122,12 +139,17 @@ def test_buffer_sync_composes_batchnorm_statistics_like_one_replica():
         for b in batches[first : first + count]:
             model(b)
         flats.append(sync.contributions(rank=r, width=3, first=first, count=count, total=7))
+    mean_total = sum(m[4].total.clone() for m in ranks) / 3
     total = [sum(parts) for parts in zip(*flats, strict=True)]
     for sync in syncs:
         sync.reduced([t.clone() for t in total])
         sync.commit()
+    expected = one.state_dict()
+    # A plain float buffer takes the mean of the ranks' values, not one replica's sum.
+    expected["4.total"] = mean_total
     for model in ranks:
-        assert_same_state(one.state_dict(), model.state_dict(), atol=1e-6, rtol=1e-5)
+        assert_same_state(expected, model.state_dict(), atol=1e-6, rtol=1e-5)
+    assert [float(m[4].calls) for m in ranks] == [3.0, 2.0, 2.0]
     assert int(ranks[1][1].num_batches_tracked) == 7
     before = {k: v.clone() for k, v in ranks[0].state_dict().items()}
     syncs[0].begin()

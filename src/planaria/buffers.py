@@ -20,6 +20,8 @@ value after its micro-batches and W the width:
   of local_r); a buffer nobody changed stays bit-identical.
 
 At width 1 the buffers are left exactly as the forward passes made them.
+Non-persistent buffers (masks, caches) are not training state: they are not in
+the state dict, not sent to joiners nor saved, and are left alone here too.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ class BufferSync:
         entries = []
         for module in self.model.modules():
             for attr, buf in module._buffers.items():
-                if buf is None:
-                    continue
+                if buf is None or attr in module._non_persistent_buffers_set:
+                    continue  # not training state: not in the state dict, never sent or saved
                 momentum: Any = getattr(module, "momentum", None)
                 is_ema = (
                     isinstance(module, nn.modules.batchnorm._BatchNorm)
