@@ -385,3 +385,32 @@ def test_a_diverged_replica_is_detected_and_replaced(tmp_path, bn_reference):
     assert fault["step"] == 6
     checks = of(evs, "replicas_verified")
     assert [c["step"] for c in checks][:3] == [2, 4, 6] and checks[2]["diverged"] == ["w1"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_divergence_without_a_majority_restores_the_checkpoint(tmp_path, bn_reference):
+    from planaria.checkpointing import CheckpointConfig
+
+    cfg = RunConfig(steps=STEPS, replicas=2, run_dir=tmp_path, verify_every=2)
+    nudged = False
+    with Job(BN_SPEC, cfg, checkpoint=CheckpointConfig(every=2)) as job:
+        while job.steps_done < STEPS:
+            if job.steps_done == 6 and not nudged:
+                job.commit_all()
+                ray.get(job.members[1].actor.__ray_call__.remote(_nudge), timeout=30)
+                nudged = True
+            try:
+                job.train_step()
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+        state = job.model_state_dict()
+    assert_same_state(bn_reference, state, atol=1e-5, rtol=1e-4)
+    evs = events(tmp_path)
+    (fault,) = of(evs, "fault")
+    assert fault["kind"] == "replica_divergence" and fault["worker"] == "w0,w1"
+    # The boundary checks before it saves: the diverged state of step 6 was never saved
+    # (the save of step 4 may still have been in flight: then step 2's is restored).
+    (restore,) = of(evs, "restore")
+    assert restore["step"] in (2, 4) and restore["lost_steps"] == 6 - restore["step"]
+    assert 6 not in [e["step"] for e in of(evs, "checkpoint_saved") if e["t"] < restore["t"]]
