@@ -617,7 +617,8 @@ class Job:
         The replicas that differ from a strict majority are named (all of them
         when there is none); the recovery treats them as lost.
         """
-        sums = self.checksums()
+        answers = self.checksums()
+        sums = {h.name: answers[h.name] for h in self.members}  # rank order
         self._verified_at = self.steps_done
         bad = divergent_replicas(sums)
         self.log.emit(
