@@ -119,7 +119,8 @@ class RunConfig:
     use_gpu: bool = False
     """One GPU per worker and NCCL for the process group."""
     ledger: bool = False
-    """Record the sample ids of every committed step in ``RUN_DIR/ledger.jsonl``."""
+    """Record what every step's datasets served (ids and content digests) and every commit,
+    append-only, in ``RUN_DIR/ledger.jsonl`` (see :mod:`planaria.ledger`)."""
     verify_every: int | None = None
     """Compare every replica's parameter checksum every this many committed steps (None:
     never); a replica that disagrees with the majority is a ``ReplicaDivergence`` fault."""

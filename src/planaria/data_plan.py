@@ -23,7 +23,7 @@ from planaria.config import check
 from planaria.errors import ConfigError
 from planaria.ledger import Ledger
 
-__all__ = ["DataPlan", "Ledger", "micro_batch_range", "split_contiguous", "split_micro_batches"]
+__all__ = ["DataPlan", "Ledger", "micro_batch_range", "split_micro_batches"]
 
 
 class DataPlan:
@@ -76,12 +76,6 @@ class DataPlan:
             "global_batch_size": self.global_batch_size,
             "seed": self.seed,
         }
-
-
-def split_contiguous(ids: np.ndarray, width: int) -> list[np.ndarray]:
-    """Splits ids over ``width`` ranks in contiguous, near-equal parts (rank order)."""
-    check(width >= 1, "width", width, "an integer >= 1")
-    return [np.ascontiguousarray(part) for part in np.array_split(ids, width)]
 
 
 def micro_batch_range(num_micro: int, width: int, rank: int) -> tuple[int, int]:
