@@ -68,12 +68,12 @@ def seed_globals(seed: int) -> None:
 @contextlib.contextmanager
 def sample_scope(seed: int, step: int, sample_id: int) -> Iterator[None]:
     """Makes :func:`sample_seed` answer for sample ``sample_id`` of step ``step`` (this thread)."""
-    previous = getattr(_current, "seed", None)
-    _current.seed = derive_seed(_SAMPLE, seed, step, sample_id)
+    previous = getattr(_current, "key", None)
+    _current.key = (seed, step, sample_id)  # derived only if the dataset asks (it costs ~10 us)
     try:
         yield
     finally:
-        _current.seed = previous
+        _current.key = previous
 
 
 def sample_seed() -> int:
@@ -82,12 +82,12 @@ def sample_seed() -> int:
     The same for a sample whichever rank loads it and at any width; it changes
     from step to step (a new augmentation each epoch).
     """
-    seed = getattr(_current, "seed", None)
-    if seed is None:
+    key = getattr(_current, "key", None)
+    if key is None:
         raise PlanariaError(
             "sample_seed() is only defined while a planaria worker loads a sample (dataset[i])"
         )
-    return int(seed)
+    return derive_seed(_SAMPLE, *key)
 
 
 def sample_generator() -> torch.Generator:
