@@ -175,6 +175,7 @@ class Job:
         for _ in range(cfg.replicas):
             self.pool.start()
         ready = self._wait_ready(cfg.replicas, timeout_s=max(120.0, cfg.join_timeout_s))
+        self.members = ready  # so that close() releases them if a check below fails
         if len(ready) < cfg.replicas:
             raise ElasticRuntimeError(
                 f"only {len(ready)} of {cfg.replicas} workers started within the deadline: check "
