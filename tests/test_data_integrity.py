@@ -240,7 +240,12 @@ def test_a_kill_changes_nothing_with_dropout_and_batchnorm(tmp_path, bn_referenc
     commits = [r for r in records if r["kind"] == "commit"]
     assert [r["step"] for r in commits] == list(range(STEPS))
     served = [r for r in records if r["kind"] == "served"]
-    assert len(served) == sum(e["width"] for e in of(evs, "step_committed"))
+    committing = {(r["gen"], r["step"]) for r in commits}
+    counted = [r for r in served if (r["gen"], r["step"]) in committing]
+    assert len(counted) == sum(e["width"] for e in of(evs, "step_committed"))
+    # Every record is kept: the survivors' records of the attempt the kill broke too.
+    failed = [r for r in served if (r["gen"], r["step"]) not in committing]
+    assert {(r["step"], r["worker"]) for r in failed} == {(5, "w0"), (5, "w2")}
 
 
 class NumpyGlobalData(torch.utils.data.Dataset):

@@ -123,6 +123,7 @@ class Job:
         self._draining: set[str] = set()
         self._chaos_at: dict[str, float] = {}
         self._verified_at = 0  # steps_done at the last replica checksum comparison
+        self._ledger_last: tuple[int, int] | None = None  # (gen, step) last written as served
         self.closed = False
         self.started = False
 
@@ -295,6 +296,7 @@ class Job:
             for rank, h in enumerate(members)
         }
         results = self._gather(refs, deadline_s=self.config.join_timeout_s + 5, step=None)
+        self._ledger_dropped(results)
         for h in members:
             behind = results[h.name]["steps_done"] != self.steps_done
             # A restore overwrites every member's state: fresh replacements may be behind.
@@ -419,6 +421,18 @@ class Job:
             self.ledger.served(
                 step, gen=self.gen, worker=h.name, ids=r["ids"], digests=r.get("digests")
             )
+        self._ledger_last = (self.gen, step)
+
+    def _ledger_dropped(self, joined: dict[str, Any]) -> None:
+        """Records what survivors were served in a step attempt that failed (from their join)."""
+        if self.ledger is None:
+            return
+        for name, r in joined.items():
+            d = r.get("dropped")
+            if d and (d["gen"], d["step"]) != self._ledger_last:  # not recorded already
+                self.ledger.served(
+                    d["step"], gen=d["gen"], worker=name, ids=d["ids"], digests=d["digests"]
+                )
 
     def commit_all(self) -> None:
         """Makes every worker apply the committed steps now (before a snapshot or the end)."""

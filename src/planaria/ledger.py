@@ -4,8 +4,10 @@ Two kinds of records, one JSON object a line, never rewritten:
 
 - ``served``: ``run``, ``step``, ``gen``, ``worker``, ``ids`` and, when the
   workers compute them, ``digests`` (crc32 of each sample's content). Written
-  for every attempt of a step whose every rank reported; the ids are those
-  ``dataset[i]`` was called with inside the worker, in the order it was called.
+  for every attempt of a step whose every rank reported, and, for an attempt
+  that failed, for each survivor (it reports what it was served when it joins
+  the next generation); the ids are those ``dataset[i]`` was called with
+  inside the worker, in the order it was called.
 - ``commit``: ``run``, ``step``, ``gen`` (and ``skipped`` for a step whose
   update was dropped on purpose). Written when the controller commits.
 

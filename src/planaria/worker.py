@@ -110,6 +110,7 @@ class Worker(CheckpointWorkerMixin):
         self.preempting = False
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-loader")
         self._prefetched: tuple[bytes, Future[_Loaded]] | None = None
+        self._attempt: dict[str, Any] | None = None  # what the last step attempt was served
         self._heartbeat_s = heartbeat_s
         self._stop = threading.Event()
         # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
@@ -225,9 +226,18 @@ class Worker(CheckpointWorkerMixin):
         A worker with no state yet (a replacement) may be behind ``steps_done``;
         the controller sends it the state next and checks survivors are not behind.
         ``next_ids`` (this rank's share of the next step) start loading at once.
+        Reports what a step attempt dropped here had been served (``dropped``),
+        for the ledger.
         """
         self._enter(gen)
+        pending = self.pending
         self._settle(steps_done, allow_behind=True)
+        attempt, self._attempt = self._attempt, None
+        dropped = (
+            attempt
+            if attempt and attempt["step"] == pending and self.steps_done <= attempt["step"]
+            else None
+        )
         if next_ids is not None and len(next_ids):
             self._prefetch(next_ids, steps_done)
         if self.comm is not None:
@@ -244,7 +254,7 @@ class Worker(CheckpointWorkerMixin):
             timeout_s=timeouts[1],
         )
         self.phase = "idle"
-        return {"steps_done": self.steps_done}
+        return {"steps_done": self.steps_done, "dropped": dropped}
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -279,6 +289,8 @@ class Worker(CheckpointWorkerMixin):
         t0 = time.perf_counter()
         self._set_phase("loading", step)
         loaded = self._take(ids, step)
+        served = loaded.served
+        self._attempt = {"gen": gen, "step": step, "ids": served.ids, "digests": served.digests}
         data_wait_s = time.perf_counter() - t0
         if next_ids is not None and len(next_ids):
             self._prefetch(next_ids, step + 1)
