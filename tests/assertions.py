@@ -3,26 +3,50 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 def assert_exactly_once(
-    run_dir: os.PathLike[str] | str, *, num_samples: int, global_batch_size: int, steps: int
+    run_dir: os.PathLike[str] | str,
+    *,
+    num_samples: int,
+    global_batch_size: int,
+    steps: int,
+    seed: int = 0,
+    dataset: Any = None,
 ) -> None:
-    """Each committed step trained its planned batch; every sample was used once per epoch."""
+    """Each committed step was served its planned batch; every sample once per epoch.
+
+    Reads what the workers' datasets served (the ledger's ``served`` records of
+    the attempt that committed each step, not the ids the controller sent).
+    With ``dataset`` (the reference dataset), every served sample's content
+    digest must match that dataset's sample of the same id.
+    """
     from collections import Counter
     from pathlib import Path
 
     from planaria.data_plan import DataPlan, Ledger
+    from planaria.integrity import sample_digest
 
-    ledger = Ledger.read(Path(run_dir))
-    assert sorted(ledger) == list(range(steps)), f"steps in ledger: {sorted(ledger)}"
-    plan = DataPlan(num_samples, global_batch_size, seed=0)
+    records = Ledger.committed_records(Path(run_dir))
+    assert sorted(records) == list(range(steps)), f"steps in ledger: {sorted(records)}"
+    plan = DataPlan(num_samples, global_batch_size, seed=seed)
     stream: list[int] = []
     for step in range(steps):
-        ids = ledger[step]
+        served = records[step]
+        assert served, f"step {step} was committed with no served record"
+        ids = [int(i) for r in served for i in r["ids"]]
         assert sorted(ids) == sorted(plan.batch(step).tolist()), (
-            f"step {step} trained other samples"
+            f"step {step} was served other samples than its plan"
         )
+        if dataset is not None:
+            for r in served:
+                digests = r.get("digests")
+                assert digests and len(digests) == len(r["ids"]), f"step {step}: no digests"
+                for i, d in zip(r["ids"], digests, strict=True):
+                    assert d == sample_digest(dataset[i]), (
+                        f"step {step}: {r['worker']} was served other content for sample {i}"
+                    )
         stream += ids
     full_epochs = len(stream) // num_samples
     for epoch in range(full_epochs):

@@ -7,7 +7,7 @@ import torch
 
 from planaria import ConfigError, HangConfig, RecoveryPolicy, RunConfig, TrainSpec
 from planaria.chaos import ChaosPlan
-from planaria.data_plan import DataPlan, split_contiguous
+from planaria.data_plan import DataPlan, split_micro_batches
 from planaria.examples import mlp
 
 
@@ -128,10 +128,10 @@ def test_data_plan_is_a_stream_of_epochs_with_every_sample_once():
     assert plan.position(25) == {"samples_consumed": 800, "epoch": 8, "offset_in_epoch": 0}
 
 
-def test_split_is_contiguous_and_near_equal():
+def test_split_is_contiguous_whole_micro_batches_and_near_equal():
     import numpy as np
 
     ids = np.arange(64)
-    parts = split_contiguous(ids, 3)
-    assert [len(p) for p in parts] == [22, 21, 21]
+    parts = split_micro_batches(ids, 3, 8)
+    assert [len(p) for p in parts] == [24, 24, 16]
     assert np.concatenate(parts).tolist() == ids.tolist()

@@ -13,17 +13,20 @@ from planaria.errors import (
     AllReplicasLost,
     CheckpointError,
     ConfigError,
+    DataMismatch,
     ElasticRuntimeError,
     Failure,
     NonFiniteLoss,
     PlanariaError,
     Preempted,
+    ReplicaDivergence,
     UserCodeError,
     WorkerHung,
     WorkerLost,
 )
 from planaria.fit import FitResult, fit
 from planaria.policy import HangConfig, RecoveryPolicy
+from planaria.randomness import sample_generator, sample_seed
 from planaria.retry import elastic_retry
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "ChaosPlan",
     "CheckpointError",
     "ConfigError",
+    "DataMismatch",
     "ElasticRuntimeError",
     "Failure",
     "FitResult",
@@ -40,6 +44,7 @@ __all__ = [
     "PlanariaError",
     "Preempted",
     "RecoveryPolicy",
+    "ReplicaDivergence",
     "RunConfig",
     "StepResult",
     "TrainSpec",
@@ -49,4 +54,6 @@ __all__ = [
     "__version__",
     "elastic_retry",
     "fit",
+    "sample_generator",
+    "sample_seed",
 ]

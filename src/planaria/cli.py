@@ -118,7 +118,13 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
         "--on-worker-lost", default="resize", choices=["resize", "pause", "restore", "abort"]
     )
     p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--ledger", action="store_true", help="record the sample ids of every step")
+    p.add_argument("--ledger", action="store_true", help="record the samples every step served")
+    p.add_argument(
+        "--verify-every",
+        type=int,
+        default=None,
+        help="compare the replicas' parameter checksums every N steps",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
     p.add_argument("--gpu", action="store_true", help="one GPU per worker, NCCL")
     p.add_argument("--quiet", action="store_true", help="no progress display")
@@ -165,6 +171,7 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             chaos=args.chaos,
             checkpoint=checkpoint,
             ledger=args.ledger,
+            verify_every=args.verify_every,
             use_gpu=args.gpu,
             listeners=listeners,
         )

@@ -28,23 +28,29 @@ def check(ok: bool, field_name: str, value: Any, accepted: str) -> None:
 class TrainSpec:
     """What to train. Factories run inside the workers, so nothing heavy crosses the wire.
 
-    Randomness inside the model (dropout) is seeded per step from ``seed``; the
-    gradient of step s is the sum over its global batch divided by its size,
-    whatever the number of replicas.
+    The gradient of step s is the sum over its global batch divided by its
+    size, whatever the number of replicas. Randomness is width-invariant (see
+    :mod:`planaria.randomness`): every factory runs with Python's, numpy's and
+    torch's generators seeded from ``seed``; torch is seeded again before every
+    micro-batch from (seed, step, the micro-batch's place in the global batch),
+    and a dataset that augments draws from :func:`planaria.sample_generator`.
     """
 
     model: Callable[[], Any]
-    """Builds the ``nn.Module``; called once per worker with the torch seed set to ``seed``."""
+    """Builds the ``nn.Module``; called once per worker with the generators seeded from ``seed``."""
     optimizer: Callable[[Iterable[Any]], Any]
     """Builds the optimizer from the model's parameters."""
     loss: Callable[[Any, Any], Any]
     """(model, batch) → scalar loss (mean over the batch), or (loss, dict of float metrics)."""
     dataset: Callable[[], Any]
-    """Builds the map-style dataset (``__len__`` and ``__getitem__``)."""
+    """Builds the map-style dataset (``__len__`` and ``__getitem__``), the same on every worker:
+    it runs with the generators seeded from ``seed``, and workers compare a fingerprint of it."""
     global_batch_size: int
     """Samples per step over all replicas; stays fixed when the width changes."""
     micro_batch_size: int
-    """Samples per forward/backward; each rank runs as many micro-batches as it needs."""
+    """Samples per forward/backward. The global batch is global_batch_size / micro_batch_size
+    micro-batches; each rank runs whole ones (best balanced when their number is a multiple
+    of the width)."""
     lr_scheduler: Callable[[Any], Any] | None = None
     """Builds the LR scheduler from the optimizer; stepped once per committed step."""
     collate: Callable[[list[Any]], Any] | None = None
@@ -113,7 +119,11 @@ class RunConfig:
     use_gpu: bool = False
     """One GPU per worker and NCCL for the process group."""
     ledger: bool = False
-    """Record the sample ids of every committed step in ``RUN_DIR/ledger.jsonl``."""
+    """Record what every step's datasets served (ids and content digests) and every commit,
+    append-only, in ``RUN_DIR/ledger.jsonl`` (see :mod:`planaria.ledger`)."""
+    verify_every: int | None = None
+    """Compare every replica's parameter checksum every this many committed steps (None:
+    never); a replica that disagrees with the majority is a ``ReplicaDivergence`` fault."""
     join_timeout_s: float = 60.0
     """Deadline for building a generation's process group."""
     collective_timeout_s: float = 300.0
@@ -137,6 +147,13 @@ class RunConfig:
             "threads_per_worker",
             self.threads_per_worker,
             "an integer >= 1 or None",
+        )
+        check(
+            self.verify_every is None
+            or (isinstance(self.verify_every, int) and self.verify_every >= 1),
+            "verify_every",
+            self.verify_every,
+            "an integer >= 1 (steps between replica checksum comparisons) or None",
         )
         for name in ("join_timeout_s", "collective_timeout_s"):
             check(getattr(self, name) > 0, name, getattr(self, name), "a number of seconds > 0")

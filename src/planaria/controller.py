@@ -27,17 +27,20 @@ import torch.distributed as dist
 from planaria._version import __version__
 from planaria.chaos import ChaosPlan, send_signal
 from planaria.config import RunConfig, TrainSpec
-from planaria.data_plan import DataPlan, Ledger, split_contiguous
+from planaria.data_plan import DataPlan, Ledger, split_micro_batches
 from planaria.errors import (
     ConfigError,
+    DataMismatch,
     ElasticRuntimeError,
     Failure,
     InternalError,
     NonFiniteLoss,
     PlanariaError,
+    ReplicaDivergence,
     classify,
 )
 from planaria.events import EventLog
+from planaria.integrity import describe_mismatch, divergent_replicas
 from planaria.liveness import WORK_PHASES, Liveness
 from planaria.policy import HangConfig, RecoveryPolicy
 from planaria.watchdog import StepDeadline
@@ -96,17 +99,22 @@ class Job:
                 f"min_replicas={self.policy.min_replicas} is not valid: it must be <= "
                 f"replicas={config.replicas}"
             )
-        if config.replicas > spec.global_batch_size:
+        micro_batches = spec.global_batch_size // spec.micro_batch_size
+        if config.replicas > micro_batches:
             raise ConfigError(
-                f"replicas={config.replicas} is not valid: at most global_batch_size="
-                f"{spec.global_batch_size} replicas, so that every rank has samples"
+                f"replicas={config.replicas} is not valid: a rank runs whole micro-batches and "
+                f"the global batch has {micro_batches} (global_batch_size="
+                f"{spec.global_batch_size} / micro_batch_size={spec.micro_batch_size}): use at "
+                f"most {micro_batches} replicas, a smaller micro_batch_size or a larger "
+                "global_batch_size"
             )
         self.run_dir = config.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = EventLog(self.run_dir)
         for listener in listeners:  # progress display, Prometheus, logging
             self.log.add_listener(listener)
-        self.ledger = Ledger(self.run_dir) if config.ledger else None
+        self.run_id = uuid.uuid4().hex[:12]
+        self.ledger = Ledger(self.run_dir, run_id=self.run_id) if config.ledger else None
         self.deadline = StepDeadline(self.hang)
         self.recovery = Recovery(self)
         self.gen = -1
@@ -120,13 +128,19 @@ class Job:
         self._t0 = time.time()
         self._draining: set[str] = set()
         self._chaos_at: dict[str, float] = {}
+        self._verified_at = 0  # steps_done at the last replica checksum comparison
+        self._ledger_last: tuple[int, int] | None = None  # (gen, step) last written as served
         self.closed = False
         self.started = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def __enter__(self) -> Job:
-        self.start()
+        try:
+            self.start()
+        except BaseException as err:  # __exit__ will not run: release workers and Ray here
+            self.close(status="aborted", error=f"{type(err).__name__}: {err}")
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -138,7 +152,7 @@ class Job:
         cfg = self.config
         self.log.emit(
             "run_start",
-            run_id=uuid.uuid4().hex[:12],
+            run_id=self.run_id,
             replicas=cfg.replicas,
             steps=cfg.steps,
             start_step=None,  # known once a checkpoint is (or is not) resumed: see `restore`
@@ -169,6 +183,7 @@ class Job:
         for _ in range(cfg.replicas):
             self.pool.start()
         ready = self._wait_ready(cfg.replicas, timeout_s=max(120.0, cfg.join_timeout_s))
+        self.members = ready  # so that close() releases them if a check below fails
         if len(ready) < cfg.replicas:
             raise ElasticRuntimeError(
                 f"only {len(ready)} of {cfg.replicas} workers started within the deadline: check "
@@ -176,6 +191,7 @@ class Job:
             )
         ready.sort(key=lambda h: int(h.name[1:]))
         self._check_same_init(ready)
+        self.pool.data_fingerprint = ready[0].info["data_fingerprint"]
         num_samples = ready[0].info["num_samples"]
         self.plan = DataPlan(num_samples, self.spec.global_batch_size, self.spec.seed)
         for handle in ready:
@@ -232,6 +248,15 @@ class Job:
                 f"replicas built different initial parameters {sums}: make the model factory "
                 "deterministic (it runs with torch seeded from spec.seed)"
             )
+        problem = describe_mismatch({h.name: h.info["data_fingerprint"] for h in handles})
+        if problem is not None:
+            self.log.emit("data_mismatch", workers=[h.name for h in handles], reason=problem)
+            raise DataMismatch(
+                f"workers built different datasets ({problem}): make the dataset factory "
+                "deterministic (it runs with random, numpy and torch seeded from spec.seed; "
+                "seed anything else from spec.seed, not from the process, host or clock) "
+                "and read the same files on every node"
+            )
 
     def close(self, *, status: str = "ok", error: str | None = None) -> None:
         if self.closed:
@@ -287,6 +312,7 @@ class Job:
             for rank, h in enumerate(members)
         }
         results = self._gather(refs, deadline_s=self.config.join_timeout_s + 5, step=None)
+        self._ledger_dropped(results)
         for h in members:
             behind = results[h.name]["steps_done"] != self.steps_done
             # A restore overwrites every member's state: fresh replacements may be behind.
@@ -365,6 +391,7 @@ class Job:
         # Hangs are judged by heartbeat and progress (see planaria.liveness); the step's own
         # deadline is only the last resort.
         results = self._gather(refs, deadline_s=self.hang.ceiling_s, step=step)
+        self._ledger_served(step, results)
         duration = time.time() - t0
         n = sum(r["n"] for r in results.values())
         loss = sum(r["loss_sum"] for r in results.values()) / max(1, n)
@@ -396,10 +423,7 @@ class Job:
             metrics=metrics,
         )
         if self.ledger is not None:
-            ids: list[int] = []
-            for h in self.members:
-                ids += results[h.name]["ids"]
-            self.ledger.record(step, ids)
+            self.ledger.commit(step, gen=self.gen)
         for name, r in results.items():
             if r["preempting"] and name not in self._draining:
                 self._draining.add(name)
@@ -408,10 +432,33 @@ class Job:
         return result
 
     def _split(self, step: int, width: int) -> list[np.ndarray]:
-        """Step ``step``'s sample ids split over ``width`` ranks (empty parts before the plan)."""
+        """Step ``step``'s sample ids split over ``width`` ranks in whole micro-batches
+        (empty parts before the plan)."""
         if self.plan is None:
             return [np.empty(0, dtype=np.int64)] * width
-        return split_contiguous(self.plan.batch(step), width)
+        return split_micro_batches(self.plan.batch(step), width, self.spec.micro_batch_size)
+
+    def _ledger_served(self, step: int, results: dict[str, Any]) -> None:
+        """Records what each rank's dataset served in this attempt (before it may commit)."""
+        if self.ledger is None:
+            return
+        for h in self.members:
+            r = results[h.name]
+            self.ledger.served(
+                step, gen=self.gen, worker=h.name, ids=r["ids"], digests=r.get("digests")
+            )
+        self._ledger_last = (self.gen, step)
+
+    def _ledger_dropped(self, joined: dict[str, Any]) -> None:
+        """Records what survivors were served in a step attempt that failed (from their join)."""
+        if self.ledger is None:
+            return
+        for name, r in joined.items():
+            d = r.get("dropped")
+            if d and (d["gen"], d["step"]) != self._ledger_last:  # not recorded already
+                self.ledger.served(
+                    d["step"], gen=d["gen"], worker=name, ids=d["ids"], digests=d["digests"]
+                )
 
     def commit_all(self) -> None:
         """Makes every worker apply the committed steps now (before a snapshot or the end)."""
@@ -431,8 +478,7 @@ class Job:
         self.steps_done = step + 1
         self.log.emit("step_skipped", step=step, reason="nonfinite_loss")
         if self.ledger is not None:
-            assert self.plan is not None
-            self.ledger.record(step, [int(i) for i in self.plan.batch(step)], skipped=True)
+            self.ledger.commit(step, gen=self.gen, skipped=True)
 
     def _gather(
         self, refs: dict[str, Any], *, deadline_s: float, step: int | None
@@ -540,6 +586,7 @@ class Job:
 
     def boundary(self) -> None:
         """Between steps: drain preempted workers, admit ready replacements, save, inject chaos."""
+        self._verify_if_due()  # before a joiner could copy a diverged replica's state
         ready = self.pool.poll(timeout_s=0.0)
         if ready:  # first, so that a joiner can take the state from a worker about to drain
             self.recovery.admit(ready)
@@ -630,6 +677,35 @@ class Job:
         self.commit_all()
         refs = {h.name: h.actor.checksum.remote(self.gen) for h in self.members}
         return self._gather(refs, deadline_s=60, step=None)
+
+    def verify_replicas(self) -> None:
+        """Compares every replica's parameter checksum; raises ReplicaDivergence on a mismatch.
+
+        The replicas that differ from a strict majority are named (all of them
+        when there is none); the recovery treats them as lost.
+        """
+        answers = self.checksums()
+        sums = {h.name: answers[h.name] for h in self.members}  # rank order
+        self._verified_at = self.steps_done
+        bad = divergent_replicas(sums)
+        self.log.emit(
+            "replicas_verified", step=self.steps_done, workers=sorted(sums), diverged=list(bad)
+        )
+        if bad:
+            raise ReplicaDivergence(
+                f"replica checksums disagree after {self.steps_done} steps: "
+                + ", ".join(f"{n}={c:08x}" for n, c in sums.items())
+                + f"; {', '.join(bad)} diverged",
+                workers=bad,
+                step=self.steps_done,
+            )
+
+    def _verify_if_due(self) -> None:
+        every = self.config.verify_every
+        if every is None or self.width < 2 or self.steps_done == 0 or self.steps_done % every:
+            return
+        if self._verified_at != self.steps_done:
+            self.verify_replicas()
 
     @property
     def elapsed_s(self) -> float:

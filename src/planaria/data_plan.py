@@ -7,20 +7,23 @@ every sample appears exactly once per epoch. The batch of step s depends on
 nothing but (seed, dataset size, G, s), which is what makes failures and width
 changes invisible to the training: the controller re-runs a failed step with
 the same ids, split over however many ranks are live.
+
+The unit of work is the micro-batch: the global batch is G / micro_batch_size
+micro-batches with fixed places (micro-batch j holds batch positions
+``[j*mbs, (j+1)*mbs)``), and each rank gets whole, contiguous micro-batches.
+What a micro-batch computes (its samples, its random stream, its BatchNorm
+batch statistics) is then the same at any width.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from planaria.config import check
 from planaria.errors import ConfigError
+from planaria.ledger import Ledger
 
-__all__ = ["DataPlan", "Ledger", "split_contiguous"]
+__all__ = ["DataPlan", "Ledger", "micro_batch_range", "split_micro_batches"]
 
 
 class DataPlan:
@@ -75,48 +78,26 @@ class DataPlan:
         }
 
 
-def split_contiguous(ids: np.ndarray, width: int) -> list[np.ndarray]:
-    """Splits ids over ``width`` ranks in contiguous, near-equal parts (rank order)."""
+def micro_batch_range(num_micro: int, width: int, rank: int) -> tuple[int, int]:
+    """(first, count): rank ``rank``'s micro-batches when ``num_micro`` are split over
+    ``width`` ranks (contiguous, near-equal, the larger shares first)."""
     check(width >= 1, "width", width, "an integer >= 1")
-    return [np.ascontiguousarray(part) for part in np.array_split(ids, width)]
+    check(0 <= rank < width, "rank", rank, f"an integer in [0, {width})")
+    base, extra = divmod(num_micro, width)
+    return rank * base + min(rank, extra), base + (rank < extra)
 
 
-class Ledger:
-    """Opt-in record of the sample ids each committed step trained on (``ledger.jsonl``).
+def split_micro_batches(ids: np.ndarray, width: int, micro_batch_size: int) -> list[np.ndarray]:
+    """Splits a global batch over ``width`` ranks in whole micro-batches (rank order).
 
-    The ids come from the workers' own reports of what they loaded, not from
-    what the controller meant to send, so the ledger checks the real thing.
+    A rank beyond the number of micro-batches gets none (it still takes part
+    in the reduction); the job's configuration keeps that from happening.
     """
-
-    FILE = "ledger.jsonl"
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / self.FILE
-        self._file = self.path.open("a", encoding="utf-8")
-
-    def record(self, step: int, ids: list[int], *, skipped: bool = False) -> None:
-        entry: dict[str, Any] = {"step": step, "ids": ids}
-        if skipped:
-            entry["skipped"] = True
-        self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-    @staticmethod
-    def read(run_dir: Path) -> dict[int, list[int]]:
-        """Committed steps → ids; a step recorded twice (resumed past a crash) keeps the last."""
-        out: dict[int, list[int]] = {}
-        path = Path(run_dir) / Ledger.FILE
-        with path.open(encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a crash
-                out[int(entry["step"])] = [int(i) for i in entry["ids"]]
-        return out
+    num_micro, rest = divmod(len(ids), micro_batch_size)
+    check(rest == 0, "ids", len(ids), f"a multiple of micro_batch_size={micro_batch_size}")
+    parts = []
+    for rank in range(width):
+        first, count = micro_batch_range(num_micro, width, rank)
+        part = ids[first * micro_batch_size : (first + count) * micro_batch_size]
+        parts.append(np.ascontiguousarray(part))
+    return parts

@@ -13,6 +13,7 @@ __all__ = [
     "AllReplicasLost",
     "CheckpointError",
     "ConfigError",
+    "DataMismatch",
     "ElasticRuntimeError",
     "Failure",
     "InfrastructureError",
@@ -20,6 +21,7 @@ __all__ = [
     "NonFiniteLoss",
     "PlanariaError",
     "Preempted",
+    "ReplicaDivergence",
     "StaleGeneration",
     "StepAborted",
     "UserCodeError",
@@ -35,6 +37,14 @@ class PlanariaError(Exception):
 
 class ConfigError(PlanariaError, ValueError):
     """A configuration value is wrong; the message names the field, the value, what is accepted."""
+
+
+class DataMismatch(ConfigError):
+    """Workers built different datasets (length or content); the message names who and what.
+
+    A replica trained on other data would poison the job: a joiner with other
+    data is refused, and at start the job does not begin.
+    """
 
 
 class CheckpointError(PlanariaError):
@@ -92,6 +102,16 @@ class NonFiniteLoss(Failure):
     """The global loss or the reduced gradient of a step was NaN or infinite."""
 
     kind = "nonfinite_loss"
+
+
+class ReplicaDivergence(Failure):
+    """Replicas' parameters disagree after a commit (silent divergence: a bit flip, a bug).
+
+    ``workers`` are the replicas that differ from a strict majority, or all of
+    them when there is no majority; they are treated as lost.
+    """
+
+    kind = "replica_divergence"
 
 
 class _WithTraceback(Failure):

@@ -24,7 +24,8 @@ from planaria.segments import num
 __all__ = ["ProgressDisplay"]
 
 _VERBS = {"worker_lost": "lost", "lost": "lost", "worker_hung": "hung", "hung": "hung",
-          "preempted": "preempted", "preemption": "preempted"}
+          "preempted": "preempted", "preemption": "preempted",
+          "replica_divergence": "diverged"}
 
 
 def _eta(seconds: float | None) -> str:

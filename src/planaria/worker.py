@@ -22,17 +22,22 @@ import traceback
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import ray
 import torch
 
+from planaria.buffers import BufferSync
 from planaria.collective import Collective, connect_store
 from planaria.config import TrainSpec
+from planaria.data_plan import micro_batch_range
 from planaria.errors import Failure, PlanariaError, StaleGeneration, StepAborted
 from planaria.faults import user_call
+from planaria.integrity import Served, dataset_fingerprint
 from planaria.liveness import Heartbeat
+from planaria.randomness import factory_seed, micro_batch_seed, sample_scope, seed_globals
 from planaria.state import flatten_state, load_state, tensor_layout
 from planaria.worker_checkpoint import CheckpointWorkerMixin
 
@@ -58,8 +63,18 @@ def _user(what: str, fn: Callable[..., T], *args: Any) -> T:
     return user_call(what, fn, *args)
 
 
-def _step_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step * 7_919 + 17) % (2**63 - 1)
+def _factory(what: str, seed: int, fn: Callable[..., T], *args: Any) -> T:
+    """A user factory, run with every global generator seeded from (spec seed, factory)."""
+    seed_globals(factory_seed(seed, what))
+    return _user(f"the {what} factory", fn, *args)
+
+
+@dataclass
+class _Loaded:
+    """A rank's share of a step, loaded: (samples, batch) per micro-batch, and what was served."""
+
+    batches: list[tuple[int, Any]]
+    served: Served
 
 
 class Worker(CheckpointWorkerMixin):
@@ -75,8 +90,10 @@ class Worker(CheckpointWorkerMixin):
         threads: int,
         heartbeat_s: float,
         use_gpu: bool = False,
+        record_digests: bool = False,
     ) -> None:
         self.name = name
+        self.record_digests = record_digests
         self.spec = spec
         self.threads = threads
         torch.set_num_threads(threads)
@@ -94,7 +111,8 @@ class Worker(CheckpointWorkerMixin):
         self._beat = 0
         self.preempting = False
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-loader")
-        self._prefetched: tuple[bytes, Future[list[Any]]] | None = None
+        self._prefetched: tuple[bytes, Future[_Loaded]] | None = None
+        self._attempt: dict[str, Any] | None = None  # what the last step attempt was served
         self._heartbeat_s = heartbeat_s
         self._stop = threading.Event()
         # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
@@ -117,7 +135,7 @@ class Worker(CheckpointWorkerMixin):
         self.phase = "setup"
         spec = self.spec
         self._build_model()
-        self.dataset = _user("the dataset factory", spec.dataset)
+        self.dataset = _factory("dataset", spec.seed, spec.dataset)
         if spec.collate is not None:
             self.collate = spec.collate
         else:
@@ -125,6 +143,9 @@ class Worker(CheckpointWorkerMixin):
 
             self.collate = default_collate
         num_samples = _user("len(dataset)", len, self.dataset)
+        fingerprint = _user(
+            "dataset[i]", dataset_fingerprint, self.dataset, spec.seed, self._fingerprint_sample
+        )
         if prebuild_optimizer_state:
             self._prebuild_optimizer_state()
         self.phase = "idle"
@@ -134,21 +155,22 @@ class Worker(CheckpointWorkerMixin):
             "node": socket.gethostname(),
             "checksum": param_checksum(self.model),
             "num_samples": int(num_samples),
+            "data_fingerprint": fingerprint,
             "param_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "threads": torch.get_num_threads(),
         }
 
     def _build_model(self) -> None:
-        """Model, optimizer and scheduler in their initial state (torch seeded from the spec)."""
+        """Model, optimizer and scheduler in their initial state (seeded from the spec)."""
         spec = self.spec
-        torch.manual_seed(spec.seed)
-        self.model = _user("the model factory", spec.model).to(self.device)
-        self.optimizer = _user("the optimizer factory", spec.optimizer, self.model.parameters())
+        self.model = _factory("model", spec.seed, spec.model).to(self.device)
+        self.optimizer = _factory("optimizer", spec.seed, spec.optimizer, self.model.parameters())
         self.scheduler = (
-            _user("the lr_scheduler factory", spec.lr_scheduler, self.optimizer)
+            _factory("lr_scheduler", spec.seed, spec.lr_scheduler, self.optimizer)
             if spec.lr_scheduler
             else None
         )
+        self.buffer_sync = BufferSync(self.model)
         self._bind_grad_buffers()
 
     def reinit(self, gen: int) -> int:
@@ -208,11 +230,20 @@ class Worker(CheckpointWorkerMixin):
         A worker with no state yet (a replacement) may be behind ``steps_done``;
         the controller sends it the state next and checks survivors are not behind.
         ``next_ids`` (this rank's share of the next step) start loading at once.
+        Reports what a step attempt dropped here had been served (``dropped``),
+        for the ledger.
         """
         self._enter(gen)
+        pending = self.pending
         self._settle(steps_done, skipped, allow_behind=True)
+        attempt, self._attempt = self._attempt, None
+        dropped = (
+            attempt
+            if attempt and attempt["step"] == pending and self.steps_done <= attempt["step"]
+            else None
+        )
         if next_ids is not None and len(next_ids):
-            self._prefetch(next_ids)
+            self._prefetch(next_ids, steps_done)
         if self.comm is not None:
             self.comm.close()
             self.comm = None
@@ -227,7 +258,7 @@ class Worker(CheckpointWorkerMixin):
             timeout_s=timeouts[1],
         )
         self.phase = "idle"
-        return {"steps_done": self.steps_done}
+        return {"steps_done": self.steps_done, "dropped": dropped}
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -261,6 +292,7 @@ class Worker(CheckpointWorkerMixin):
         # From here the gradient buffers hold this step's (maybe partial) gradient: if the
         # step fails anywhere, the next settle drops it rather than apply or accumulate it.
         self.pending = step
+        first, count = self._micro_batches(len(ids))
         t0 = time.perf_counter()
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
@@ -268,15 +300,19 @@ class Worker(CheckpointWorkerMixin):
         assert self.comm is not None, "step before join"
         try:
             self._set_phase("loading", step)
-            micro_batches = self._take(ids)
+            loaded = self._take(ids, step)
+            served = loaded.served
+            self._attempt = {"gen": gen, "step": step, "ids": served.ids, "digests": served.digests}
             data_wait_s = time.perf_counter() - t0
             if next_ids is not None and len(next_ids):
-                self._prefetch(next_ids)
+                self._prefetch(next_ids, step + 1)
             self._set_phase("compute", step)
-            torch.manual_seed(_step_seed(self.spec.seed, step))
+            self.buffer_sync.begin()  # buffers are pending too: put back unless the step commits
             self.model.train()
-            for n, batch in micro_batches:
+            for j, (n, batch) in enumerate(loaded.batches):
                 self._raise_if_aborted(step)
+                # The micro-batch's own random stream: the same at any width, on any rank.
+                torch.manual_seed(micro_batch_seed(self.spec.seed, step, first + j))
                 out = _user("the loss function", self.spec.loss, self.model, batch)
                 loss, metrics = out if isinstance(out, tuple) else (out, {})
                 _user("backward", (loss * (n / gbs)).backward)
@@ -296,7 +332,14 @@ class Worker(CheckpointWorkerMixin):
             raise
         t1 = time.perf_counter()
         self._set_phase("reduce", step)
-        self.comm.allreduce_sum(self.grad_buffers)
+        comm = self.comm
+        assert comm is not None, "step before join"
+        total = self.spec.global_batch_size // self.spec.micro_batch_size
+        extra = self.buffer_sync.contributions(
+            rank=comm.rank, width=comm.world_size, first=first, count=count, total=total
+        )
+        comm.allreduce_sum(self.grad_buffers + extra)
+        self.buffer_sync.reduced(extra)
         # The reduced gradient is the same on every rank: its norm tells every rank (and the
         # controller) whether the update is finite, and serves the clipping at apply.
         self._grad_norm = _global_norm(self.grad_buffers)
@@ -305,9 +348,10 @@ class Worker(CheckpointWorkerMixin):
         return {
             "grad_norm": self._grad_norm,
             "loss_sum": loss_sum,
-            "n": int(sum(n for n, _ in micro_batches)),
+            "n": int(sum(n for n, _ in loaded.batches)),
             "metric_sums": metric_sums,
-            "ids": ids.tolist(),
+            "ids": loaded.served.ids,  # what dataset[i] was called with, not an echo of ids
+            "digests": loaded.served.digests,
             "data_wait_s": data_wait_s,
             "compute_s": t1 - t0 - data_wait_s,
             "reduce_s": t2 - t1,
@@ -345,36 +389,67 @@ class Worker(CheckpointWorkerMixin):
         _user("optimizer.step", self.optimizer.step)
         if self.scheduler is not None:
             _user("lr_scheduler.step", self.scheduler.step)
+        self.buffer_sync.commit()
         self._drop_pending()
         self.steps_done += 1
 
     def _drop_pending(self) -> None:
         for flat in self.grad_buffers:
             flat.zero_()
+        if self.pending is not None:
+            self.buffer_sync.rollback()
         self.pending = None
 
     # ---- data ---------------------------------------------------------------------------------
 
-    def _load(self, ids: np.ndarray) -> list[tuple[int, Any]]:
+    def _micro_batches(self, n_ids: int) -> tuple[int, int]:
+        """(first, count): this rank's micro-batches in the global batch; checks the ids fit."""
+        assert self.comm is not None
+        spec = self.spec
+        total = spec.global_batch_size // spec.micro_batch_size
+        first, count = micro_batch_range(total, self.comm.world_size, self.comm.rank)
+        if n_ids != count * spec.micro_batch_size:
+            raise PlanariaError(
+                f"{self.name} (rank {self.comm.rank} of {self.comm.world_size}) got {n_ids} "
+                f"ids, not its {count} micro-batches of {spec.micro_batch_size}"
+            )
+        return first, count
+
+    def _load(self, ids: np.ndarray, step: int) -> _Loaded:
+        """Loads whole micro-batches; runs in the loader thread (never touches global RNGs)."""
         mbs = self.spec.micro_batch_size
+        served = Served(digests_on=self.record_digests)
         out = []
         for start in range(0, len(ids), mbs):
             chunk = ids[start : start + mbs]
-            samples = [_user("dataset[i]", self.dataset.__getitem__, int(i)) for i in chunk]
+            samples = [self._get(int(i), step, served) for i in chunk]
             batch = _user("collate", self.collate, samples)
             out.append((len(chunk), _to_device(batch, self.device)))
-        return out
+        return _Loaded(out, served)
 
-    def _prefetch(self, ids: np.ndarray) -> None:
-        self._prefetched = (ids.tobytes(), self._loader.submit(self._load, ids))
+    def _get(self, i: int, step: int, served: Served) -> Any:
+        """``dataset[i]``, with the sample's own random stream, recorded as served."""
+        with sample_scope(self.spec.seed, step, i):
+            sample = _user("dataset[i]", self.dataset.__getitem__, i)
+        served.add(i, sample)
+        return sample
 
-    def _take(self, ids: np.ndarray) -> list[tuple[int, Any]]:
-        if self._prefetched is not None and self._prefetched[0] == ids.tobytes():
+    def _fingerprint_sample(self, i: int) -> Any:
+        with sample_scope(self.spec.seed, -1, i):
+            return self.dataset[i]
+
+    def _prefetch(self, ids: np.ndarray, step: int) -> None:
+        key = ids.tobytes() + step.to_bytes(8, "little")
+        self._prefetched = (key, self._loader.submit(self._load, ids, step))
+
+    def _take(self, ids: np.ndarray, step: int) -> _Loaded:
+        key = ids.tobytes() + step.to_bytes(8, "little")
+        if self._prefetched is not None and self._prefetched[0] == key:
             future = self._prefetched[1]
             self._prefetched = None
             return future.result()
         self._prefetched = None
-        return self._load(ids)
+        return self._load(ids, step)
 
     # ---- state: hot-join and checkpoints ---------------------------------------------------
 

@@ -15,8 +15,9 @@ import ray
 import torch.distributed as dist
 
 from planaria.config import RunConfig, TrainSpec
-from planaria.errors import UserCodeError
+from planaria.errors import DataMismatch, UserCodeError
 from planaria.events import EventLog
+from planaria.integrity import describe_mismatch
 from planaria.policy import HangConfig
 from planaria.worker import Worker
 
@@ -70,6 +71,7 @@ class WorkerPool:
         self.last_start_error: str | None = None
         self._retry_at: list[tuple[float, WorkerHandle]] = []
         self.local_node = socket.gethostname()
+        self.data_fingerprint: dict[str, Any] | None = None  # the job's, once it has started
         # Two lanes: steps and state in the default one, stack dumps (mid-step) in "control".
         remote: Any = ray.remote
         self._actor_cls = remote(concurrency_groups={"control": 1})(Worker)
@@ -95,6 +97,7 @@ class WorkerPool:
             threads=cfg.threads,
             heartbeat_s=self.hang.heartbeat_s,
             use_gpu=cfg.use_gpu,
+            record_digests=cfg.ledger,
         )
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt)
         handle.setup_ref = actor.setup.remote(prebuild_optimizer_state=replaces is not None)
@@ -107,7 +110,8 @@ class WorkerPool:
         """Workers that became ready within ``timeout_s``; failed starts are retried with backoff.
 
         A start that fails in the user's own factories raises UserCodeError:
-        retrying cannot help.
+        retrying cannot help. A worker whose dataset differs from the job's is
+        refused (killed) and raises DataMismatch: it would poison the training.
         """
         now = time.time()
         for due, old in list(self._retry_at):
@@ -130,6 +134,7 @@ class WorkerPool:
                     raise cause from None
                 self._failed_start(handle, err)
                 continue
+            self._check_data(handle)
             handle.ready_t = time.time()
             ready_s = handle.ready_t - handle.requested_t
             self.log.emit(
@@ -143,6 +148,23 @@ class WorkerPool:
                 self.log.emit("replacement_ready", worker=handle.name, replacement_s=ready_s)
             ready.append(handle)
         return ready
+
+    def _check_data(self, handle: WorkerHandle) -> None:
+        if self.data_fingerprint is None:
+            return  # the job compares its first workers with each other
+        problem = describe_mismatch(
+            {"the job": self.data_fingerprint, handle.name: handle.info["data_fingerprint"]}
+        )
+        if problem is None:
+            return
+        self.kill(handle)
+        self.log.emit("worker_refused", worker=handle.name, reason=problem)
+        _log.error("%s refused: %s", handle.name, problem)
+        raise DataMismatch(
+            f"{handle.name} built a different dataset from the job's ({problem}); it was "
+            "refused: make the dataset factory deterministic (it runs with random, numpy and "
+            "torch seeded from spec.seed) and read the same files on every node"
+        )
 
     def _failed_start(self, handle: WorkerHandle, err: BaseException) -> None:
         self.last_start_error = f"{handle.name}: {type(err).__name__}: {str(err)[:2000]}"

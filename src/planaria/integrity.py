@@ -1,0 +1,143 @@
+"""Checks that replicas hold the same data and the same parameters.
+
+- :func:`sample_digest`: a crc32 of one sample's content (tensors, arrays, bytes,
+  numbers, strings, nested in tuples, lists and dicts).
+- :func:`dataset_fingerprint`: a dataset's length and the digests of a few
+  samples at positions drawn from the seed; workers compare it at start and
+  when a replacement joins (:func:`describe_mismatch`).
+- :func:`divergent_replicas`: which replicas' parameter checksums disagree with
+  the majority.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Served",
+    "dataset_fingerprint",
+    "describe_mismatch",
+    "divergent_replicas",
+    "sample_digest",
+]
+
+FINGERPRINT_SAMPLES = 8
+
+
+def sample_digest(sample: Any) -> int:
+    """crc32 of a sample's content, type tags and shapes included."""
+    return _digest(sample, 0)
+
+
+def _digest(obj: Any, crc: int) -> int:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        crc = zlib.crc32(f"T{t.dtype}{tuple(t.shape)}".encode(), crc)
+        data: Any = t.view(-1).view(torch.uint8).numpy()
+        return zlib.crc32(data, crc)
+    if isinstance(obj, np.ndarray):
+        if obj.dtype == object:
+            return _digest(obj.tolist(), zlib.crc32(f"A{obj.shape}".encode(), crc))
+        a: Any = np.ascontiguousarray(obj)
+        crc = zlib.crc32(f"A{a.dtype}{a.shape}".encode(), crc)
+        return zlib.crc32(a.view(np.uint8).reshape(-1), crc)
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return zlib.crc32(bytes(obj), zlib.crc32(b"B", crc))
+    if isinstance(obj, (str, int, float, bool, np.generic)) or obj is None:
+        return zlib.crc32(f"S{type(obj).__name__}:{obj!r}".encode(), crc)
+    if isinstance(obj, Mapping):
+        crc = zlib.crc32(b"D", crc)
+        for key in sorted(obj, key=repr):
+            crc = _digest(obj[key], _digest(key, crc))
+        return crc
+    if isinstance(obj, (list, tuple)):
+        crc = zlib.crc32(f"L{len(obj)}".encode(), crc)
+        for item in obj:
+            crc = _digest(item, crc)
+        return crc
+    tobytes = getattr(obj, "tobytes", None)  # PIL images and the like
+    if callable(tobytes):
+        return zlib.crc32(tobytes(), zlib.crc32(type(obj).__name__.encode(), crc))
+    # Anything else: its type only (a repr may hold a memory address, different everywhere).
+    return zlib.crc32(f"O{type(obj).__qualname__}".encode(), crc)
+
+
+def dataset_fingerprint(
+    dataset: Any,
+    seed: int,
+    get: Callable[[int], Any] | None = None,
+    *,
+    samples: int = FINGERPRINT_SAMPLES,
+) -> dict[str, Any]:
+    """``{"num_samples", "positions", "digests"}``: the length and a few samples' digests.
+
+    The positions are drawn from ``seed`` (the same on every worker). ``get``
+    fetches one sample (default ``dataset[i]``).
+    """
+    n = len(dataset)
+    rng = np.random.default_rng([seed % 2**32, 0xF1])
+    positions = sorted(int(p) for p in rng.choice(n, size=min(samples, n), replace=False))
+    fetch = get or dataset.__getitem__
+    return {
+        "num_samples": int(n),
+        "positions": positions,
+        "digests": [sample_digest(fetch(p)) for p in positions],
+    }
+
+
+def describe_mismatch(fingerprints: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """None if every fingerprint agrees, else a sentence naming who differs and in what."""
+    lengths = {name: fp["num_samples"] for name, fp in fingerprints.items()}
+    if len(set(lengths.values())) > 1:
+        return "dataset length differs: " + _groups(lengths, "samples")
+    digests = {name: tuple(fp["digests"]) for name, fp in fingerprints.items()}
+    if len(set(digests.values())) <= 1:
+        return None
+    first = next(iter(fingerprints.values()))
+    columns = list(zip(*digests.values(), strict=True))
+    where = [p for p, col in zip(first["positions"], columns, strict=True) if len(set(col)) > 1]
+    at = {name: digests[name][first["positions"].index(where[0])] for name in digests}
+    return (
+        f"dataset content differs at sampled positions {where} (same length "
+        f"{next(iter(lengths.values()))}); crc32 of sample {where[0]}: "
+        + _groups({k: f"{v:08x}" for k, v in at.items()}, "")
+    )
+
+
+def _groups(values: Mapping[str, Any], unit: str) -> str:
+    by_value: dict[Any, list[str]] = {}
+    for name, value in values.items():
+        by_value.setdefault(value, []).append(name)
+    suffix = f" {unit}" if unit else ""
+    return "; ".join(f"{', '.join(names)}: {value}{suffix}" for value, names in by_value.items())
+
+
+def divergent_replicas(checksums: Mapping[str, int]) -> tuple[str, ...]:
+    """The replicas whose checksum differs from a strict majority's; all of them if none has one."""
+    if not checksums:
+        return ()
+    value, count = Counter(checksums.values()).most_common(1)[0]
+    if count * 2 > len(checksums):
+        return tuple(name for name, c in checksums.items() if c != value)
+    return tuple(checksums) if len(set(checksums.values())) > 1 else ()
+
+
+@dataclass
+class Served:
+    """What ``dataset[i]`` was called with in one load, in order, with optional digests."""
+
+    digests_on: bool = False
+    ids: list[int] = field(default_factory=list)
+    digests: list[int] = field(default_factory=list)
+
+    def add(self, sample_id: int, sample: Any) -> None:
+        self.ids.append(sample_id)
+        if self.digests_on:
+            self.digests.append(sample_digest(sample))
