@@ -21,7 +21,9 @@ number of ranks and micro-batches.
 The data order (:func:`batch_ids`, :func:`split_ids`) is the same algorithm as
 ``planaria.data_plan`` (a permutation per epoch drawn from
 ``numpy.random.default_rng([seed, epoch])``; step s takes stream positions
-``[s*G, (s+1)*G)``; ranks take contiguous near-equal parts).
+``[s*G, (s+1)*G)``; ranks take contiguous near-equal parts). planaria gives each
+rank whole micro-batches (so that randomness is width-invariant); with G/micro
+= 6 micro-batches, at 1, 2 and 3 ranks that is the same split as here.
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ __all__ = [
     "state_bytes",
 ]
 
-GLOBAL_BATCH = 64
-"""Samples per optimizer step, over all ranks."""
-MICRO_BATCH = 16
+GLOBAL_BATCH = 48
+"""Samples per optimizer step, over all ranks (6 micro-batches: even at 1, 2 and 3 ranks)."""
+MICRO_BATCH = 8
 """Largest forward/backward chunk a rank runs at once (gradient accumulation)."""
 DATASET_SIZE = 4096
 """Samples in the benchmark dataset (64 steps per epoch at the global batch)."""

@@ -124,8 +124,8 @@ def evaluate(
 
 def make_spec(
     *,
-    global_batch_size: int = 32,
-    micro_batch_size: int = 8,
+    global_batch_size: int = 24,
+    micro_batch_size: int = 4,
     seed: int = 0,
     lr: float = 3e-3,
     dim: int = 256,
