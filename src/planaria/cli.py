@@ -84,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     report.add_argument("--png", type=Path, default=None, help="where the timeline goes")
 
+    from planaria.campaign.cli import add_parser as add_campaign_parser
+
+    add_campaign_parser(sub)
+
     ckpt = sub.add_parser("ckpt", help="list, verify and export checkpoints")
     ck = ckpt.add_subparsers(dest="ckpt_command", required=True)
     ls = ck.add_parser("ls", help="checkpoints of a run: step, size, committed, verified")
@@ -190,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             return report_main(args.run_dir, json=args.json, png=args.png)
         if args.command == "ckpt":
             return _ckpt(args)
+        if args.command == "campaign":
+            from planaria.campaign.cli import campaign_main
+
+            return campaign_main(args)
     except ConfigError as err:
         print(f"planaria: {err}", file=sys.stderr)
         return 2
