@@ -46,6 +46,7 @@ def test_schedule_covers_the_mix_and_every_step_length():
         for f in run.faults:
             assert 0 <= f.micro_batch < config.micro_batches and 0 < f.fraction < 1
             assert (f.variant in ("joiner", "source")) == (f.kind == "kill_join")
+            assert (f.variant in ("shard", "any")) == f.kind.startswith("storage_")
     assert set(kinds) >= COMPOUND_KINDS
 
 
@@ -145,6 +146,10 @@ def test_faulty_storage_fails_once_when_armed(tmp_path, op):
         ("f1", f"storage_{op}")
     ]
     assert st.listdir(st.path("d")) == ["x"]
+    storage_faults.arm(control, op, fault_id="f2", match=".safetensors")
+    st.write_bytes(st.path("d", "y"), b"not matched")
+    assert st.read_bytes(st.path("d", "y")) == b"not matched"
+    assert len(storage_faults.fired(control)) == 1
     st.remove_tree(st.path("d"))
     assert st.listdir() == []
 

@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,7 @@ class Injector:
         replicas: int,
         incarnation: int,
         wait_s: float = 180.0,
+        snapshot: Callable[[Job], None] | None = None,
     ) -> None:
         self.run = run
         self.run_dir = Path(run_dir)
@@ -72,6 +74,7 @@ class Injector:
         self.replicas = replicas
         self.incarnation = incarnation
         self.wait_s = wait_s
+        self.snapshot = snapshot  # the weights before each fault: where a divergence began
         done = {r["fault"] for r in read_injections(run_dir) if r["role"] == "primary"}
         self.todo = [f for f in run.faults if f.index not in done]
         self.waiting: dict[str, tuple[PlannedFault, str | None]] = {}
@@ -103,6 +106,8 @@ class Injector:
                     self._log(fault, "secondary", f"gave_up_{phase}", None, None, step)
                     del self.waiting[phase]
             if not self.waiting:
+                if self.snapshot is not None:
+                    self.snapshot(job)
                 self._arm(job, self.todo.pop(0))
         elif not self.todo and self.tail_step is not None and step >= self.tail_step:
             job.wait_for_width(self.replicas, timeout_s=self.wait_s)
@@ -126,7 +131,8 @@ class Injector:
             op = kind.removeprefix("storage_")
             fid = self._id(fault, "primary")
             self._log(fault, "primary", kind, None, None, job.steps_done)
-            storage_faults.arm(self.control, op, fault_id=fid)
+            match = ".safetensors" if fault.variant == "shard" else ""
+            storage_faults.arm(self.control, op, fault_id=fid, match=match)
         if kind in _TRIGGERED:
             role = "trigger" if kind == "storage_read" else "primary"
             self._trigger(job, fault, role, _TRIGGERED[kind], target)

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FINAL_FILE", "META_FILE", "job_config", "main", "reference_file"]
+__all__ = ["FINAL_FILE", "META_FILE", "job_config", "main", "reference_file", "snapshot_file"]
 
 FINAL_FILE = "final.safetensors"
 META_FILE = "campaign_job.json"
@@ -28,6 +28,11 @@ _log = logging.getLogger("planaria.campaign")
 
 def reference_file(run_dir: Path, steps: int) -> Path:
     return Path(run_dir) / f"ref-{steps}.safetensors"
+
+
+def snapshot_file(run_dir: Path, steps: int) -> Path:
+    """A faulted run's weights after ``steps`` steps, taken before a fault is armed."""
+    return Path(run_dir) / f"at-{steps}.safetensors"
 
 
 def job_config(
@@ -97,9 +102,12 @@ def run_job(cfg: dict[str, Any]) -> None:
         meta = {"pid": os.getpid(), "pgid": os.getpgid(0), **job.plan.describe()}
         (run_dir / META_FILE).write_text(json.dumps(meta))
         if cfg["run"] is not None:
+            def snapshot(job: Job) -> None:
+                _save(job.model_state_dict(), snapshot_file(run_dir, job.steps_done))
+
             job.hooks.append(Injector(PlannedRun.from_json(cfg["run"]), run_dir=run_dir,
                                       control=control, replicas=replicas,
-                                      incarnation=int(cfg["incarnation"])))
+                                      incarnation=int(cfg["incarnation"]), snapshot=snapshot))
         while True:  # bounded by the policy's max_failures
             try:
                 if job.steps_done >= steps:

@@ -59,7 +59,8 @@ class PlannedFault:
     fraction: float
     """How far into that micro-batch's (stretched) compute the signal lands, 0..1."""
     variant: str = ""
-    """kill_join: kill the ``joiner`` or the ``source`` of the state transfer."""
+    """kill_join: kill the ``joiner`` or the ``source`` of the state transfer; storage_*:
+    fail a ``shard`` file or ``any`` file (manifest, marker) of a checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +132,14 @@ def _dealt(rng: random.Random, items: tuple[Any, ...], count: int) -> list[Any]:
     return out[:count]
 
 
+def _variant(rng: random.Random, kind: str) -> str:
+    if kind == "kill_join":
+        return rng.choice(("joiner", "source"))
+    if kind.startswith("storage_"):
+        return rng.choice(("shard", "any"))
+    return ""
+
+
 def plan_campaign(config: MixConfig) -> list[PlannedRun]:
     """The campaign's runs, deterministic in ``config``."""
     rng = random.Random(config.seed)
@@ -158,7 +167,7 @@ def plan_campaign(config: MixConfig) -> list[PlannedRun]:
                 target=rng.randrange(1000),
                 micro_batch=rng.randrange(config.micro_batches),
                 fraction=round(rng.uniform(0.05, 0.95), 3),
-                variant=rng.choice(("joiner", "source")) if kind == "kill_join" else "",
+                variant=_variant(rng, kind),
             )
             for i, kind in enumerate(chosen)
         )

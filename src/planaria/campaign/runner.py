@@ -64,14 +64,17 @@ def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) 
     """Runs the campaign; prints a line per run and the failed checks; returns the summary."""
     runs = plan_campaign(config.mix)
     config.workdir.mkdir(parents=True, exist_ok=True)
-    references = _reference(config, sorted({r.steps for r in runs}), out)
+    # The reference's weights at every step a fault is armed at, to tell where a run diverged.
+    counts = {r.steps for r in runs} | {f.step for r in runs for f in r.faults}
+    counts |= {f.step + k for r in runs for f in r.faults for k in range(1, config.mix.gap)}
+    references = _reference(config, sorted(counts), out)
     verdicts: list[RunVerdict] = []
     for run in runs:
         t0 = time.time()
         run_dir = config.workdir / f"run-{run.index:04d}"
         error = _run(config, run, run_dir)
-        verdict = check_run(run_dir, run, references.get(run.steps), error=error,
-                            atol=config.atol, rtol=config.rtol)
+        verdict = check_run(run_dir, run, references, error=error, atol=config.atol,
+                            rtol=config.rtol)
         verdicts.append(verdict)
         kinds = ",".join(f.kind for f in run.faults)
         status = "ok" if verdict.ok else f"FAILED ({len(verdict.reasons)} checks)"

@@ -30,12 +30,13 @@ PROTOCOL = "faulty"
 FIRED_LOG = "fired.jsonl"
 
 
-def arm(control: str | Path, op: str, *, fault_id: str) -> None:
-    """Makes the next ``op`` ("read" or "write") on a faulty:// root fail once."""
+def arm(control: str | Path, op: str, *, fault_id: str, match: str = "") -> None:
+    """Makes the next ``op`` ("read" or "write") on a faulty:// root whose path contains
+    ``match`` fail once."""
     if op not in ("read", "write"):
         raise ValueError(f"op={op!r} is not valid: 'read' or 'write'")
     path = Path(control) / f"arm-{op}"
-    path.write_text(json.dumps({"id": fault_id}))
+    path.write_text(json.dumps({"id": fault_id, "match": match}))
 
 
 def log_fired(control: str | Path, record: dict[str, Any]) -> None:
@@ -65,6 +66,12 @@ def fired(control: str | Path) -> list[dict[str, Any]]:
 
 def _take(control: str, op: str, path: str) -> None:
     armed = os.path.join(control, f"arm-{op}")
+    try:
+        with open(armed) as f:
+            if json.load(f).get("match", "") not in path:
+                return
+    except (FileNotFoundError, json.JSONDecodeError):
+        return
     taken = f"{armed}.{os.getpid()}.{time.monotonic_ns()}"
     try:
         os.rename(armed, taken)  # atomic: one opener in one process wins

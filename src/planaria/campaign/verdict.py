@@ -21,7 +21,7 @@ import torch
 
 from planaria.campaign import oracle, storage_faults
 from planaria.campaign.inject import read_injections
-from planaria.campaign.job import FINAL_FILE, META_FILE
+from planaria.campaign.job import FINAL_FILE, META_FILE, snapshot_file
 from planaria.campaign.mix import PlannedFault, PlannedRun
 from planaria.data_plan import DataPlan, Ledger
 from planaria.events import read_events
@@ -45,6 +45,8 @@ class FaultVerdict:
     recover_s: list[float] = field(default_factory=list)
     lost_steps: int | None = None
     reason: str = ""
+    notes: list[str] = field(default_factory=list)
+    """What the report got wrong without the fault going unrecovered (a wrong kind)."""
 
 
 @dataclass
@@ -70,7 +72,7 @@ class RunVerdict:
 def check_run(
     run_dir: Path,
     run: PlannedRun,
-    reference: dict[str, torch.Tensor] | None,
+    references: dict[int, dict[str, torch.Tensor]],
     *,
     error: str | None = None,
     atol: float = 1e-5,
@@ -95,25 +97,29 @@ def check_run(
     if not completed:
         v.reasons.append(f"{run_dir}: the job did not finish: {error or 'no final weights'}")
     else:
-        _run_checks(v, run, events, injections, fired, reference, atol=atol, rtol=rtol)
+        _run_checks(v, run, events, injections, fired, references, atol=atol, rtol=rtol)
     v.reasons += [f"{run_dir}: fault {f.fault} ({f.kind}, step {run.faults[f.fault].step}, "
                   f"step_s={run.step_s:g}): {f.reason}" for f in v.faults if not f.recovered]
+    v.reasons += [f"{run_dir}: fault {f.fault} ({f.kind}, step {run.faults[f.fault].step}, "
+                  f"step_s={run.step_s:g}): {note}" for f in v.faults for note in f.notes]
     return v
 
 
 def _run_checks(
     v: RunVerdict, run: PlannedRun, events: list[dict[str, Any]], injections: list[dict[str, Any]],
-    fired: dict[str, Any], reference: dict[str, torch.Tensor] | None, *, atol: float, rtol: float,
+    fired: dict[str, Any], references: dict[int, dict[str, torch.Tensor]], *, atol: float,
+    rtol: float,
 ) -> None:
     from safetensors.torch import load_file
 
     run_dir = v.run_dir
-    if reference is not None:
-        why = oracle.weights_differ(reference, load_file(str(run_dir / FINAL_FILE)),
+    if run.steps in references:
+        why = oracle.weights_differ(references[run.steps], load_file(str(run_dir / FINAL_FILE)),
                                     atol=atol, rtol=rtol)
         if why is not None:
             v.diverged = True
-            v.reasons.append(f"{run_dir}: final weights differ from the reference: {why}")
+            v.reasons.append(f"{run_dir}: final weights differ from the reference: {why}"
+                             f"{_first_divergence(run_dir, run, references, atol, rtol)}")
     meta = json.loads((run_dir / META_FILE).read_text())
     plan = DataPlan(meta["num_samples"], meta["global_batch_size"], meta["seed"])
     once = oracle.exactly_once(Ledger.read(run_dir), plan, run.steps)
@@ -130,6 +136,29 @@ def _run_checks(
         v.reasons.append(f"{run_dir}: healthy worker {name} left the membership "
                          f"(segment {seg}): {_why_left(events, seg, name)}")
     v.reasons += [f"{run_dir}: {why}" for why in oracle.restarts_from_zero(events)]
+
+
+def _first_divergence(
+    run_dir: Path, run: PlannedRun, references: dict[int, dict[str, torch.Tensor]],
+    atol: float, rtol: float,
+) -> str:
+    """Where the weights first differ, from the snapshots taken before each fault."""
+    from safetensors.torch import load_file
+
+    good = -1
+    for steps in sorted(references):
+        path = snapshot_file(run_dir, steps)
+        if not path.exists():
+            continue
+        if oracle.weights_differ(references[steps], load_file(str(path)), atol=atol, rtol=rtol):
+            return f"; first different after {steps} steps, {_suspects(run, good, steps)}"
+        good = steps
+    return f"; {_suspects(run, good, run.steps)}"
+
+
+def _suspects(run: PlannedRun, good: int, bad: int) -> str:
+    faults = [f"{f.index}:{f.kind}@{f.step}" for f in run.faults if good <= f.step < bad]
+    return f"equal after {good}: fault {', '.join(faults)}" if faults else "before any fault"
 
 
 def _why_left(events: list[dict[str, Any]], seg: int, name: str) -> str:
@@ -191,10 +220,10 @@ def _reported(
     f = cands[0]
     if fv.detect_s is None:
         fv.detect_s = f.detect_s
-    problems = []
+    problems: list[str] = []
     expected = _EXPECTED.get(inj["action"])
     if expected is not None and f.kind != expected:
-        problems.append(f"{what} reported as {f.kind}, not {expected}")
+        fv.notes.append(f"{what} reported as {f.kind}, not {expected}")
     if not f.recovered or f.recover_s is None:
         return [*problems, f"{what} (fault {f.fault_id}) never recovered"]
     if f.detect_s is None or f.lost_steps is None:
