@@ -33,7 +33,7 @@ sys.path.insert(0, str(_REPO))  # for bench.common, when run as a script
 from bench import common  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
-BENCHES = ("overhead", "recovery", "checkpoint")
+BENCHES = ("overhead", "recovery", "checkpoint", "campaign")
 
 
 def machine() -> dict[str, Any]:
@@ -270,6 +270,25 @@ def render_generic(name: str, rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+CAMPAIGN_ZERO = ("unrecovered", "diverged", "samples_duplicated", "samples_missing",
+                 "healthy_evicted")
+
+
+def render_campaign(rec: dict[str, Any]) -> list[str]:
+    """``planaria campaign``'s summary, saved with ``--ingest campaign=OUT --command CMD``."""
+    r = rec["result"]
+    zero = all(r.get(k) == 0 for k in CAMPAIGN_ZERO)
+    out = ["## Fault campaign", "", *_header(rec), "",
+           "Target: 1,000 faults over the whole mix and every step length with 0 unrecovered, "
+           "0 diverged, 0 duplicated, 0 missing, 0 healthy evicted "
+           f"(`planaria campaign src/planaria/examples/mlp.py --faults 1000 --seed 0`). This "
+           f"campaign: {r.get('faults_injected')} faults, zero counts "
+           f"{'**met**' if zero else '**missed**'}.", "",
+           "| figure | value |", "|---|---:|"]
+    out += [f"| {k} | {_f(v, '.4g') if isinstance(v, float) else _f(v)} |" for k, v in r.items()]
+    return [*out, ""]
+
+
 def render(results: dict[str, dict[str, Any]]) -> str:
     any_rec = next(iter(results.values()), None)
     m = any_rec["machine"] if any_rec else machine()
@@ -294,6 +313,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_overhead(rec)
         elif name == "recovery":
             out += render_recovery(rec)
+        elif name == "campaign":
+            out += render_campaign(rec)
         else:
             out += render_generic(name, rec)
         if rec.get("table"):
