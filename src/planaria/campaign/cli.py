@@ -29,6 +29,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--step-s", default=",".join(f"{s:g}" for s in DEFAULT_STEP_S),
                    help="comma-separated step lengths in seconds (the loss is slowed to them)")
     p.add_argument("--faults-per-run", default="3-5", help="LO-HI faults per run")
+    p.add_argument("--gap", type=int, default=3, help="steps between two faults of a run")
+    p.add_argument("--checkpoint-every", type=int, default=3,
+                   help="checkpoint interval in steps (the first fault comes after two)")
+    p.add_argument("--tail", type=int, default=3, help="steps after a run's last fault")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=Path("runs/campaign"),
                    help="run dirs go here, kept for post-mortem; the reference is reused")
@@ -51,7 +55,8 @@ def campaign_main(args: argparse.Namespace) -> int:
         ) from err
     mix = MixConfig(faults=args.faults, seed=args.seed,
                     kinds=tuple(k.strip() for k in args.mix.split(",") if k.strip()),
-                    step_lengths=step_s, faults_per_run=per_run)
+                    step_lengths=step_s, faults_per_run=per_run, gap=args.gap,
+                    checkpoint_every=args.checkpoint_every, tail=args.tail)
     config = CampaignConfig(target=args.target, mix=mix, workdir=args.workdir,
                             replicas=args.replicas)
     summary = run_campaign(config, out=lambda line: print(line, flush=True))
