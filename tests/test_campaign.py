@@ -204,3 +204,82 @@ def test_campaign_of_30_faults_recovers_them_all(tmp_path):
     for key in ("unrecovered", "diverged", "samples_duplicated", "samples_missing",
                 "healthy_evicted", "not_injected"):
         assert summary[key] == 0, f"{key}: {summary[key]}\n{report}"
+
+
+# ---- one run's verdict, on a synthetic run dir -----------------------------------------------
+
+
+def _synthetic_run(run_dir: Path, *, report_fault: bool = True, evict_w2: bool = False):
+    """A 4-step run where w1 was killed at step 2, as the files the campaign reads."""
+    from safetensors.torch import save_file
+
+    from planaria.campaign.mix import PlannedFault, PlannedRun
+
+    plan = DataPlan(64, 16, seed=0)
+    (run_dir / "control").mkdir(parents=True)
+    t = 1000.0
+    evs = [_ev("run_start", run_id="x", replicas=3, steps=4),
+           _ev("generation", gen=0, workers=["w0", "w1", "w2"], reason="start")]
+    evs += [_ev("step_committed", step=s, width=3, duration_s=0.1, samples=16) for s in (0, 1)]
+    if report_fault:
+        evs += [_ev("fault", fault_id=0, kind="worker_lost", worker="w1", step=2, fault_t=t + 1),
+                _ev("detected", fault_id=0, kind="worker_lost", worker="w1", detect_s=0.1)]
+    if evict_w2:
+        evs.append(_ev("hang_stack", worker="w2", stack=None))
+    evs.append(_ev("generation", gen=1, workers=["w0"] if evict_w2 else ["w0", "w2"],
+                   reason="resize"))
+    evs += [_ev("step_committed", step=s, width=2, duration_s=0.1, samples=16) for s in (2, 3)]
+    evs.append(_ev("run_end", status="ok", step=4))
+    for i, e in enumerate(evs):
+        e["t"] = t + 0.5 * i
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evs))
+    ledger = "".join(json.dumps({"step": s, "ids": plan.batch(s).tolist()}) + "\n"
+                     for s in range(4))
+    (run_dir / "ledger.jsonl").write_text(ledger)
+    (run_dir / "campaign_job.json").write_text(json.dumps(plan.describe()))
+    inj = {"fault": 0, "kind": "kill", "role": "primary", "action": "kill", "id": "r0f0.primary",
+           "worker": "w1", "pid": 1, "step": 2, "incarnation": 0, "t": t}
+    (run_dir / "campaign_faults.jsonl").write_text(json.dumps(inj) + "\n")
+    fired = {"id": "r0f0.primary", "action": "kill", "t": t + 1, "pid": 1}
+    (run_dir / "control" / "fired.jsonl").write_text(json.dumps(fired) + "\n")
+    weights = {"w": torch.arange(4.0)}
+    save_file(weights, str(run_dir / "final.safetensors"))
+    fault = PlannedFault(index=0, kind="kill", step=2, target=1, micro_batch=0, fraction=0.5)
+    return PlannedRun(index=0, step_s=0.05, steps=4, faults=(fault,)), {4: weights}
+
+
+def test_verdict_of_a_recovered_run(tmp_path):
+    from planaria.campaign.runner import summarize_campaign
+    from planaria.campaign.verdict import check_run
+
+    run, refs = _synthetic_run(tmp_path)
+    v = check_run(tmp_path, run, refs)
+    assert v.ok, v.reasons
+    assert v.faults[0].recovered and v.faults[0].recover_s
+    summary = summarize_campaign([v])
+    assert (summary["faults_injected"], summary["recovered"], summary["unrecovered"]) == (1, 1, 0)
+
+
+def test_verdict_catches_what_went_wrong(tmp_path):
+    from safetensors.torch import save_file
+
+    from planaria.campaign.verdict import check_run
+
+    run, refs = _synthetic_run(tmp_path / "a", report_fault=False)
+    v = check_run(tmp_path / "a", run, refs)
+    assert not v.faults[0].recovered and "not in the report" in v.faults[0].reason
+
+    run, refs = _synthetic_run(tmp_path / "b", evict_w2=True)
+    v = check_run(tmp_path / "b", run, refs)
+    assert v.healthy_evicted == ["0:w2"] and any("healthy worker w2" in r for r in v.reasons)
+
+    run, refs = _synthetic_run(tmp_path / "c")
+    save_file({"w": torch.arange(4.0) + 0.5}, str(tmp_path / "c" / "final.safetensors"))
+    with (tmp_path / "c" / "ledger.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "ids": [*DataPlan(64, 16, 0).batch(3).tolist(), 0]}) + "\n")
+    v = check_run(tmp_path / "c", run, refs)
+    assert v.diverged and (v.duplicated, v.missing) == (1, 0)
+
+    run, refs = _synthetic_run(tmp_path / "d")
+    v = check_run(tmp_path / "d", run, refs, error="exit code 1: boom")
+    assert not v.completed and not v.faults[0].recovered
