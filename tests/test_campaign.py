@@ -150,6 +150,9 @@ def test_faulty_storage_fails_once_when_armed(tmp_path, op):
     st.write_bytes(st.path("d", "y"), b"not matched")
     assert st.read_bytes(st.path("d", "y")) == b"not matched"
     assert len(storage_faults.fired(control)) == 1
+    storage_faults.arm(control, op, fault_id="f3", skip_pid=os.getpid())
+    st.write_bytes(st.path("d", "z"), b"not in this process")
+    assert st.read_bytes(st.path("d", "z")) == b"not in this process"
     st.remove_tree(st.path("d"))
     assert st.listdir() == []
 

@@ -131,8 +131,12 @@ class Injector:
             op = kind.removeprefix("storage_")
             fid = self._id(fault, "primary")
             self._log(fault, "primary", kind, None, None, job.steps_done)
-            match = ".safetensors" if fault.variant == "shard" else ""
-            storage_faults.arm(self.control, op, fault_id=fid, match=match)
+            # "shard": a worker's shard file (the controller's own reads of shards, which
+            # may tolerate errors, are left alone); "any": whichever file comes first.
+            shard = fault.variant == "shard"
+            storage_faults.arm(self.control, op, fault_id=fid,
+                               match=".safetensors" if shard else "",
+                               skip_pid=os.getpid() if shard else None)
         if kind in _TRIGGERED:
             role = "trigger" if kind == "storage_read" else "primary"
             self._trigger(job, fault, role, _TRIGGERED[kind], target)

@@ -30,13 +30,15 @@ PROTOCOL = "faulty"
 FIRED_LOG = "fired.jsonl"
 
 
-def arm(control: str | Path, op: str, *, fault_id: str, match: str = "") -> None:
+def arm(
+    control: str | Path, op: str, *, fault_id: str, match: str = "", skip_pid: int | None = None
+) -> None:
     """Makes the next ``op`` ("read" or "write") on a faulty:// root whose path contains
-    ``match`` fail once."""
+    ``match``, in any process but ``skip_pid``, fail once."""
     if op not in ("read", "write"):
         raise ValueError(f"op={op!r} is not valid: 'read' or 'write'")
     path = Path(control) / f"arm-{op}"
-    path.write_text(json.dumps({"id": fault_id, "match": match}))
+    path.write_text(json.dumps({"id": fault_id, "match": match, "skip_pid": skip_pid}))
 
 
 def log_fired(control: str | Path, record: dict[str, Any]) -> None:
@@ -68,8 +70,9 @@ def _take(control: str, op: str, path: str) -> None:
     armed = os.path.join(control, f"arm-{op}")
     try:
         with open(armed) as f:
-            if json.load(f).get("match", "") not in path:
-                return
+            armed_for = json.load(f)
+        if armed_for.get("match", "") not in path or armed_for.get("skip_pid") == os.getpid():
+            return
     except (FileNotFoundError, json.JSONDecodeError):
         return
     taken = f"{armed}.{os.getpid()}.{time.monotonic_ns()}"
