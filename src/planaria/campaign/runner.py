@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from planaria.campaign.job import FINAL_FILE, job_config, reference_file
 from planaria.campaign.mix import MixConfig, PlannedRun, plan_campaign
 from planaria.campaign.verdict import RunVerdict, check_run
@@ -111,7 +113,9 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def _reference(config: CampaignConfig, steps: list[int], out: Callable[[str], None]) -> dict:
+def _reference(
+    config: CampaignConfig, steps: list[int], out: Callable[[str], None]
+) -> dict[int, dict[str, torch.Tensor]]:
     """The reference weights at each step count (computed once per workdir, then reused)."""
     from safetensors.torch import load_file
 
