@@ -91,13 +91,14 @@ def check_run(
     if summary is not None:
         v.goodput_s, v.wall_s = summary.goodput_s, summary.wall_s
     segs = oracle.segments(events)
+    faulted = _faulted(injections, fired)
     for fault in run.faults:
         mine = [i for i in injections if i["fault"] == fault.index]
-        v.faults.append(_fault(fault, run, mine, fired, reported, segs, completed))
+        v.faults.append(_fault(fault, run, mine, fired, reported, segs, faulted, completed))
     if not completed:
         v.reasons.append(f"{run_dir}: the job did not finish: {error or 'no final weights'}")
     else:
-        _run_checks(v, run, events, injections, fired, references, atol=atol, rtol=rtol)
+        _run_checks(v, run, events, faulted, references, atol=atol, rtol=rtol)
     v.reasons += [f"{run_dir}: fault {f.fault} ({f.kind}, step {run.faults[f.fault].step}, "
                   f"step_s={run.step_s:g}): {f.reason}" for f in v.faults if not f.recovered]
     v.reasons += [f"{run_dir}: fault {f.fault} ({f.kind}, step {run.faults[f.fault].step}, "
@@ -105,10 +106,18 @@ def check_run(
     return v
 
 
+def _faulted(injections: list[dict[str, Any]], fired: dict[str, Any]) -> dict[int, set[str]]:
+    """Per job incarnation, the workers the campaign made fail (not stragglers, not NaNs)."""
+    out: dict[int, set[str]] = {}
+    for inj in injections:
+        if inj["id"] in fired and inj["action"] in _WORKER_ACTIONS and inj["worker"]:
+            out.setdefault(int(inj["incarnation"]), set()).add(inj["worker"])
+    return out
+
+
 def _run_checks(
-    v: RunVerdict, run: PlannedRun, events: list[dict[str, Any]], injections: list[dict[str, Any]],
-    fired: dict[str, Any], references: dict[int, dict[str, torch.Tensor]], *, atol: float,
-    rtol: float,
+    v: RunVerdict, run: PlannedRun, events: list[dict[str, Any]], faulted: dict[int, set[str]],
+    references: dict[int, dict[str, torch.Tensor]], *, atol: float, rtol: float,
 ) -> None:
     from safetensors.torch import load_file
 
@@ -127,10 +136,6 @@ def _run_checks(
     if not once.ok:
         v.reasons.append(f"{run_dir}: ledger: {once.duplicated} duplicated, {once.missing} "
                          f"missing ({'; '.join(once.problems[:3])})")
-    faulted: dict[int, set[str]] = {}
-    for inj in injections:
-        if inj["id"] in fired and inj["action"] in _WORKER_ACTIONS and inj["worker"]:
-            faulted.setdefault(int(inj["incarnation"]), set()).add(inj["worker"])
     for seg, name in oracle.healthy_evicted(events, faulted):
         v.healthy_evicted.append(f"{seg}:{name}")
         v.reasons.append(f"{run_dir}: healthy worker {name} left the membership "
@@ -172,7 +177,8 @@ def _why_left(events: list[dict[str, Any]], seg: int, name: str) -> str:
 
 def _fault(
     fault: PlannedFault, run: PlannedRun, mine: list[dict[str, Any]], fired: dict[str, Any],
-    reported: list[FaultMetrics], segs: list[list[dict[str, Any]]], completed: bool,
+    reported: list[FaultMetrics], segs: list[list[dict[str, Any]]], faulted: dict[int, set[str]],
+    completed: bool,
 ) -> FaultVerdict:
     fv = FaultVerdict(run.index, fault.index, fault.kind, run.step_s)
     hits = [i for i in mine if i["id"] in fired]
@@ -190,10 +196,11 @@ def _fault(
         i["role"] == "secondary" for i in hits
     ):
         problems.append("its second fault never fired (phase not reached)")
-    if kind == "slow":
-        seg = int(hits[0]["incarnation"])
-        if seg < len(segs) and hits[0]["worker"] in oracle.leavers(segs[seg]):
-            problems.append(f"the straggler {hits[0]['worker']} was evicted")
+    if kind == "slow":  # evicted, unless a later fault of the campaign hit it
+        seg, name = int(hits[0]["incarnation"]), hits[0]["worker"]
+        left = seg < len(segs) and name in oracle.leavers(segs[seg])
+        if left and name not in faulted.get(seg, set()):
+            problems.append(f"the straggler {name} was evicted")
     if kind == "storage_write":
         t = fired[hits[0]["id"]]["t"]
         if not any(r.get("event") == "checkpoint_failed" and r["t"] >= t for s in segs for r in s):
