@@ -278,14 +278,16 @@ def render_campaign(rec: dict[str, Any]) -> list[str]:
     """``planaria campaign``'s summary, saved with ``--ingest campaign=OUT --command CMD``."""
     r = rec["result"]
     zero = all(r.get(k) == 0 for k in CAMPAIGN_ZERO)
+    size = r.get("faults_injected") or 0
+    scale = "the target's size" if size >= 1000 else "smaller than the target (a 1,000-fault " \
+        "campaign is a half-day run: docs/campaign.md)"
     out = ["## Fault campaign", "", *_header(rec), "",
            "Target: 1,000 faults over the whole mix and every step length with 0 unrecovered, "
            "0 diverged, 0 duplicated, 0 missing, 0 healthy evicted "
-           f"(`planaria campaign src/planaria/examples/mlp.py --faults 1000 --seed 0`). This "
-           f"campaign: {r.get('faults_injected')} faults, zero counts "
-           f"{'**met**' if zero else '**missed**'}.", "",
-           "| figure | value |", "|---|---:|"]
-    out += [f"| {k} | {_f(v, '.4g') if isinstance(v, float) else _f(v)} |" for k, v in r.items()]
+           "(`planaria campaign src/planaria/examples/mlp.py --faults 1000 --seed 0`). This "
+           f"campaign: {size} faults, {scale}; zero counts {'**met**' if zero else '**missed**'}.",
+           "", "| figure | value |", "|---|---:|"]
+    out += [f"| {k} | {v if isinstance(v, int) else _f(v, '.4g')} |" for k, v in r.items()]
     return [*out, ""]
 
 
