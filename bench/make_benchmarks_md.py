@@ -33,7 +33,7 @@ sys.path.insert(0, str(_REPO))  # for bench.common, when run as a script
 from bench import common  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
-BENCHES = ("overhead", "recovery", "checkpoint")
+BENCHES = ("overhead", "recovery", "checkpoint", "campaign")
 
 
 def machine() -> dict[str, Any]:
@@ -270,6 +270,27 @@ def render_generic(name: str, rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+CAMPAIGN_ZERO = ("unrecovered", "diverged", "samples_duplicated", "samples_missing",
+                 "healthy_evicted")
+
+
+def render_campaign(rec: dict[str, Any]) -> list[str]:
+    """``planaria campaign``'s summary, saved with ``--ingest campaign=OUT --command CMD``."""
+    r = rec["result"]
+    zero = all(r.get(k) == 0 for k in CAMPAIGN_ZERO)
+    size = r.get("faults_injected") or 0
+    scale = "the target's size" if size >= 1000 else "smaller than the target (a 1,000-fault " \
+        "campaign is a half-day run: docs/campaign.md)"
+    out = ["## Fault campaign", "", *_header(rec), "",
+           "Target: 1,000 faults over the whole mix and every step length with 0 unrecovered, "
+           "0 diverged, 0 duplicated, 0 missing, 0 healthy evicted "
+           "(`planaria campaign src/planaria/examples/mlp.py --faults 1000 --seed 0`). This "
+           f"campaign: {size} faults, {scale}; zero counts {'**met**' if zero else '**missed**'}.",
+           "", "| figure | value |", "|---|---:|"]
+    out += [f"| {k} | {v if isinstance(v, int) else _f(v, '.4g')} |" for k, v in r.items()]
+    return [*out, ""]
+
+
 def render(results: dict[str, dict[str, Any]]) -> str:
     any_rec = next(iter(results.values()), None)
     m = any_rec["machine"] if any_rec else machine()
@@ -294,6 +315,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_overhead(rec)
         elif name == "recovery":
             out += render_recovery(rec)
+        elif name == "campaign":
+            out += render_campaign(rec)
         else:
             out += render_generic(name, rec)
         if rec.get("table"):

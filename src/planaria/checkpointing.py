@@ -330,6 +330,7 @@ class Checkpointer:
             )
             for i, h in enumerate(job.members)
         }
+        job._hook("save", writers=list(save.writers))
         try:
             results = job._gather(refs, deadline_s=self.config.timeout_s, step=None)
         except Failure as failure:
@@ -536,6 +537,7 @@ class Checkpointer:
             names = [[s.name for s in p.slices] for p in plans]
         refs = {h.name: h.actor.ckpt_read.remote(job.gen, path, names[r], self.options)
                 for r, h in enumerate(members)}
+        job._hook("restore", path=path)
         results = job._gather(refs, deadline_s=self.config.timeout_s, step=None)
         problems = [r["error"] for r in results.values() if not r["ok"]]
         if problems:

@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     from planaria.sim.cli import add_plan_arguments
 
     add_plan_arguments(plan)
+    from planaria.campaign.cli import add_parser as add_campaign_parser
+
+    add_campaign_parser(sub)
 
     ckpt = sub.add_parser("ckpt", help="list, verify and export checkpoints")
     ck = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -208,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             from planaria.sim.cli import plan_main
 
             return plan_main(args)
+        if args.command == "campaign":
+            from planaria.campaign.cli import campaign_main
+
+            return campaign_main(args)
     except ConfigError as err:
         print(f"planaria: {err}", file=sys.stderr)
         return 2

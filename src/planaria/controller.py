@@ -130,6 +130,7 @@ class Job:
         self._chaos_at: dict[str, float] = {}
         self._verified_at = 0  # steps_done at the last replica checksum comparison
         self._ledger_last: tuple[int, int] | None = None  # (gen, step) last written as served
+        self.hooks: list[Callable[..., None]] = []  # hook(job, phase, **info): see _hook
         self.closed = False
         self.started = False
 
@@ -348,6 +349,7 @@ class Job:
         for r in joiners:
             h = self.members[r]
             refs[h.name] = h.actor.recv_state.remote(self.gen, src_rank, source)
+        self._hook("join", src=src.name, joiners=[self.members[r].name for r in joiners])
         sizes = self._gather(refs, deadline_s=self.config.collective_timeout_s, step=None)
         seconds = time.time() - t0
         nbytes = int(sizes[src.name])
@@ -587,6 +589,7 @@ class Job:
     def boundary(self) -> None:
         """Between steps: drain preempted workers, admit ready replacements, save, inject chaos."""
         self._verify_if_due()  # before a joiner could copy a diverged replica's state
+        self._hook("boundary")
         ready = self.pool.poll(timeout_s=0.0)
         if ready:  # first, so that a joiner can take the state from a worker about to drain
             self.recovery.admit(ready)
@@ -618,6 +621,13 @@ class Job:
             if not ready and self.pool.pending_count == 0:
                 break  # nothing is coming
         return self.width
+
+    def _hook(self, phase: str, **info: Any) -> None:
+        """Calls the hooks at a named phase: ``boundary`` (a step boundary begins), ``join``
+        (state transfer to joiners in flight), ``save`` (checkpoint writers started),
+        ``restore`` (a restore's reads in flight). Fault campaigns inject faults here."""
+        for hook in self.hooks:
+            hook(self, phase, **info)
 
     def _chaos_by_time(self) -> None:
         if self.chaos is None:

@@ -1,0 +1,142 @@
+"""``faulty://``: local files through fsspec, with one-shot storage errors on demand.
+
+A checkpoint root ``faulty:///abs/path`` stores real files under ``/abs/path``
+but goes through fsspec's generic (non-POSIX) path of
+:class:`~planaria.checkpoint.storage.Storage`, so every open is seen here. The
+campaign arms an error by creating ``CONTROL/arm-write`` or ``CONTROL/arm-read``
+(``control`` is a storage option, so every process that opens the root sees
+the same directory); the next open for that kind of access, in whichever
+process comes first, takes the file (an atomic rename), logs it to
+``CONTROL/fired.jsonl`` and raises ``OSError(EIO)``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractFileSystem
+
+__all__ = ["PROTOCOL", "FaultyFileSystem", "arm", "fired", "log_fired"]
+
+PROTOCOL = "faulty"
+FIRED_LOG = "fired.jsonl"
+
+
+def arm(
+    control: str | Path, op: str, *, fault_id: str, match: str = "", skip_pid: int | None = None
+) -> None:
+    """Makes the next ``op`` ("read" or "write") on a faulty:// root whose path contains
+    ``match``, in any process but ``skip_pid``, fail once."""
+    if op not in ("read", "write"):
+        raise ValueError(f"op={op!r} is not valid: 'read' or 'write'")
+    path = Path(control) / f"arm-{op}"
+    path.write_text(json.dumps({"id": fault_id, "match": match, "skip_pid": skip_pid}))
+
+
+def log_fired(control: str | Path, record: dict[str, Any]) -> None:
+    """Appends one record to ``CONTROL/fired.jsonl``, durably (the process may die next)."""
+    line = json.dumps({**record, "t": time.time(), "pid": os.getpid()}) + "\n"
+    fd = os.open(Path(control) / FIRED_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fired(control: str | Path) -> list[dict[str, Any]]:
+    """Every injection that fired (storage errors and the loss triggers)."""
+    path = Path(control) / FIRED_LOG
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn line from a SIGKILL mid-write
+    return out
+
+
+def _take(control: str, op: str, path: str) -> None:
+    armed = os.path.join(control, f"arm-{op}")
+    try:
+        with open(armed) as f:
+            armed_for = json.load(f)
+        if armed_for.get("match", "") not in path or armed_for.get("skip_pid") == os.getpid():
+            return
+    except (FileNotFoundError, json.JSONDecodeError):
+        return
+    taken = f"{armed}.{os.getpid()}.{time.monotonic_ns()}"
+    try:
+        os.rename(armed, taken)  # atomic: one opener in one process wins
+    except FileNotFoundError:
+        return
+    with open(taken) as f:
+        fault_id = json.load(f).get("id")
+    log_fired(control, {"id": fault_id, "action": f"storage_{op}", "path": path})
+    raise OSError(errno.EIO, f"injected storage error on {op}", path)
+
+
+class FaultyFileSystem(AbstractFileSystem):
+    """Local files, with the armed one-shot errors of the module docstring."""
+
+    protocol = PROTOCOL
+    root_marker = "/"
+
+    def __init__(self, control: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.control = str(control)
+        self.local = LocalFileSystem()
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        path = str(path)
+        if path.startswith(f"{PROTOCOL}://"):
+            path = path[len(PROTOCOL) + 3 :]
+        return path.rstrip("/") or "/"
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        _take(self.control, "read" if "r" in mode else "write", path)
+        if "w" in mode or "a" in mode:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        return open(path, mode)  # fsspec closes what _open returns
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        return self.local.ls(self._strip_protocol(path), detail=detail)
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        return dict(self.local.info(self._strip_protocol(path)))
+
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        os.makedirs(self._strip_protocol(path), exist_ok=True)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(self._strip_protocol(path), exist_ok=exist_ok)
+
+    def rm_file(self, path: str) -> None:
+        os.remove(self._strip_protocol(path))
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(self._strip_protocol(path))
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        for p in [path] if isinstance(path, str) else list(path):
+            p = self._strip_protocol(p)
+            if os.path.isdir(p):
+                if not recursive:
+                    raise IsADirectoryError(p)
+                shutil.rmtree(p)
+            else:
+                os.remove(p)
+
+
+fsspec.register_implementation(PROTOCOL, FaultyFileSystem, clobber=True)
