@@ -3,8 +3,8 @@
 A shard is a safetensors file written directly from the tensors' memory (no
 serialised copy), each tensor's checksum computed on a helper thread while the
 previous one is written. On local disk it goes into the save's temporary
-directory and is fsynced; on object stores into the step's directory, where it
-stays invisible to readers until the commit marker names the manifest.
+directory and is fsynced; on object stores under the save's own prefix in the
+step's directory, invisible to readers until the commit marker names it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from planaria.checkpoint.errors import ManifestError
 from planaria.checkpoint.layout import (
     DEFAULT_SAVE_ID,
     check_save_id,
+    save_dir_name,
     shard_file_name,
     step_dir_name,
     tmp_dir_name,
@@ -97,10 +98,10 @@ def _pair(v: Any) -> tuple[int, int]:
 
 def shard_dir(storage: Storage, step: int, save_id: str) -> str:
     """Where the shards of a save are written: a temporary directory on local disk, the
-    step's own directory on object stores."""
+    save's own prefix in the step's directory on object stores."""
     if storage.local:
         return storage.path(tmp_dir_name(step, save_id))
-    return storage.path(step_dir_name(step))
+    return storage.path(step_dir_name(step), save_dir_name(save_id))
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
