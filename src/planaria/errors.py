@@ -19,6 +19,7 @@ __all__ = [
     "PlanariaError",
     "Preempted",
     "StaleGeneration",
+    "StorageError",
     "UserCodeError",
     "WorkerHung",
     "WorkerLost",
@@ -85,6 +86,13 @@ class NonFiniteLoss(Failure):
     """The global loss of a step was NaN or infinite."""
 
     kind = "nonfinite_loss"
+
+
+class StorageError(Failure):
+    """Checkpoint storage failed (an OSError, an object store's client error, a permission
+    error) after its retries; not a bug in user code and not a worker's fault."""
+
+    kind = "storage_error"
 
 
 class UserCodeError(Failure):
@@ -200,6 +208,7 @@ def classify(
     user: list[tuple[str, UserCodeError]] = []
     dead: list[str] = []
     nonfinite: list[str] = []
+    storage: list[tuple[str, StorageError]] = []
     peer: list[str] = []
     other: list[tuple[str, BaseException]] = []
     for name, raw in errors.items():
@@ -212,6 +221,8 @@ def classify(
             nonfinite.append(name)
         elif isinstance(err, StaleGeneration):
             other.append((name, err))
+        elif isinstance(err, StorageError):
+            storage.append((name, err))
         elif is_peer_failure(err):
             peer.append(name)
         else:
@@ -234,6 +245,8 @@ def classify(
         return WorkerLost(f"worker {', '.join(faulty)} lost", workers=faulty, step=step)
     if hung:
         return WorkerHung(f"worker {', '.join(faulty)} hung", workers=faulty, step=step)
+    if storage:
+        return StorageError(str(storage[0][1]), workers=(), step=step)
     if nonfinite:
         return NonFiniteLoss(f"non-finite loss at step {step}", workers=(), step=step)
     if preempting:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from planaria.checkpoint.backoff import with_retries
 from planaria.checkpoint.plan import ShardPlan
 from planaria.checkpoint.staging import StagingBuffers, take_share
 from planaria.checkpoint.writer import ShardRecord, write_shard
@@ -38,9 +39,14 @@ class AsyncShardWriter:
         fsync: bool = True,
         pin_memory: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        verify: bool = True,
+        attempts: int = 3,
     ) -> None:
         """``if_busy``: what :meth:`start` does while the previous write runs;
-        ``busy_timeout_s``: the longest it waits (None: no limit), then ``TimeoutError``."""
+        ``busy_timeout_s``: the longest it waits (None: no limit), then ``TimeoutError``;
+        ``verify``: read each shard back once written and check it; ``attempts``: writes
+        tried (with backoff) before a storage error is final
+        (:class:`~planaria.errors.StorageError`)."""
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         self.root = root
@@ -48,6 +54,8 @@ class AsyncShardWriter:
         self.busy_timeout_s = busy_timeout_s
         self.fsync = fsync
         self.storage_options = dict(storage_options or {})
+        self.verify = verify
+        self.attempts = attempts
         self.staging = StagingBuffers(pin_memory=pin_memory)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-ckpt")
         self._future: Future[ShardRecord] | None = None
@@ -101,9 +109,12 @@ class AsyncShardWriter:
         self, step: int, plan: ShardPlan, share: dict[str, torch.Tensor], save_id: str | None
     ) -> ShardRecord:
         t0 = time.perf_counter()
-        record = write_shard(self.root, step, plan.index, plan.num_shards, share,
-                             save_id=save_id, fsync=self.fsync,
-                             storage_options=self.storage_options)
+        record = with_retries(
+            lambda: write_shard(self.root, step, plan.index, plan.num_shards, share,
+                                save_id=save_id, fsync=self.fsync, verify=self.verify,
+                                storage_options=self.storage_options),
+            what=f"writing shard {plan.index} of step {step}", attempts=self.attempts,
+        )
         self.last_write_s = time.perf_counter() - t0
         return record
 

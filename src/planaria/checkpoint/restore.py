@@ -9,6 +9,7 @@ are checked chunk by chunk while the next chunk is being read.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from planaria.checkpoint.backoff import with_retries
 from planaria.checkpoint.checksum import Segment, byte_view, read_verified
 from planaria.checkpoint.dtypes import DTYPES
 from planaria.checkpoint.errors import (
@@ -36,6 +38,7 @@ from planaria.checkpoint.manifest import (
     parse_marker,
 )
 from planaria.checkpoint.storage import Storage
+from planaria.errors import StorageError
 
 __all__ = [
     "CheckpointInfo",
@@ -356,16 +359,24 @@ def load_latest(
     *,
     names: Collection[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    attempts: int = 3,
+    backoff_s: float = 0.5,
 ) -> tuple[Restored | None, list[str]]:
     """Loads the newest committed checkpoint under ``root`` that verifies, reading each
     byte once (verification overlaps the load); falls back to older ones, with a
-    warning for each one skipped. ``(None, warnings)`` if none is viable."""
+    warning for each one skipped. A storage error is retried (``attempts`` in all,
+    with backoff from ``backoff_s``) before the checkpoint is skipped.
+    ``(None, warnings)`` if none is viable."""
     committed, uncommitted = _candidates(root, storage_options)
     warnings: list[str] = []
     for c in committed:
         try:
-            tensors, meta = load_checkpoint(c.path, names=names, storage_options=storage_options)
-        except CheckpointError as err:
+            tensors, meta = with_retries(
+                functools.partial(load_checkpoint, c.path, names=names,
+                                  storage_options=storage_options),
+                what=f"loading {c.path}", attempts=attempts, backoff_s=backoff_s,
+            )
+        except (CheckpointError, StorageError) as err:
             warnings.append(f"step {c.step} ({c.path}) skipped: {err}")
             continue
         return Restored(c.path, c.step, tensors, meta), _torn(uncommitted, c.step) + warnings
