@@ -29,6 +29,7 @@ from planaria.checkpoint import (
     verify_checkpoint,
     write_shard,
 )
+from planaria.errors import StorageError
 
 
 def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -181,11 +182,12 @@ def test_async_writer_skip_and_error(tmp_path) -> None:
         w.result(timeout_s=0.01)
     gate.set()
     assert w.result(timeout_s=10).step == 1
-    bad = AsyncShardWriter(str(tmp_path / "file-not-dir"))
+    bad = AsyncShardWriter(str(tmp_path / "file-not-dir"), attempts=1)
     (tmp_path / "file-not-dir").write_text("x")
     bad.start(1, state, plan)
-    with pytest.raises(OSError):
+    with pytest.raises(StorageError) as info:  # a storage error, once its retries are spent
         bad.result(timeout_s=10)
+    assert isinstance(info.value.__cause__, OSError)
     w.close()
     bad.close()
 
