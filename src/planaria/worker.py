@@ -248,6 +248,7 @@ class Worker(CheckpointWorkerMixin):
         on the next dispatch), otherwise it is dropped.
         """
         self._check(gen)
+        self._refuse_if_dirty("step")
         self._settle(steps_done)
         if step != self.steps_done:
             raise PlanariaError(f"{self.name} asked for step {step} but has {self.steps_done} done")
@@ -375,6 +376,7 @@ class Worker(CheckpointWorkerMixin):
     def send_state(self, gen: int, dsts: list[int]) -> int:
         """Sends the whole state to ranks ``dsts`` over the generation's group; returns bytes."""
         self._check(gen)
+        self._refuse_if_dirty("send its state")
         assert self.comm is not None
         self._set_phase("send_state", self.steps_done)
         tensors, _ = flatten_state(self.model, self.optimizer, self.scheduler)

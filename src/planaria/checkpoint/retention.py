@@ -24,7 +24,7 @@ from planaria.checkpoint.restore import (
 )
 from planaria.checkpoint.storage import Storage
 
-__all__ = ["apply_retention", "clean_leftovers"]
+__all__ = ["apply_retention", "clean_leftovers", "delete_checkpoint", "of_runs"]
 
 _log = logging.getLogger("planaria.checkpoint")
 
@@ -40,6 +40,12 @@ def _delete(st: Storage, name: str, step: int) -> None:
     else:
         st.remove(f"{path}/{MARKER}")  # uncommitted first, then the rest
         st.remove_tree(path)
+
+
+def delete_checkpoint(st: Storage, info: CheckpointInfo) -> None:
+    """Deletes the checkpoint ``info`` lists (uncommitted first, so never seen half gone)."""
+    _log.info("deleting checkpoint of step %d (%s)", info.step, info.path)
+    _delete(st, info.path.rstrip("/").rsplit("/", 1)[-1], info.step)
 
 
 def apply_retention(
