@@ -29,10 +29,13 @@ average ~10): restoring into 3 replicas took 0.43 s with ``read_all`` against
 second run under heavier load gave 0.34 s / 0.43 s cold and 0.43 s / 0.32 s
 warm. Local reads with hardware CRC-32C run near memory speed while the gloo
 broadcast over loopback TCP adds a second pass over every byte, so ``auto``
-picks ``read_all`` for local and in-memory storage. On object stores every
-replica reading everything multiplies the egress and a remote read is slower
-than the replicas' interconnect, so ``auto`` picks ``share`` there (not
-measured against a remote store: the tests' S3 server is on loopback).
+picks ``read_all`` on a file system when every replica is on one node. Replicas
+on several nodes can only share a root on a shared file system, where
+``read_all`` would read every byte N times from one server: ``auto`` picks
+``share`` there. On object stores every replica reading everything multiplies
+the egress and a remote read is slower than the replicas' interconnect, so
+``auto`` picks ``share`` there too (not measured against a remote store: the
+tests' S3 server is on loopback).
 """
 
 from __future__ import annotations
@@ -719,14 +722,17 @@ class Checkpointer:
     # ---- restoring ---------------------------------------------------------------------------
 
     def _strategy(self) -> str:
-        """auto: every replica on one node reads everything (local reads beat a broadcast);
-        replicas on several nodes read one share each and broadcast (one read of each byte
-        from a shared file system or object store instead of one per replica). A non-strict
+        """auto: on a file system, every replica reads everything when all are on one node
+        (local reads beat a broadcast), and replicas on several nodes (a shared file
+        system: one server) read one share each and broadcast; on object stores always a
+        share each (every replica reading everything multiplies egress). A non-strict
         restore reads everything (each replica skips what does not fit)."""
         if not self.config.strict:
             return "read_all"
         if self.config.restore_strategy != "auto":
             return self.config.restore_strategy
+        if not self.local:
+            return "share"
         nodes = {h.info.get("node") for h in self.job.members}
         return "read_all" if len(nodes) <= 1 else "share"
 
