@@ -104,7 +104,7 @@ def test_restore_with_missing_and_misshaped_tensors(old_run: Path, tmp_path: Pat
         fit(spec, steps=10, replicas=2, run_dir=tmp_path,
             checkpoint=CheckpointConfig(root=str(old_run)))
     text = str(info.value)
-    assert "not in the checkpoint: model/5.weight" in text
+    assert "not in the checkpoint: model/5.bias, model/5.weight" in text
     assert "model/0.weight (checkpoint [128, 32], job [64, 32])" in text
     # The data plan is compared too.
     with pytest.raises(CheckpointMismatch, match="num_samples: checkpoint 512, job 640"):
@@ -148,10 +148,12 @@ def test_storage_errors_on_write_and_read_are_retried(tmp_path: Path, reference)
     assert_same_state(reference, result.state_dict)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(tmp_path)
-    assert [e["step"] for e in of(evs, "checkpoint_saved")][:2] == [3, 6]
-    assert not of(evs, "checkpoint_failed")
     (restore,) = of(evs, "restore")
-    assert restore["step"] == 6 and not restore["skipped"]
+    before = [e["step"] for e in evs[:evs.index(restore)] if e["event"] == "checkpoint_saved"]
+    assert before and before[0] == 3  # the first save's write failed once and was retried
+    assert restore["step"] == before[-1] and not restore["skipped"]  # its first read too
+    # A save in flight when every replica died is abandoned; none failed on the storage.
+    assert all("injected" not in e["error"] for e in of(evs, "checkpoint_failed"))
     assert "user_code_error" not in [e["kind"] for e in of(evs, "fault")]
 
 

@@ -306,9 +306,13 @@ class Checkpointer:
     def resume_if_asked(self) -> None:
         """After generation 0: continues from the newest viable checkpoint of the lineage if
         ``resume``; :class:`NoViableCheckpoint` if there are some and none is viable."""
-        if not self.config.resume or not self._own_committed():
-            return
-        self.restore(reason="resume")
+        try:
+            if self.config.resume and self._own_committed():
+                self.restore(reason="resume")
+        except BaseException:  # the job does not start: the root is free again
+            with contextlib.suppress(Exception):
+                self.lease.release()
+            raise
 
     def maybe_save(self) -> None:
         """At every step boundary: collects the running save's shards (never waiting), then
