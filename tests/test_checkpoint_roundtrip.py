@@ -251,3 +251,20 @@ def test_cli_helpers(tmp_path) -> None:
     assert set(weights) == {n[len("model/"):] for n in state if n.startswith("model/")}
     assert torch.equal(weights["big.weight"], state["model/big.weight"])
     assert summary["tensors"] == len(weights)
+
+
+def test_staging_budget_writes_over_budget_shares_without_a_copy(tmp_path) -> None:
+    state = make_state()
+    plans = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, 2)
+    w = AsyncShardWriter(str(tmp_path), staging_budget_bytes=1024)
+    w.start(1, state, plans[0], save_id="x")
+    assert not w.busy and w.staging.nbytes == 0  # written during start, nothing staged
+    record = w.result(timeout_s=0)
+    w2 = AsyncShardWriter(str(tmp_path))
+    w2.start(1, state, plans[1], save_id="x")
+    assert w2.staging.nbytes == plans[1].nbytes
+    path = commit_checkpoint(str(tmp_path), 1, [record, w2.result(timeout_s=60)], {},
+                             world_size=2)
+    assert_same(load_checkpoint(path)[0], state)
+    w.close()
+    w2.close()

@@ -21,6 +21,7 @@ from torch import nn
 from planaria import Job, RecoveryPolicy, RunConfig, fit
 from planaria.checkpoint import list_checkpoints, read_manifest
 from planaria.checkpoint.errors import (
+    CheckpointError,
     CheckpointMismatch,
     NoViableCheckpoint,
     OtherRunCheckpoints,
@@ -212,3 +213,39 @@ def test_no_viable_checkpoint_is_an_error_not_step_0(old_run: Path, tmp_path: Pa
         fit(mlp.make_spec(n=N), steps=10, replicas=2, run_dir=tmp_path / "run",
             checkpoint=CheckpointConfig(root=str(root)))
     assert RecoveryPolicy().allow_restart_from_scratch is False
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_root_the_workers_cannot_read_is_refused_at_start(tmp_path: Path) -> None:
+    from flaky_fs import flaky_options  # registers flaky:// here, in the controller only
+
+    cfg = CheckpointConfig(every=2, root=f"flaky://{tmp_path}/root",
+                           storage_options=flaky_options("probe", (), ()))
+    with pytest.raises(CheckpointError, match=r"not readable from every worker \(w0: .*w1: "):
+        fit(mlp.make_spec(n=N), steps=4, replicas=2, run_dir=tmp_path / "run", checkpoint=cfg)
+    assert not list((tmp_path / "root").glob("PROBE-*"))
+
+
+def broken_storage_model() -> nn.Module:
+    """The MLP, in a worker whose every checkpoint write fails with an I/O error."""
+    import planaria.checkpoint.async_writer as aw
+
+    def fail(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise PermissionError(13, "injected: write denied")
+
+    aw.write_shard = fail
+    return mlp.make_model()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_failed_final_save_fails_fit(tmp_path: Path) -> None:
+    spec = dataclasses.replace(mlp.make_spec(n=N), model=broken_storage_model)
+    with pytest.raises(CheckpointError, match=r"final checkpoint \(step 3\) was not committed"):
+        fit(spec, steps=3, replicas=2, run_dir=tmp_path,
+            checkpoint=CheckpointConfig(every=100, storage_attempts=2))
+    (failed,) = of(events(tmp_path), "checkpoint_failed")
+    assert failed["step"] == 3 and "write denied" in failed["error"]

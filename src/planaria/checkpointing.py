@@ -120,6 +120,11 @@ class CheckpointConfig:
     """Tries of a storage operation (with backoff) before it counts as failed."""
     lease_ttl_s: float = 300.0
     """The lease on the root lasts this long past each renewal (renewed at every save)."""
+    staging_budget_bytes: int | None = None
+    """Host memory a worker may hold for staging its share (None: no bound; the staging
+    buffers then hold the share, about 1/N of the state, from one save to the next). A
+    share over the budget is written from the live tensors while training waits (all of
+    it stall)."""
     min_bytes_per_s: float = 20e6
     """Deadlines of saves and restores grow by one second per this many bytes."""
     if_busy: Literal["wait", "skip"] = "wait"
@@ -160,6 +165,9 @@ class CheckpointConfig:
         check(isinstance(self.storage_attempts, int) and self.storage_attempts >= 1,
               "storage_attempts", self.storage_attempts, "an integer >= 1")
         check(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "seconds > 0")
+        check(self.staging_budget_bytes is None or (isinstance(self.staging_budget_bytes, int)
+              and self.staging_budget_bytes >= 0), "staging_budget_bytes",
+              self.staging_budget_bytes, "bytes >= 0, or None for no bound")
         check(self.min_bytes_per_s > 0, "min_bytes_per_s", self.min_bytes_per_s,
               "bytes per second > 0")
         if self.every is not None:
@@ -277,6 +285,7 @@ class Checkpointer:
                         delete_checkpoint(st, c)
             self.lineage = (*(r for r in parent if r != self.run_id), self.run_id)
             self.lease.set_lineage(self.lineage)
+            self._probe()
         except BaseException:
             with contextlib.suppress(Exception):
                 self.lease.release()
@@ -286,6 +295,30 @@ class Checkpointer:
                           other_runs=sorted({str(r) for r in runs.values()} - set(map(str, parent)))
                           if mode == "branch" else [])
         self._announce(force=True)
+
+    def _probe(self) -> None:
+        """Checks that every worker reads what the controller writes under the root (a local
+        path is not shared between nodes); :class:`CheckpointError` naming those that do not."""
+        st = Storage(self.root, self.options)
+        name = f"PROBE-{self.run_id}"
+        data = secrets.token_bytes(64)
+        self._storage_call(functools.partial(st.write_bytes, st.path(name), data),
+                           "writing the start-up probe")
+        try:
+            refs = {h.name: h.actor.ckpt_probe.remote(self.root, name, self.options, len(data))
+                    for h in self.job.members}
+            results = dict(zip(refs, ray.get(list(refs.values()), timeout=self.config.timeout_s),
+                               strict=True))
+        finally:
+            with contextlib.suppress(OSError):
+                st.remove(st.path(name))
+        bad = {n: r["error"] for n, r in results.items() if not r["ok"]}
+        if bad:
+            raise CheckpointError(
+                f"checkpoint root {self.root} is not readable from every worker ("
+                + "; ".join(f"{n}: {e}" for n, e in sorted(bad.items()))
+                + "): use storage every node reaches (a shared file system, s3://, gs://)"
+            )
 
     def _other_runs_message(self, committed: list[CheckpointInfo],
                             runs: dict[int, str | None]) -> str:
@@ -503,7 +536,8 @@ class Checkpointer:
         refs = {
             h.name: h.actor.ckpt_start.remote(
                 job.gen, step, i, width, save.save_id, self.root, self.options,
-                if_busy="wait", fsync=self.config.fsync,
+                if_busy="wait", fsync=self.config.fsync, attempts=self.config.storage_attempts,
+                staging_budget_bytes=self.config.staging_budget_bytes,
             )
             for i, h in enumerate(job.members)
         }

@@ -41,6 +41,7 @@ from planaria.checkpoint import (
 from planaria.checkpoint.backoff import is_storage_error
 from planaria.checkpoint.compat import compare_layouts
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
+from planaria.checkpoint.storage import Storage
 from planaria.errors import PlanariaError
 from planaria.state import flatten_state, load_state
 
@@ -136,6 +137,8 @@ class CheckpointWorkerMixin:
         *,
         if_busy: Literal["wait", "skip"] = "wait",
         fsync: bool = True,
+        attempts: int = 3,
+        staging_budget_bytes: int | None = None,
     ) -> dict[str, Any]:
         """Snapshots shard ``index`` of ``num_shards`` of the state after ``step`` steps and
         starts writing it under ``root``; returns once the snapshot is taken.
@@ -159,6 +162,8 @@ class CheckpointWorkerMixin:
         tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
         plan = plan_shards({k: (t.shape, t.dtype) for k, t in tensors.items()}, num_shards)[index]
         writer = self._writer(root, storage_options, if_busy, fsync)
+        writer.attempts = attempts
+        writer.staging_budget_bytes = staging_budget_bytes
         stall = writer.start(step, tensors, plan, save_id=save_id)
         if stall is not None:
             self._ckpt_save_id = save_id
@@ -194,6 +199,22 @@ class CheckpointWorkerMixin:
             self._ckpt_writer_key = key
         self._ckpt_writer.if_busy = if_busy
         return self._ckpt_writer
+
+    def ckpt_probe(
+        self, root: str, name: str, storage_options: Mapping[str, Any] | None, size: int
+    ) -> dict[str, Any]:
+        """Reads the file ``name`` the controller wrote under ``root``: ``ok``, or ``error``
+        (a root this worker cannot reach, e.g. a local path on another node). Not fenced:
+        it reads only."""
+        try:
+            st = Storage(root, storage_options)
+            got = len(st.read_bytes(st.path(name)))
+        except Exception as err:
+            return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+        if got != size:
+            return {"ok": False,
+                    "error": f"read {got} bytes of {name}, the controller wrote {size}"}
+        return {"ok": True}
 
     # ---- restoring ---------------------------------------------------------------------------
 

@@ -21,6 +21,15 @@ __all__ = ["AsyncShardWriter"]
 _log = logging.getLogger("planaria.checkpoint")
 
 
+def _live_share(tensors: Mapping[str, torch.Tensor], plan: ShardPlan) -> dict[str, torch.Tensor]:
+    """The plan's slices as views of the live tensors (no copy for contiguous CPU tensors)."""
+    out = {}
+    for spec in plan.slices:
+        src = tensors[spec.name].detach()
+        out[spec.key] = src if spec.rows is None else src[spec.rows[0] : spec.rows[1]]
+    return out
+
+
 class AsyncShardWriter:
     """Owns a writer's staging buffers and background thread.
 
@@ -41,12 +50,16 @@ class AsyncShardWriter:
         storage_options: Mapping[str, Any] | None = None,
         verify: bool = True,
         attempts: int = 3,
+        staging_budget_bytes: int | None = None,
     ) -> None:
         """``if_busy``: what :meth:`start` does while the previous write runs;
         ``busy_timeout_s``: the longest it waits (None: no limit), then ``TimeoutError``;
         ``verify``: read each shard back once written and check it; ``attempts``: writes
         tried (with backoff) before a storage error is final
-        (:class:`~planaria.errors.StorageError`)."""
+        (:class:`~planaria.errors.StorageError`); ``staging_budget_bytes``: the most host
+        memory the staging buffers may hold (None: a share's size, about 1/N of the
+        state); a share over it is written at once from the live tensors, without a
+        copy, blocking :meth:`start` for the whole write."""
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         self.root = root
@@ -56,6 +69,7 @@ class AsyncShardWriter:
         self.storage_options = dict(storage_options or {})
         self.verify = verify
         self.attempts = attempts
+        self.staging_budget_bytes = staging_budget_bytes
         self.staging = StagingBuffers(pin_memory=pin_memory)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-ckpt")
         self._future: Future[ShardRecord] | None = None
@@ -99,9 +113,18 @@ class AsyncShardWriter:
             if err is not None:
                 _log.warning("dropping uncollected failure of the previous save: %r", err)
         t0 = time.perf_counter()
-        share = take_share(tensors, plan, self.staging)
+        if self.staging_budget_bytes is not None and plan.nbytes > self.staging_budget_bytes:
+            self.staging.clear()
+            done: Future[ShardRecord] = Future()
+            try:
+                done.set_result(self._write(step, plan, _live_share(tensors, plan), save_id))
+            except Exception as err:
+                done.set_exception(err)
+            self._future = done
+        else:
+            share = take_share(tensors, plan, self.staging)
+            self._future = self._pool.submit(self._write, step, plan, share, save_id)
         self.last_stall_s = time.perf_counter() - t0
-        self._future = self._pool.submit(self._write, step, plan, share, save_id)
         self._collected = False
         return self.last_stall_s
 
