@@ -39,6 +39,7 @@ from planaria.checkpoint import (
     read_manifest,
 )
 from planaria.checkpoint.backoff import is_storage_error
+from planaria.checkpoint.checksum import byte_view, crc32c
 from planaria.checkpoint.compat import compare_layouts
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
 from planaria.checkpoint.storage import Storage
@@ -305,10 +306,16 @@ class CheckpointWorkerMixin:
         self._drop_pending()
         self.steps_done = int(meta["steps_done"])
         self._set_phase("idle", self.steps_done)
-        from planaria.worker import param_checksum  # worker imports this module
-
         return {"steps_done": self.steps_done, "bcast_s": bcast_s,
-                "checksum": param_checksum(self.model)}
+                "checksum": self._model_crc()}
+
+    def _model_crc(self) -> int:
+        """CRC-32C (in hardware) over the model's tensors in name order: equal on every
+        replica after a restore, or the restore went wrong."""
+        crc = 0
+        for _, tensor in sorted(self.model.state_dict().items()):
+            crc = crc32c(byte_view(tensor.detach().cpu().contiguous()), crc)
+        return crc
 
     def _broadcast(
         self,
