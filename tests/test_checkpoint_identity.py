@@ -102,3 +102,48 @@ def test_root_validation() -> None:
     for bad in ({"on_other_run": "merge"}, {"storage_attempts": 0}, {"lease_ttl_s": 0}):
         with pytest.raises(ConfigError):
             CheckpointConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_scheduler_state_is_loaded_only_into_its_own_keys() -> None:
+    from planaria.state import flatten_state, load_state
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    tensors, meta = flatten_state(model, opt, sched)
+    meta["scheduler"] = {**meta["scheduler"], "last_epoch": 7, "optimizer": "not yours"}
+    load_state(model, opt, sched, tensors, meta)
+    assert sched.last_epoch == 7 and sched.optimizer is opt
+
+
+def test_strategy_follows_the_replicas_topology(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from planaria.checkpointing import Checkpointer
+
+    def strategy(nodes: list[str], **cfg: object) -> str:
+        job = SimpleNamespace(run_dir=str(tmp_path),
+                              members=[SimpleNamespace(info={"node": n}) for n in nodes])
+        ck = Checkpointer(job, CheckpointConfig(**cfg))  # type: ignore[arg-type]
+        try:
+            return ck._strategy()
+        finally:
+            ck._committer.shutdown()
+            ck._retainer.shutdown()
+
+    assert strategy(["a", "a", "a"]) == "read_all"
+    assert strategy(["a", "b", "a"]) == "share"
+    assert strategy(["a", "a"], restore_strategy="share") == "share"
+    assert strategy(["a", "b"], strict=False) == "read_all"
+
+
+def test_relative_root_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from planaria.checkpointing import Checkpointer
+
+    monkeypatch.chdir(tmp_path)
+    ck = Checkpointer(SimpleNamespace(run_dir="x"), CheckpointConfig(root="ckpts"))  # type: ignore[arg-type]
+    assert ck.root == str(tmp_path / "ckpts")
+    ck._committer.shutdown()
+    ck._retainer.shutdown()
