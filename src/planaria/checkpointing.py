@@ -562,6 +562,8 @@ class Checkpointer:
             data_plan=job.plan.describe(),
             deadline=job.deadline.state_dict(),
             world_size=width,
+            run_id=self.run_id,
+            lineage=list(self.lineage),
         )
         if self.interval is not None:
             self.interval.observe_stall(save.stall_s)

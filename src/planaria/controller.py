@@ -120,7 +120,11 @@ class Job:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def __enter__(self) -> Job:
-        self.start()
+        try:
+            self.start()
+        except BaseException as err:  # e.g. a checkpoint that does not fit: free the workers
+            self.close(status="error", error=f"{type(err).__name__}: {err}")
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
