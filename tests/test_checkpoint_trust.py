@@ -249,3 +249,53 @@ def test_failed_final_save_fails_fit(tmp_path: Path) -> None:
             checkpoint=CheckpointConfig(every=100, storage_attempts=2))
     (failed,) = of(events(tmp_path), "checkpoint_failed")
     assert failed["step"] == 3 and "write denied" in failed["error"]
+
+
+def corrupt_all(root: str) -> None:
+    for info in list_checkpoints(root):
+        entry = read_manifest(info.path).files[0]
+        with open(os.path.join(info.path, entry.name), "r+b") as f:
+            f.seek(entry.data_start + 3)
+            byte = f.read(1)
+            f.seek(entry.data_start + 3)
+            f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("allow", [False, True])
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_every_replica_lost_and_no_checkpoint_restores(tmp_path: Path, reference,
+                                                       allow: bool) -> None:
+    import signal
+
+    import planaria
+    from planaria.errors import ElasticRuntimeError
+
+    policy = RecoveryPolicy(allow_restart_from_scratch=allow)
+    cfg = RunConfig(steps=STEPS, replicas=2, run_dir=tmp_path)
+    with Job(mlp.make_spec(n=N), cfg, policy=policy,
+             checkpoint=CheckpointConfig(every=3)) as job:
+        while job.steps_done < 7:
+            job.train_step()
+        job.checkpointer.save_now(reason="test")
+        corrupt_all(job.checkpointer.root)
+        for handle in job.members:
+            os.kill(handle.pid, signal.SIGKILL)
+        if not allow:
+            with pytest.raises(ElasticRuntimeError, match=r"lose all 7 steps.*allow_restart"):
+                while job.steps_done < STEPS:
+                    try:
+                        job.train_step()
+                    except planaria.Failure as failure:
+                        job.recovery.handle(failure)
+            return
+        while job.steps_done < STEPS:
+            try:
+                job.train_step()
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+        state = job.model_state_dict()
+    assert_same_state(reference, state)
+    restores = of(events(tmp_path), "restore")
+    assert restores[-1]["step"] == 0 and restores[-1]["lost_steps"] == 7

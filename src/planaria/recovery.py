@@ -254,6 +254,12 @@ class Recovery:
             handle.has_state = True
         job.steps_done = 0
         job.build_generation(ready, reason="restore")
+        # A ready worker may be a replacement that pre-built optimizer state: every member
+        # goes back to the seed's initial state, and they must agree on it.
+        sums = job._gather({h.name: h.actor.reinit.remote(job.gen) for h in job.members},
+                           deadline_s=job.policy.pause_timeout_s, step=None)
+        if len(set(sums.values())) > 1:
+            self._abort(f"fresh workers built different initial parameters {sums}", None)
         job.log.emit("restore", step=0, path=None, restore_s=time.time() - t0, lost_steps=before)
         return 0
 
