@@ -299,3 +299,38 @@ def test_every_replica_lost_and_no_checkpoint_restores(tmp_path: Path, reference
     assert_same_state(reference, state)
     restores = of(events(tmp_path), "restore")
     assert restores[-1]["step"] == 0 and restores[-1]["lost_steps"] == 7
+
+
+def counting_model() -> nn.Module:
+    model = mlp.make_model()
+    model.seen = 0  # type: ignore[assignment]  # user state beyond the tensors (an EMA's count)
+    return model
+
+
+def counting_loss(model, batch):  # type: ignore[no-untyped-def]
+    model.seen += 1
+    return mlp.mse(model, batch)
+
+
+def counting_spec():  # type: ignore[no-untyped-def]
+    return dataclasses.replace(
+        mlp.make_spec(n=N), model=counting_model, loss=counting_loss,
+        extra_state=(lambda model, opt: {"seen": model.seen},
+                     lambda model, opt, state: setattr(model, "seen", state["seen"])),
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_extra_state_survives_a_restore(tmp_path: Path, reference) -> None:
+    # min_replicas=2: the width (and so each replica's count of micro-batches) never changes.
+    result = fit(counting_spec(), steps=STEPS, replicas=2, run_dir=tmp_path, ledger=True,
+                 chaos="kill:w0@step7,kill:w1@step7", checkpoint=CheckpointConfig(every=3),
+                 policy=RecoveryPolicy(min_replicas=2))
+    assert_same_state(reference, result.state_dict)
+    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
+    final = read_manifest(str(tmp_path / "checkpoints" / f"step_{STEPS:09d}"))
+    # 2 micro-batches per replica per step: the count of a fault-free run.
+    assert final.meta["extra_state"] == {"seen": 2 * STEPS}
+    assert of(events(tmp_path), "restore")

@@ -371,6 +371,7 @@ class Worker(CheckpointWorkerMixin):
         """What a joiner needs besides tensors: the layout, the JSON metadata, steps done."""
         self._check(gen)
         tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
+        meta = self._extra_state_get(meta)
         return {"layout": tensor_layout(tensors), "meta": meta, "steps_done": self.steps_done}
 
     def send_state(self, gen: int, dsts: list[int]) -> int:
@@ -431,6 +432,7 @@ class Worker(CheckpointWorkerMixin):
                     model_live[name].copy_(tensor)
         optim = {k: v for k, v in tensors.items() if k.startswith("optim/")}
         load_state(None, self.optimizer, self.scheduler, optim, source["meta"])
+        self._extra_state_set(source["meta"])
         self._drop_pending()
         self.steps_done = int(source["steps_done"])
         self._set_phase("idle", self.steps_done)

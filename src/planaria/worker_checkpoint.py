@@ -44,10 +44,11 @@ from planaria.checkpoint.compat import compare_layouts
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
 from planaria.checkpoint.storage import Storage
 from planaria.errors import PlanariaError
-from planaria.state import flatten_state, load_state
+from planaria.state import _jsonable, flatten_state, load_state
 
 if TYPE_CHECKING:
     from planaria.collective import Collective
+    from planaria.config import TrainSpec
 
 __all__ = ["CheckpointWorkerMixin", "broadcast_units"]
 
@@ -96,6 +97,7 @@ class CheckpointWorkerMixin:
     """Mixed into :class:`planaria.worker.Worker`; called by the controller's Checkpointer."""
 
     if TYPE_CHECKING:  # provided by Worker
+        spec: TrainSpec
         name: str
         model: torch.nn.Module
         optimizer: Any
@@ -117,6 +119,24 @@ class CheckpointWorkerMixin:
     _ckpt_live: dict[str, torch.Tensor] | None = None
     ckpt_dirty: bool = False
     """A restore wrote into the live state and did not finish: the state is not to be used."""
+
+    def _extra_state_get(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """``meta`` with the spec's extra state added (``extra_state``), if it has one."""
+        from planaria.worker import _user  # worker imports this module
+
+        hook = self.spec.extra_state
+        if hook is not None:
+            meta["extra_state"] = _jsonable(_user("extra_state get", hook[0], self.model,
+                                                  self.optimizer), "extra_state")
+        return meta
+
+    def _extra_state_set(self, meta: Mapping[str, Any]) -> None:
+        """Hands the extra state in ``meta`` (if any) to the spec's setter."""
+        from planaria.worker import _user
+
+        hook = self.spec.extra_state
+        if hook is not None and isinstance(meta.get("extra_state"), dict):
+            _user("extra_state set", hook[1], self.model, self.optimizer, meta["extra_state"])
 
     def _refuse_if_dirty(self, what: str) -> None:
         """Raises if a restore left this replica's state half written."""
@@ -169,6 +189,7 @@ class CheckpointWorkerMixin:
         if stall is not None:
             self._ckpt_save_id = save_id
         self._set_phase("idle", step)
+        meta = self._extra_state_get(meta) if index == 0 else meta
         return {"stall_s": stall, "bytes": plan.nbytes, "meta": meta if index == 0 else None}
 
     def ckpt_poll(self, save_id: str) -> dict[str, Any] | None:
@@ -301,6 +322,7 @@ class CheckpointWorkerMixin:
         optim = {k: v for k, v in live.items() if k.startswith("optim/")}  # non-strict: kept
         optim.update({k: v for k, v in tensors.items() if not k.startswith("model/")})
         load_state(None, self.optimizer, self.scheduler, optim, meta)
+        self._extra_state_set(meta)
         self._ckpt_live = None
         self.ckpt_dirty = False
         self._drop_pending()
