@@ -249,6 +249,7 @@ class Checkpointer:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-commit")
         self._retainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-retain")
         self._retention: Future[list[int]] | None = None
+        self._renewal: Future[None] | None = None
         self.last_committed: int | None = None  # newest step committed (or restored) by this job
         self.last_path: str | None = None
         self._seen_failures = 0
@@ -354,6 +355,7 @@ class Checkpointer:
         now = time.monotonic()
         self._observe(now)
         self._progress(block_s=0.0)
+        self._keep_lease()
         if self.interval is None or not job.members:
             return
         step = job.steps_done
@@ -498,6 +500,18 @@ class Checkpointer:
 
     # ---- lineage, storage ----------------------------------------------------------------------
 
+    def _keep_lease(self) -> None:
+        """Renews the root's lease in the background once a third of its time has passed."""
+        if time.time() - self.lease.renewed_t <= self.config.lease_ttl_s / 3:
+            return
+        if self._renewal is not None and not self._renewal.done():
+            return
+        if self._renewal is not None and self._renewal.exception() is not None:
+            _log.warning("could not renew the lease on %s: %s", self.root,
+                         self._renewal.exception())
+        self.lease.renewed_t = time.time()  # one attempt per third of the lease
+        self._renewal = self._retainer.submit(self.lease.renew)
+
     def _storage_call(self, fn: Any, what: str) -> Any:
         return with_retries(fn, what=what, attempts=self.config.storage_attempts)
 
@@ -622,7 +636,10 @@ class Checkpointer:
 
     def _commit(self, save: _Save) -> str:
         records = [save.records[n] for n in save.writers]
-        self._storage_call(self.lease.renew, "renewing the lease")  # fenced: LeaseHeld if lost
+        # Fenced: LeaseHeld if another controller took the root. Renewed (a write) only
+        # past a third of its time; otherwise checked (a read).
+        stale = time.time() - self.lease.renewed_t > self.config.lease_ttl_s / 3
+        self._storage_call(self.lease.renew if stale else self.lease.check, "checking the lease")
         return commit_checkpoint(
             self.root, save.step, records, save.meta, world_size=len(save.writers),
             storage_options=self.options, run_id=self.run_id,
