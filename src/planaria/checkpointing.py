@@ -542,6 +542,9 @@ class Checkpointer:
         job = self.job
         assert self._inflight is None
         step = job.steps_done
+        waited = time.monotonic()
+        self._wait_abandoned(self.config.timeout_s)
+        self._wait_s += time.monotonic() - waited
         t0 = time.time()
         job.commit_all()  # the update would be applied at the next step anyway: not stall
         t1 = time.time()
@@ -682,6 +685,19 @@ class Checkpointer:
             self._progress(block_s=0.0)
         else:
             self._abandon(save, why)
+
+    def _wait_abandoned(self, timeout_s: float) -> None:
+        """Waits (bounded, here rather than in a worker's actor call) until no writer of an
+        abandoned save still writes: a new snapshot would find its writer busy."""
+        end = time.monotonic() + timeout_s
+        self._reap_abandoned()
+        while self._abandoned and time.monotonic() < end:
+            refs = [save.polls[n] for save, pending in self._abandoned for n in pending
+                    if n in save.polls]
+            if refs:
+                ray.wait(refs, num_returns=1, timeout=min(0.5, max(0.0, end - time.monotonic())))
+            time.sleep(POLL_S)  # a poll answers at once while the write goes on
+            self._reap_abandoned()
 
     def _reap_abandoned(self) -> None:
         """Removes an abandoned save's temporary directory once none of its writers still
