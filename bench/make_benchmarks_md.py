@@ -254,6 +254,34 @@ def render_recovery(rec: dict[str, Any]) -> list[str]:
     return out
 
 
+def render_checkpoint(rec: dict[str, Any]) -> list[str]:
+    r = rec["result"]
+    extra, dcp = r.get("extra_wall_per_ckpt_s"), r.get("dcp_async_extra_wall_s")
+    ratio, restore = r.get("stall_ratio"), r.get("restore_vs_raw")
+    vs_dcp = None if extra is None or dcp is None else extra <= dcp
+    out = [
+        "## Checkpoint", "", *_header(rec), "",
+        "What a checkpoint costs a training run: the extra wall time of a window of steps "
+        "with an asynchronous save in flight, against the same state saved by the baselines "
+        "side by side.", "",
+        "| figure | value | target | met |", "|---|---:|---|:-:|",
+        f"| extra wall per checkpoint, planaria (s) | {_f(extra, '.4f')} | ≤ DCP async_save's "
+        f"| {_ok(vs_dcp)} |",
+        f"| extra wall per checkpoint, DCP async_save (s) | {_f(dcp, '.4f')} | | |",
+        f"| synchronous safetensors save (s) | {_f(r.get('sync_save_s'), '.4f')} | | |",
+        f"| torch.save (s) | {_f(r.get('torch_save_s'), '.4f')} | | |",
+        f"| stall ratio (extra wall / sync save) | {_f(ratio, '.3f')} | ≤ 0.10 "
+        f"| {_ok(None if ratio is None else ratio <= 0.10)} |",
+        f"| restore vs raw read, cold | {_f(restore, '.3f')} | ≥ 0.7 "
+        f"| {_ok(None if restore is None else restore >= 0.7)} |",
+        f"| state (MB) | {_f(r.get('state_mb'), '.1f')} | | |",
+    ]
+    if r.get("page_cache_dropped") is False:
+        out += ["", "The cold raw read was not slower than the warm one: this machine's "
+                "storage served it from a host cache, so the cold figures are warm ones."]
+    return [*out, ""]
+
+
 def _flat(prefix: str, value: Any, out: list[tuple[str, Any]]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
@@ -317,6 +345,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_recovery(rec)
         elif name == "campaign":
             out += render_campaign(rec)
+        elif name == "checkpoint":
+            out += render_checkpoint(rec)
         else:
             out += render_generic(name, rec)
         if rec.get("table"):

@@ -59,6 +59,22 @@ def test_recovery_quick(tmp_path):
     assert "speedup_vs_torchrun" in out and "speedup_vs_torchft" in out
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_checkpoint_quick(tmp_path):
+    out = run_quick("checkpoint.py", tmp_path, timeout_s=580)
+
+    assert out["bench"] == "checkpoint"
+    for key in ("extra_wall_per_ckpt_s", "sync_save_s", "dcp_async_extra_wall_s",
+                "torch_save_s", "stall_ratio", "restore_vs_raw", "state_mb", "stall_s"):
+        assert isinstance(out[key], float), key
+    assert out["sync_save_s"] > 0 and out["restore_vs_raw"] > 0
+    assert out["stall_ratio"] == pytest.approx(
+        out["extra_wall_per_ckpt_s"] / out["sync_save_s"], rel=1e-2, abs=1e-3)
+    assert isinstance(out["page_cache_dropped"], bool)
+
+
 def test_make_benchmarks_md_renders(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
     from bench import make_benchmarks_md as mk
@@ -86,3 +102,11 @@ def test_make_benchmarks_md_renders(tmp_path, monkeypatch):
     text = mk.render(mk.load_results())
     assert "python bench/recovery.py" in text and "| torchrun |" in text
     assert "nproc" not in text and "CPUs" in text
+    ckpt = {"bench": "checkpoint", "extra_wall_per_ckpt_s": 0.05, "sync_save_s": 1.0,
+            "dcp_async_extra_wall_s": 0.2, "torch_save_s": 1.1, "stall_ratio": 0.05,
+            "restore_vs_raw": 0.8, "state_mb": 200.0, "stall_s": 0.01,
+            "page_cache_dropped": False}
+    mk.save("checkpoint", ckpt, "python bench/checkpoint.py")
+    text = mk.render(mk.load_results())
+    assert "| stall ratio (extra wall / sync save) | 0.050 | ≤ 0.10 | met |" in text
+    assert "served it from a host cache" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -194,3 +195,68 @@ def test_copied_checkpoint_stays_loadable(tmp_path) -> None:
     assert_same(load_checkpoint(copy)[0], make_state())
     assert torch.equal(load_checkpoint(copy, names=["optim/3/step"])[0]["optim/3/step"],
                        torch.tensor(17))
+
+
+def test_slice_key_used_in_two_files_is_rejected(tmp_path) -> None:
+    path = save(str(tmp_path), 2, make_state(), 3)
+
+    def reuse_key(doc: dict) -> None:  # type: ignore[type-arg]
+        slices = [(name, s) for name, t in doc["tensors"].items() for s in t["slices"]]
+        (_, a), (_, b) = next(((x, y) for x, y in itertools.combinations(slices, 2)
+                               if x[1]["file"] != y[1]["file"]))
+        b["key"] = a["key"]  # a loader filling slices by key would leave one tensor unread
+
+    rewrite_manifest(path, reuse_key)
+    with pytest.raises(ManifestError, match="used twice"):
+        load_checkpoint(path)
+    assert not verify_checkpoint(path).ok
+
+
+def test_huge_shape_is_refused_before_allocating(tmp_path, monkeypatch) -> None:
+    path = save(str(tmp_path), 2, make_state(), 1)
+    rows = 1 << 36  # 2**36 x 96 float32: 24 TiB
+
+    def grow(doc: dict) -> None:  # type: ignore[type-arg]
+        t = doc["tensors"]["model/big.weight"]
+        extra = (rows - t["shape"][0]) * 96 * 4
+        t["shape"][0] = rows
+        s = t["slices"][-1]
+        s["rows"][1] = rows if s["rows"] is not None else None
+        s["offsets"][1] += extra
+        for other in doc["tensors"].values():  # later slices in the file move up
+            for o in other["slices"]:
+                if o is not s and o["offsets"][0] >= s["offsets"][1] - extra:
+                    o["offsets"] = [o["offsets"][0] + extra, o["offsets"][1] + extra]
+        doc["files"][0]["size"] += extra
+
+    rewrite_manifest(path, grow)
+    big = []
+    real_empty = torch.empty
+
+    def watch(*shape, **kw):  # type: ignore[no-untyped-def]
+        t = real_empty(*shape, **kw) if not big else None
+        dims = shape[0] if shape and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+        if dims and dims[0] >= rows:
+            big.append(dims)
+            raise AssertionError(f"allocated {dims}")
+        return t if t is not None else real_empty(*shape, **kw)
+
+    monkeypatch.setattr(torch, "empty", watch)
+    with pytest.raises(CorruptCheckpoint, match="bytes, the manifest says"):
+        load_checkpoint(path)
+    assert not big
+
+
+def test_crash_between_the_two_renames_keeps_the_step(tmp_path) -> None:
+    root = str(tmp_path / "root")
+    save(root, 2, make_state(0), 2)
+    final = os.path.join(root, "step_000000002")
+    # A re-save of step 2 committed in its temporary directory; the crash hit after the old
+    # directory was renamed to the trash and before the new one was renamed into place.
+    new = save(str(tmp_path / "other"), 2, make_state(1), 2)
+    shutil.move(new, os.path.join(root, "step_000000002.tmp-abc"))
+    os.rename(final, os.path.join(root, "step_000000002.trash-def"))
+    assert latest_viable(root)[0] is None
+    clean_leftovers(root)
+    assert sorted(os.listdir(root)) == ["step_000000002"]
+    assert_same(load_checkpoint(final)[0], make_state(1))

@@ -29,6 +29,7 @@ from planaria.checkpoint import (
     verify_checkpoint,
     write_shard,
 )
+from planaria.errors import StorageError
 
 
 def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -181,11 +182,12 @@ def test_async_writer_skip_and_error(tmp_path) -> None:
         w.result(timeout_s=0.01)
     gate.set()
     assert w.result(timeout_s=10).step == 1
-    bad = AsyncShardWriter(str(tmp_path / "file-not-dir"))
+    bad = AsyncShardWriter(str(tmp_path / "file-not-dir"), attempts=1)
     (tmp_path / "file-not-dir").write_text("x")
     bad.start(1, state, plan)
-    with pytest.raises(OSError):
+    with pytest.raises(StorageError) as info:  # a storage error, once its retries are spent
         bad.result(timeout_s=10)
+    assert isinstance(info.value.__cause__, OSError)
     w.close()
     bad.close()
 
@@ -249,3 +251,20 @@ def test_cli_helpers(tmp_path) -> None:
     assert set(weights) == {n[len("model/"):] for n in state if n.startswith("model/")}
     assert torch.equal(weights["big.weight"], state["model/big.weight"])
     assert summary["tensors"] == len(weights)
+
+
+def test_staging_budget_writes_over_budget_shares_without_a_copy(tmp_path) -> None:
+    state = make_state()
+    plans = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, 2)
+    w = AsyncShardWriter(str(tmp_path), staging_budget_bytes=1024)
+    w.start(1, state, plans[0], save_id="x")
+    assert not w.busy and w.staging.nbytes == 0  # written during start, nothing staged
+    record = w.result(timeout_s=0)
+    w2 = AsyncShardWriter(str(tmp_path))
+    w2.start(1, state, plans[1], save_id="x")
+    assert w2.staging.nbytes == plans[1].nbytes
+    path = commit_checkpoint(str(tmp_path), 1, [record, w2.result(timeout_s=60)], {},
+                             world_size=2)
+    assert_same(load_checkpoint(path)[0], state)
+    w.close()
+    w2.close()

@@ -75,8 +75,10 @@ def test_s3_round_trip(s3_options: dict[str, Any]) -> None:
 
     # corrupt an object: the older checkpoint is used, the warning names the file
     fs = s3fs.S3FileSystem(**s3_options)
-    entry = read_manifest(path, storage_options=s3_options).tensors["model/emb"].slices[0]
-    obj = f"ckpt-bucket/run1/step_000000002/{entry.file}"
+    manifest = read_manifest(path, storage_options=s3_options)
+    entry = manifest.tensors["model/emb"].slices[0]
+    assert manifest.data_dir.startswith("save-")  # each save under its own prefix
+    obj = f"ckpt-bucket/run1/step_000000002/{manifest.data_dir}/{entry.file}"
     data = bytearray(fs.cat_file(obj))
     data[entry.offsets[0]] ^= 0x01
     fs.pipe_file(obj, bytes(data))
@@ -102,3 +104,30 @@ def test_s3_uncommitted_is_invisible_then_cleaned(s3_options: dict[str, Any]) ->
     save(root, 3, state, 2, storage_options=s3_options)
     assert apply_retention(root, keep_last=2, storage_options=s3_options) == [1]
     assert [c.step for c in list_checkpoints(root, storage_options=s3_options)] == [2, 3]
+
+
+def test_s3_resave_killed_before_commit_keeps_the_committed_copy(
+    s3_options: dict[str, Any],
+) -> None:
+    root = "s3://ckpt-bucket/run3"
+    old = make_state(0)
+    path = save(root, 4, old, 2, storage_options=s3_options)
+    # A re-save of step 4 writes every shard, then dies before its commit.
+    new = make_state(1)
+    plans = plan_shards({n: (t.shape, t.dtype) for n, t in new.items()}, 2, split_bytes=40_000)
+    for p in plans:
+        write_shard(root, 4, p.index, 2, take_share(new, p), save_id="deadbeef",
+                    storage_options=s3_options)
+    assert verify_checkpoint(path, storage_options=s3_options).ok
+    assert_same(load_checkpoint(path, storage_options=s3_options)[0], old)
+    assert clean_leftovers(root, storage_options=s3_options) == ["step_000000004/save-deadbeef"]
+    fs = s3fs.S3FileSystem(**s3_options)
+    fs.invalidate_cache()
+    kept = read_manifest(path, storage_options=s3_options).data_dir
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/run3/step_000000004")) == [
+        "COMMITTED", kept]
+    # A re-save that commits replaces the old copy and removes its files.
+    save(root, 4, new, 2, storage_options=s3_options)
+    assert_same(load_checkpoint(path, storage_options=s3_options)[0], new)
+    fs.invalidate_cache()
+    assert len(fs.ls("ckpt-bucket/run3/step_000000004")) == 2

@@ -29,16 +29,22 @@ average ~10): restoring into 3 replicas took 0.43 s with ``read_all`` against
 second run under heavier load gave 0.34 s / 0.43 s cold and 0.43 s / 0.32 s
 warm. Local reads with hardware CRC-32C run near memory speed while the gloo
 broadcast over loopback TCP adds a second pass over every byte, so ``auto``
-picks ``read_all`` for local and in-memory storage. On object stores every
-replica reading everything multiplies the egress and a remote read is slower
-than the replicas' interconnect, so ``auto`` picks ``share`` there (not
-measured against a remote store: the tests' S3 server is on loopback).
+picks ``read_all`` on a file system when every replica is on one node. Replicas
+on several nodes can only share a root on a shared file system, where
+``read_all`` would read every byte N times from one server: ``auto`` picks
+``share`` there. On object stores every replica reading everything multiplies
+the egress and a remote read is slower than the replicas' interconnect, so
+``auto`` picks ``share`` there too (not measured against a remote store: the
+tests' S3 server is on loopback).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
+import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,11 +65,21 @@ from planaria.checkpoint import (
     plan_shards,
     read_manifest,
 )
+from planaria.checkpoint.backoff import with_retries
+from planaria.checkpoint.compat import compare_data_plans
 from planaria.checkpoint.dtypes import DTYPES
+from planaria.checkpoint.errors import (
+    CheckpointMismatch,
+    NoViableCheckpoint,
+    OtherRunCheckpoints,
+)
 from planaria.checkpoint.layout import tmp_dir_name
+from planaria.checkpoint.lease import RootLease
+from planaria.checkpoint.restore import CheckpointInfo, read_run_id
+from planaria.checkpoint.retention import delete_checkpoint
 from planaria.checkpoint.storage import Storage
 from planaria.config import check
-from planaria.errors import Failure
+from planaria.errors import Failure, StorageError
 
 if TYPE_CHECKING:
     from planaria.controller import Job
@@ -79,7 +95,8 @@ class CheckpointConfig:
     """Where and how often a job saves checkpoints, and whether it resumes from them."""
 
     root: str | None = None
-    """A path or fsspec URL (memory://, s3://, gs://); None: RUN_DIR/checkpoints."""
+    """A path (made absolute) or fsspec URL (s3://, gs://; every worker must reach it, so
+    not memory://); None: RUN_DIR/checkpoints."""
     every: int | str | None = None
     """N steps (int or "500"), a duration ("90s", "10m"), "auto" (Young/Daly); None: no saves."""
     keep_last: int | None = 3
@@ -87,7 +104,29 @@ class CheckpointConfig:
     keep_every: int | None = None
     """Also keep for good every checkpoint whose step is a multiple of this."""
     resume: bool = True
-    """At start, restore the newest viable checkpoint under ``root`` if there is one."""
+    """At start, restore the newest viable checkpoint of the root's lineage if there is one
+    (an error, not a start from step 0, if checkpoints exist and none is viable)."""
+    on_other_run: Literal["refuse", "overwrite", "branch"] = "refuse"
+    """``resume=False`` on a root holding another run's checkpoints: refuse (an error),
+    overwrite (delete them first) or branch (keep them; this run starts its own lineage
+    beside them and never restores, ranks or deletes theirs, except a step it re-saves)."""
+    strict: bool = True
+    """A restore needs the checkpoint's tensors to match the job's (names, shapes, dtypes);
+    False: report the differences (``checkpoint_mismatch``) and load the tensors that match."""
+    replan_data: bool = False
+    """Resume even if the data plan (dataset length, global batch, seed) differs from the
+    checkpoint's: the samples are then planned anew from the resumed step."""
+    storage_attempts: int = 3
+    """Tries of a storage operation (with backoff) before it counts as failed."""
+    lease_ttl_s: float = 300.0
+    """The lease on the root lasts this long past each renewal (renewed at every save)."""
+    staging_budget_bytes: int | None = None
+    """Host memory a worker may hold for staging its share (None: no bound; the staging
+    buffers then hold the share, about 1/N of the state, from one save to the next). A
+    share over the budget is written from the live tensors while training waits (all of
+    it stall)."""
+    min_bytes_per_s: float = 20e6
+    """Deadlines of saves and restores grow by one second per this many bytes."""
     if_busy: Literal["wait", "skip"] = "wait"
     """A save falls due while the previous one is still writing: wait for it, or skip this one."""
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -99,17 +138,38 @@ class CheckpointConfig:
     auto_max_steps: int | None = None
     """every="auto": never more steps than this between saves (None: no bound)."""
     restore_strategy: Literal["auto", "read_all", "share"] = "auto"
-    """Each replica reads all, or a share plus broadcast; auto: see the module doc."""
+    """Each replica reads all, or a share plus broadcast; auto: read_all when every replica
+    is on one node, share when they span several (see the module doc)."""
+    continuous: bool = False
+    """every="auto": when the optimum is shorter than a save takes, save back to back
+    instead of once per save time."""
     save_on_preemption: bool = True
     """Save just in time when a preemption would leave fewer than min_replicas (needs ``every``)."""
     fsync: bool = True
     """fsync shard files and directories on local disk (off only for benchmarks and tests)."""
     timeout_s: float = 600.0
-    """Deadline for a blocking save (final, just in time) or a restore's reads."""
+    """Base deadline for a blocking save (final, just in time) or a restore's reads (plus
+    one second per ``min_bytes_per_s`` bytes)."""
 
     def __post_init__(self) -> None:
         check(self.root is None or (isinstance(self.root, str) and bool(self.root)), "root",
               self.root, "a path or fsspec URL, or None for RUN_DIR/checkpoints")
+        check(not (isinstance(self.root, str) and self.root.startswith("memory://")), "root",
+              self.root, "a path or a URL every worker reaches (memory:// lives in one "
+              "process: the workers would each see their own)")
+        check(self.on_other_run in ("refuse", "overwrite", "branch"), "on_other_run",
+              self.on_other_run, "'refuse', 'overwrite' or 'branch'")
+        check(isinstance(self.strict, bool), "strict", self.strict, "True or False")
+        check(isinstance(self.replan_data, bool), "replan_data", self.replan_data,
+              "True or False")
+        check(isinstance(self.storage_attempts, int) and self.storage_attempts >= 1,
+              "storage_attempts", self.storage_attempts, "an integer >= 1")
+        check(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "seconds > 0")
+        check(self.staging_budget_bytes is None or (isinstance(self.staging_budget_bytes, int)
+              and self.staging_budget_bytes >= 0), "staging_budget_bytes",
+              self.staging_budget_bytes, "bytes >= 0, or None for no bound")
+        check(self.min_bytes_per_s > 0, "min_bytes_per_s", self.min_bytes_per_s,
+              "bytes per second > 0")
         if self.every is not None:
             try:
                 CheckpointInterval.from_spec(self.every)
@@ -151,6 +211,7 @@ class _Save:
     writers: dict[str, Any]  # name -> actor, in shard order
     t0: float
     stall_s: float = 0.0
+    wait_s: float = 0.0  # of stall_s, waiting for the previous save to commit
     nbytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     records: dict[str, ShardRecord] = field(default_factory=dict)
@@ -164,8 +225,14 @@ class Checkpointer:
     def __init__(self, job: Job, config: CheckpointConfig) -> None:
         self.job = job
         self.config = config
-        self.root = config.root or str(Path(job.run_dir) / "checkpoints")
+        root = config.root or str(Path(job.run_dir) / "checkpoints")
+        self.root = os.path.abspath(root) if "://" not in root else root
         self.options = dict(config.storage_options)
+        self.run_id = secrets.token_hex(8)
+        self.lineage: tuple[str | None, ...] = (self.run_id,)
+        """Runs whose checkpoints this one continues (oldest first, this run last)."""
+        self.lease = RootLease(Storage(self.root, self.options), self.run_id,
+                               config.lease_ttl_s)
         self.interval: CheckpointInterval | None = None
         if config.every is not None:
             auto = str(config.every).strip().lower() == "auto"
@@ -173,6 +240,8 @@ class Checkpointer:
                 mtbf_prior_s=config.mtbf_prior_s, stall_prior_s=config.stall_prior_s,
                 max_steps=config.auto_max_steps,
             ) if auto else {}
+            if auto:
+                options["continuous"] = config.continuous
             self.interval = CheckpointInterval.from_spec(config.every, **options)
         self.local = Storage(self.root, self.options).local
         self._inflight: _Save | None = None
@@ -180,29 +249,104 @@ class Checkpointer:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-commit")
         self._retainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-retain")
         self._retention: Future[list[int]] | None = None
+        self._renewal: Future[None] | None = None
         self.last_committed: int | None = None  # newest step committed (or restored) by this job
         self.last_path: str | None = None
         self._seen_failures = 0
         self._last_boundary: tuple[int, float] | None = None
         self._announced: int | None = None
+        self._wait_s = 0.0  # training blocked on the save in flight, owed to the next save
+        self._restoring = False
+        self._last_failure: str | None = None
         self.restores: list[dict[str, Any]] = []
 
     # ---- hooks called by the job -----------------------------------------------------------
 
     def on_start(self) -> None:
-        """Before generation 0: removes leftovers of crashed saves; announces the interval."""
-        removed = clean_leftovers(self.root, storage_options=self.options)
-        if removed:
-            _log.info("removed leftovers of unfinished saves: %s", removed)
+        """Before generation 0: takes the lease on the root, settles this run's lineage
+        (refusing another run's checkpoints unless told what to do with them), removes
+        leftovers of crashed saves; announces the interval."""
+        prev = self._storage_call(self.lease.acquire, "taking the lease on the root")
+        try:
+            removed = clean_leftovers(self.root, storage_options=self.options)
+            if removed:
+                _log.info("removed leftovers of unfinished saves: %s", removed)
+            committed = self._committed()
+            runs = {c.step: self._run_of(c) for c in committed}
+            mode = "resume"
+            if self.config.resume:
+                parent = prev.lineage if prev is not None else tuple(dict.fromkeys(runs.values()))
+            else:
+                parent, mode = (), self.config.on_other_run
+                if committed and mode == "refuse":
+                    raise OtherRunCheckpoints(self._other_runs_message(committed, runs))
+                if committed and mode == "overwrite":
+                    st = Storage(self.root, self.options)
+                    for c in committed:
+                        delete_checkpoint(st, c)
+            self.lineage = (*(r for r in parent if r != self.run_id), self.run_id)
+            self.lease.set_lineage(self.lineage)
+            self._probe()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.lease.release()
+            raise
+        self.job.log.emit("checkpoint_lineage", run_id=self.run_id, lineage=list(self.lineage),
+                          mode=mode, root=self.root,
+                          other_runs=sorted({str(r) for r in runs.values()} - set(map(str, parent)))
+                          if mode == "branch" else [])
         self._announce(force=True)
 
+    def _probe(self) -> None:
+        """Checks that every worker reads what the controller writes under the root (a local
+        path is not shared between nodes); :class:`CheckpointError` naming those that do not."""
+        st = Storage(self.root, self.options)
+        name = f"PROBE-{self.run_id}"
+        data = secrets.token_bytes(64)
+        self._storage_call(functools.partial(st.write_bytes, st.path(name), data),
+                           "writing the start-up probe")
+        try:
+            refs = {h.name: h.actor.ckpt_probe.remote(self.root, name, self.options, len(data))
+                    for h in self.job.members}
+            results = dict(zip(refs, ray.get(list(refs.values()), timeout=self.config.timeout_s),
+                               strict=True))
+        finally:
+            with contextlib.suppress(OSError):
+                st.remove(st.path(name))
+        bad = {n: r["error"] for n, r in results.items() if not r["ok"]}
+        if bad:
+            raise CheckpointError(
+                f"checkpoint root {self.root} is not readable from every worker ("
+                + "; ".join(f"{n}: {e}" for n, e in sorted(bad.items()))
+                + "): use storage every node reaches (a shared file system, s3://, gs://)"
+            )
+
+    def _other_runs_message(self, committed: list[CheckpointInfo],
+                            runs: dict[int, str | None]) -> str:
+        by_run: dict[str, list[int]] = {}
+        for c in committed:
+            by_run.setdefault(str(runs[c.step] or "unnamed (older planaria)"), []).append(c.step)
+        held = "; ".join(f"run {r}: steps {', '.join(map(str, s[-5:]))}"
+                         + (f" and {len(s) - 5} older" if len(s) > 5 else "")
+                         for r, s in by_run.items())
+        return (
+            f"checkpoint root {self.root} holds {len(committed)} checkpoints of other runs "
+            f"({held}) and this run does not resume (--no-resume): resume them (drop "
+            "--no-resume), delete them (CheckpointConfig(on_other_run='overwrite'), "
+            "--checkpoint-on-other-run overwrite) or keep them and start a separate lineage "
+            "beside them (on_other_run='branch'); or give this run another root"
+        )
+
     def resume_if_asked(self) -> None:
-        """After generation 0: continues from the newest viable checkpoint if ``resume``."""
-        if not self.config.resume:
-            return
-        if not any(c.committed for c in list_checkpoints(self.root, storage_options=self.options)):
-            return
-        self.restore(reason="resume")
+        """After generation 0: continues from the newest viable checkpoint of the lineage if
+        ``resume``; :class:`NoViableCheckpoint` if there are some and none is viable."""
+        try:
+            if self.config.resume and self._own_committed():
+                self.restore(reason="resume")
+        except BaseException:  # the job does not start: the root is free again
+            with contextlib.suppress(Exception):
+                self.lease.release()
+            raise
 
     def maybe_save(self) -> None:
         """At every step boundary: collects the running save's shards (never waiting), then
@@ -211,17 +355,20 @@ class Checkpointer:
         now = time.monotonic()
         self._observe(now)
         self._progress(block_s=0.0)
+        self._keep_lease()
         if self.interval is None or not job.members:
             return
         step = job.steps_done
         if step == self.last_committed or not self.interval.should_save(step, now):
             return
         if self._inflight is not None:
-            if self.config.if_busy == "skip":
+            if self.config.if_busy == "skip" or self.interval.continuous:
                 _log.info("checkpoint of step %d skipped: the save of step %d is still running",
                           step, self._inflight.step)
                 return
-            self._finish(self.config.timeout_s)
+            t0 = time.monotonic()
+            self._finish(self._deadline(self._inflight.nbytes))
+            self._wait_s += time.monotonic() - t0  # training was blocked: stall of the next save
         self._start(reason="interval")
         self.interval.mark_saved(step, now)
         self._announce()
@@ -231,75 +378,109 @@ class Checkpointer:
         before a preemption or after a user-code error). Returns its path, or None."""
         if self.interval is None or (not self.config.save_on_preemption and reason == "preemption"):
             return None
-        self._finish(self.config.timeout_s)
+        t0 = time.monotonic()
+        self._finish(self._deadline(self._inflight.nbytes if self._inflight else 0))
+        self._wait_s += time.monotonic() - t0
         if self.job.steps_done == self.last_committed:
             return self.last_path
         self._start(reason=reason)
-        self._finish(self.config.timeout_s)
+        self._finish(self._deadline(self._inflight.nbytes if self._inflight else 0))
         return self.last_path if self.last_committed == self.job.steps_done else None
 
     def save_final(self) -> str | None:
-        """At the end of ``fit``: saves the final state (if ``every`` is set) and waits."""
+        """At the end of ``fit``: saves the final state (if ``every`` is set) and waits.
+        :class:`CheckpointError` if that save does not commit: a run whose end state is
+        not saved did not finish."""
         path = self.save_now(reason="final")
         self._wait_retention()
+        if path is None and self.interval is not None:
+            raise CheckpointError(
+                f"the final checkpoint (step {self.job.steps_done}) was not committed under "
+                f"{self.root}: {self._last_failure or 'unknown reason'}; the newest committed "
+                f"one is step {self.last_committed}"
+            )
         return path
 
     def restore(self, *, reason: str = "restore") -> int | None:
-        """Loads the newest viable checkpoint into every member of the current generation;
-        sets the job's step. Returns that step, or None if no checkpoint is viable."""
+        """Loads the newest viable checkpoint of this run's lineage into every member of the
+        current generation; sets the job's step. Returns that step, or None if the lineage
+        has no committed checkpoint. Raises :class:`NoViableCheckpoint` if it has some and
+        none loads (the members then hold no usable state: ``has_state`` is cleared), and
+        :class:`CheckpointMismatch` if the newest does not fit the job."""
         job = self.job
         t0 = time.time()
         before = job.steps_done if reason != "resume" else self._ledger_steps()
         self._drop_inflight("a restore began before the save finished")
-        warnings: list[str] = []
-        candidates = [c for c in reversed(list_checkpoints(self.root, storage_options=self.options))
-                      if c.committed]
-        tried = False
-        for c in candidates:
-            try:
-                manifest = read_manifest(c.path, storage_options=self.options)
-            except CheckpointError as err:
-                warnings.append(f"step {c.step} ({c.path}) skipped: {err}")
-                continue
-            strategy = self._strategy()
-            tried = True
-            problems = self._load(c.path, manifest, strategy)
-            if problems:
-                warnings.append(f"step {c.step} ({c.path}) skipped: {problems}")
-                continue
-            for w in warnings:
-                _log.warning("checkpoint %s", w)
-            meta = manifest.meta
-            job.steps_done = manifest.step
-            if reason == "resume" and isinstance(meta.get("deadline"), dict):
-                job.deadline.load_state_dict(meta["deadline"])
-            self.last_committed, self.last_path = manifest.step, c.path
-            if self.interval is not None:
-                self.interval.mark_saved(manifest.step, time.monotonic())
-            record = job.log.emit(
-                "restore", step=manifest.step, path=c.path, restore_s=time.time() - t0,
-                lost_steps=max(0, before - manifest.step), reason=reason, strategy=strategy,
-                width=job.width, bytes=manifest.nbytes, skipped=warnings,
+        self._restoring = True  # retention deletes nothing meanwhile
+        try:
+            self._wait_retention()
+            candidates = list(reversed(self._own_committed()))
+            if not candidates:
+                return None
+            warnings: list[str] = []
+            for c in candidates:
+                try:
+                    manifest = self._storage_call(
+                        functools.partial(read_manifest, c.path, storage_options=self.options),
+                        f"reading the manifest of {c.path}")
+                except (CheckpointError, StorageError) as err:
+                    warnings.append(f"step {c.step} ({c.path}) skipped: {err}")
+                    continue
+                self._check_data_plan(c.path, manifest.meta)
+                strategy = self._strategy()
+                problems = self._load(c.path, manifest, strategy)
+                if problems:
+                    warnings.append(f"step {c.step} ({c.path}) skipped: {problems}")
+                    continue
+                for w in warnings:
+                    _log.warning("checkpoint %s", w)
+                for h in job.members:
+                    h.has_state = True
+                meta = manifest.meta
+                job.steps_done = manifest.step
+                if reason == "resume" and isinstance(meta.get("deadline"), dict):
+                    job.deadline.load_state_dict(meta["deadline"])
+                self.last_committed, self.last_path = manifest.step, c.path
+                if self.interval is not None:
+                    self.interval.mark_saved(manifest.step, time.monotonic())
+                record = job.log.emit(
+                    "restore", step=manifest.step, path=c.path, restore_s=time.time() - t0,
+                    lost_steps=max(0, before - manifest.step), reason=reason, strategy=strategy,
+                    width=job.width, bytes=manifest.nbytes, skipped=warnings,
+                )
+                self.restores.append(record)
+                _log.info("restored step %d from %s (%s, %d replicas)", manifest.step, c.path,
+                          strategy, job.width)
+                return manifest.step
+        finally:
+            self._restoring = False
+        for h in job.members:  # their state is partly overwritten: it must not be used
+            h.has_state = False
+        raise NoViableCheckpoint(
+            f"none of the {len(candidates)} committed checkpoints of this run's lineage under "
+            f"{self.root} could be restored: " + "; ".join(warnings)
+        )
+
+    def _check_data_plan(self, path: str, meta: dict[str, Any]) -> None:
+        job = self.job
+        assert job.plan is not None
+        diff = compare_data_plans(meta.get("data_plan"), job.plan.describe())
+        if not diff:
+            return
+        if not self.config.replan_data:
+            raise CheckpointMismatch(
+                f"{path} was saved with another data plan ({'; '.join(diff)}): resuming would "
+                "not see each sample once per epoch; restore it with the same dataset, global "
+                "batch size and seed, or set CheckpointConfig(replan_data=True) to plan the "
+                "data anew from its step"
             )
-            self.restores.append(record)
-            _log.info("restored step %d from %s (%s, %d replicas)", manifest.step, c.path,
-                      strategy, job.width)
-            return manifest.step
-        for w in warnings:
-            _log.warning("checkpoint %s", w)
-        if warnings:
-            _log.warning("no viable checkpoint under %s", self.root)
-        if tried:  # failed reads went into the live state: back to the initial one
-            job._gather(
-                {h.name: h.actor.reinit.remote(job.gen) for h in job.members},
-                deadline_s=self.config.timeout_s,
-                step=None,
-            )
-            job.steps_done = 0
-        return None
+        _log.warning("checkpoint %s: data plan differs (%s); planning the data anew",
+                     path, "; ".join(diff))
+        job.log.emit("checkpoint_mismatch", path=path, data_plan=diff, tensors=[])
 
     def close(self) -> None:
-        """At job end: lets a commit in progress finish (bounded), stops the helper threads."""
+        """At job end: lets a commit in progress finish (bounded), reports a save left
+        unfinished (``checkpoint_failed``), releases the root's lease, stops the threads."""
         save = self._inflight
         if save is not None and save.commit is not None:
             try:
@@ -307,9 +488,52 @@ class Checkpointer:
                 self._progress(block_s=0.0)
             except Exception:  # reported by _progress, or the job is going down anyway
                 pass
+        if self._inflight is not None:
+            self._abandon(self._inflight, "abandoned: the job closed before it committed")
         self._wait_retention(timeout_s=60.0)
+        try:
+            self.lease.release()
+        except Exception as err:  # another controller took it, or the storage is gone
+            _log.warning("could not release the lease on %s: %s", self.root, err)
         self._committer.shutdown(wait=False)
         self._retainer.shutdown(wait=False)
+
+    # ---- lineage, storage ----------------------------------------------------------------------
+
+    def _keep_lease(self) -> None:
+        """Renews the root's lease in the background once a third of its time has passed."""
+        if time.time() - self.lease.renewed_t <= self.config.lease_ttl_s / 3:
+            return
+        if self._renewal is not None and not self._renewal.done():
+            return
+        if self._renewal is not None and self._renewal.exception() is not None:
+            _log.warning("could not renew the lease on %s: %s", self.root,
+                         self._renewal.exception())
+        self.lease.renewed_t = time.time()  # one attempt per third of the lease
+        self._renewal = self._retainer.submit(self.lease.renew)
+
+    def _storage_call(self, fn: Any, what: str) -> Any:
+        return with_retries(fn, what=what, attempts=self.config.storage_attempts)
+
+    def _committed(self) -> list[CheckpointInfo]:
+        infos = self._storage_call(
+            functools.partial(list_checkpoints, self.root, storage_options=self.options),
+            f"listing {self.root}")
+        return [c for c in infos if c.committed]
+
+    def _run_of(self, c: CheckpointInfo) -> str | None:
+        try:
+            return read_run_id(c.path, storage_options=self.options)
+        except (CheckpointError, OSError):
+            return "unreadable"
+
+    def _own_committed(self) -> list[CheckpointInfo]:
+        """This lineage's committed checkpoints, oldest first."""
+        return [c for c in self._committed() if self._run_of(c) in self.lineage]
+
+    def _deadline(self, nbytes: int) -> float:
+        """A save's or a restore's deadline: the base, plus time for its bytes."""
+        return self.config.timeout_s + nbytes / self.config.min_bytes_per_s
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -318,6 +542,9 @@ class Checkpointer:
         job = self.job
         assert self._inflight is None
         step = job.steps_done
+        waited = time.monotonic()
+        self._wait_abandoned(self.config.timeout_s)
+        self._wait_s += time.monotonic() - waited
         t0 = time.time()
         job.commit_all()  # the update would be applied at the next step anyway: not stall
         t1 = time.time()
@@ -326,7 +553,8 @@ class Checkpointer:
         refs = {
             h.name: h.actor.ckpt_start.remote(
                 job.gen, step, i, width, save.save_id, self.root, self.options,
-                if_busy="wait", fsync=self.config.fsync,
+                if_busy="wait", fsync=self.config.fsync, attempts=self.config.storage_attempts,
+                staging_budget_bytes=self.config.staging_budget_bytes,
             )
             for i, h in enumerate(job.members)
         }
@@ -336,8 +564,14 @@ class Checkpointer:
         except Failure as failure:
             self._abandon(save, f"a writer failed during the snapshot: {failure}")
             raise
-        save.stall_s = time.time() - t1
+        save.wait_s, self._wait_s = self._wait_s, 0.0
+        save.stall_s = time.time() - t1 + save.wait_s
         save.nbytes = sum(int(r["bytes"]) for r in results.values())
+        busy = sorted(n for n, r in results.items() if r.get("busy"))
+        if busy:  # never block a worker in an actor call on its writer: this save is dropped
+            self._inflight = save
+            self._abandon(save, f"writer {', '.join(busy)} still writes an earlier save")
+            return
         save.meta = dict(results[job.members[0].name]["meta"])
         assert job.plan is not None
         save.meta.update(
@@ -346,6 +580,8 @@ class Checkpointer:
             data_plan=job.plan.describe(),
             deadline=job.deadline.state_dict(),
             world_size=width,
+            run_id=self.run_id,
+            lineage=list(self.lineage),
         )
         if self.interval is not None:
             self.interval.observe_stall(save.stall_s)
@@ -354,6 +590,7 @@ class Checkpointer:
     def _progress(self, *, block_s: float) -> None:
         """Advances the save in flight: collects records, starts or completes its commit."""
         self._reap_abandoned()
+        self._check_retention()
         save = self._inflight
         if save is None:
             return
@@ -390,19 +627,26 @@ class Checkpointer:
             self._failed(save, f"commit failed: {type(err).__name__}: {err}")
             return
         self.last_committed, self.last_path = save.step, path
+        save_s = time.time() - save.t0
+        if self.interval is not None:
+            self.interval.observe_save_time(save_s)
         self.job.log.emit(
             "checkpoint_saved", step=save.step, path=path, bytes=save.nbytes,
-            stall_s=save.stall_s, save_s=time.time() - save.t0, writers=len(save.writers),
-            reason=save.reason,
+            stall_s=save.stall_s, wait_s=save.wait_s, save_s=save_s,
+            writers=len(save.writers), reason=save.reason, run_id=self.run_id,
         )
         _log.info("checkpoint of step %d committed: %s", save.step, path)
         self._retain()
 
     def _commit(self, save: _Save) -> str:
         records = [save.records[n] for n in save.writers]
+        # Fenced: LeaseHeld if another controller took the root. Renewed (a write) only
+        # past a third of its time; otherwise checked (a read).
+        stale = time.time() - self.lease.renewed_t > self.config.lease_ttl_s / 3
+        self._storage_call(self.lease.renew if stale else self.lease.check, "checking the lease")
         return commit_checkpoint(
             self.root, save.step, records, save.meta, world_size=len(save.writers),
-            storage_options=self.options,
+            storage_options=self.options, run_id=self.run_id,
         )
 
     def _finish(self, timeout_s: float) -> None:
@@ -428,6 +672,7 @@ class Checkpointer:
         self._reap_abandoned()
 
     def _failed(self, save: _Save, why: str) -> None:
+        self._last_failure = f"step {save.step}: {why}"
         _log.warning("checkpoint of step %d not committed: %s", save.step, why)
         self.job.log.emit("checkpoint_failed", step=save.step, error=why, reason=save.reason)
 
@@ -441,6 +686,19 @@ class Checkpointer:
             self._progress(block_s=0.0)
         else:
             self._abandon(save, why)
+
+    def _wait_abandoned(self, timeout_s: float) -> None:
+        """Waits (bounded, here rather than in a worker's actor call) until no writer of an
+        abandoned save still writes: a new snapshot would find its writer busy."""
+        end = time.monotonic() + timeout_s
+        self._reap_abandoned()
+        while self._abandoned and time.monotonic() < end:
+            refs = [save.polls[n] for save, pending in self._abandoned for n in pending
+                    if n in save.polls]
+            if refs:
+                ray.wait(refs, num_returns=1, timeout=min(0.5, max(0.0, end - time.monotonic())))
+            time.sleep(POLL_S)  # a poll answers at once while the write goes on
+            self._reap_abandoned()
 
     def _reap_abandoned(self) -> None:
         """Removes an abandoned save's temporary directory once none of its writers still
@@ -471,24 +729,42 @@ class Checkpointer:
         self._abandoned = keep
 
     def _retain(self) -> None:
-        if self.config.keep_last is None:
+        """Deletes old checkpoints of this lineage in the background. Every shard was checked
+        by its writer as it was written, so nothing is read back; never during a restore,
+        and never fewer than two are kept."""
+        if self.config.keep_last is None or self._restoring:
             return
-        if self._retention is not None and not self._retention.done():
+        self._check_retention()
+        if self._retention is not None:
             return  # the next save retains
         self._retention = self._retainer.submit(
-            apply_retention, self.root, keep_last=self.config.keep_last,
+            apply_retention, self.root, keep_last=max(2, self.config.keep_last),
             keep_every=self.config.keep_every, storage_options=self.options,
+            verify_newest=False, run_ids=self.lineage,
         )
 
-    def _wait_retention(self, timeout_s: float | None = None) -> None:
-        if self._retention is None:
+    def _check_retention(self) -> None:
+        """Reports the outcome of a finished retention pass (``retention_failed`` if it failed)."""
+        fut = self._retention
+        if fut is None or not fut.done():
             return
+        self._retention = None
         try:
-            deleted = self._retention.result(timeout=timeout_s or self.config.timeout_s)
-            if deleted:
-                _log.info("retention deleted the checkpoints of steps %s", deleted)
-        except Exception:
-            _log.exception("checkpoint retention failed")
+            deleted = fut.result()
+        except Exception as err:
+            _log.warning("checkpoint retention failed: %s: %s", type(err).__name__, err)
+            self.job.log.emit("retention_failed", error=f"{type(err).__name__}: {err}")
+            return
+        if deleted:
+            _log.info("retention deleted the checkpoints of steps %s", deleted)
+
+    def _wait_retention(self, timeout_s: float | None = None) -> None:
+        fut = self._retention
+        if fut is None:
+            return
+        with contextlib.suppress(Exception):  # reported by _check_retention
+            fut.exception(timeout=timeout_s or self.config.timeout_s)
+        self._check_retention()
 
     # ---- the interval ------------------------------------------------------------------------
 
@@ -520,12 +796,24 @@ class Checkpointer:
     # ---- restoring ---------------------------------------------------------------------------
 
     def _strategy(self) -> str:
+        """auto: on a file system, every replica reads everything when all are on one node
+        (local reads beat a broadcast), and replicas on several nodes (a shared file
+        system: one server) read one share each and broadcast; on object stores always a
+        share each (every replica reading everything multiplies egress). A non-strict
+        restore reads everything (each replica skips what does not fit)."""
+        if not self.config.strict:
+            return "read_all"
         if self.config.restore_strategy != "auto":
             return self.config.restore_strategy
-        return "read_all" if self.local or self.root.startswith("memory://") else "share"
+        if not self.local:
+            return "share"
+        nodes = {h.info.get("node") for h in self.job.members}
+        return "read_all" if len(nodes) <= 1 else "share"
 
     def _load(self, path: str, manifest: Any, strategy: str) -> str | None:
-        """Loads the checkpoint into every member; returns what was wrong, or None."""
+        """Loads the checkpoint into every member; returns what was wrong, or None. A storage
+        error is retried (with backoff) before the checkpoint counts as not viable; a
+        checkpoint that does not fit the job raises :class:`CheckpointMismatch`."""
         job = self.job
         members = job.members
         owners: dict[str, int] | None = None
@@ -535,15 +823,44 @@ class Checkpointer:
             plans = plan_shards(specs, len(members), split_bytes=1 << 62)  # whole tensors
             owners = {s.name: p.index for p in plans for s in p.slices}
             names = [[s.name for s in p.slices] for p in plans]
-        refs = {h.name: h.actor.ckpt_read.remote(job.gen, path, names[r], self.options)
-                for r, h in enumerate(members)}
-        job._hook("restore", path=path)
-        results = job._gather(refs, deadline_s=self.config.timeout_s, step=None)
-        problems = [r["error"] for r in results.values() if not r["ok"]]
-        if problems:
-            return "; ".join(dict.fromkeys(problems))
+        deadline = self._deadline(manifest.nbytes)
+        delay = 0.5
+        for attempt in range(1, self.config.storage_attempts + 1):
+            refs = {h.name: h.actor.ckpt_read.remote(job.gen, path, names[r], self.options,
+                                                      strict=self.config.strict)
+                    for r, h in enumerate(members)}
+            job._hook("restore", path=path)
+            results = job._gather(refs, deadline_s=deadline, step=None)
+            mismatch = next((r["mismatch"] for r in results.values() if r.get("mismatch")), None)
+            if mismatch and self.config.strict:
+                raise CheckpointMismatch(
+                    f"{path} does not fit the job: {mismatch}. Restore it into the model it "
+                    "was saved from, or set CheckpointConfig(strict=False) to load only the "
+                    "tensors that match"
+                )
+            if mismatch:
+                _log.warning("checkpoint %s does not fit the job: %s; loading what matches",
+                             path, mismatch)
+                job.log.emit("checkpoint_mismatch", path=path, tensors=[mismatch], data_plan=[])
+            failed = [r for r in results.values() if not r["ok"]]
+            storage = [r["error"] for r in failed if r.get("storage")]
+            problems = [r["error"] for r in failed if not r.get("storage")]
+            if problems:
+                return "; ".join(dict.fromkeys(problems))
+            if not storage:
+                break
+            if attempt == self.config.storage_attempts:
+                return (f"storage error after {attempt} attempts: "
+                        + "; ".join(dict.fromkeys(storage)))
+            _log.warning("reading %s failed (%s); retry %d in %.1f s", path, storage[0],
+                         attempt, delay)
+            time.sleep(delay)  # backoff before the retry
+            delay *= 2
         refs = {h.name: h.actor.ckpt_apply.remote(job.gen, path, owners) for h in members}
-        job._gather(refs, deadline_s=self.config.timeout_s, step=None)
+        applied = job._gather(refs, deadline_s=deadline, step=None)
+        sums = {name: r["checksum"] for name, r in applied.items()}
+        if len(set(sums.values())) > 1:
+            return f"the replicas' parameters differ after loading it (checksums {sums})"
         return None
 
     def _ledger_steps(self) -> int:

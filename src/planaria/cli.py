@@ -118,6 +118,11 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
     )
     p.add_argument("--no-resume", action="store_true", help="ignore the run dir's checkpoints")
     p.add_argument(
+        "--checkpoint-on-other-run", default="refuse", choices=["refuse", "overwrite", "branch"],
+        help="with --no-resume, what to do with checkpoints already in the run dir: refuse to "
+        "start, delete them, or keep them beside this run's (a separate lineage)",
+    )
+    p.add_argument(
         "--on-worker-lost", default="resize", choices=["resize", "pause", "restore", "abort"]
     )
     p.add_argument("--min-replicas", type=int, default=1)
@@ -159,7 +164,8 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
         from planaria.checkpointing import CheckpointConfig
 
         checkpoint = CheckpointConfig.from_cli(
-            every=args.checkpoint_every, resume=not args.no_resume, root=None
+            every=args.checkpoint_every, resume=not args.no_resume, root=None,
+            on_other_run=args.checkpoint_on_other_run,
         )
     policy = RecoveryPolicy(on_worker_lost=args.on_worker_lost, min_replicas=args.min_replicas)
     display.start()

@@ -61,6 +61,11 @@ class TrainSpec:
     """Seeds the model's initial state, the data order and per-step randomness."""
     name: str = "spec"
     """A label for logs and reports."""
+    extra_state: tuple[Callable[[Any, Any], dict[str, Any]],
+                       Callable[[Any, Any, dict[str, Any]], None]] | None = None
+    """State beyond the model, optimizer and scheduler (a GradScaler's scale, an EMA's
+    counters): ``(get, set)`` with ``get(model, optimizer) -> dict`` (JSON-able) and
+    ``set(model, optimizer, state)``; saved in checkpoints and sent to joining replicas."""
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "loss", "dataset"):
@@ -94,6 +99,14 @@ class TrainSpec:
             "a positive float or None",
         )
         check(isinstance(self.seed, int), "seed", self.seed, "an integer")
+        check(
+            self.extra_state is None
+            or (isinstance(self.extra_state, tuple) and len(self.extra_state) == 2
+                and all(callable(f) for f in self.extra_state)),
+            "extra_state",
+            self.extra_state,
+            "None or (get, set): get(model, optimizer) -> dict, set(model, optimizer, dict)",
+        )
 
 
 def _default_threads(replicas: int) -> int:

@@ -139,8 +139,9 @@ class Job:
     def __enter__(self) -> Job:
         try:
             self.start()
-        except BaseException as err:  # __exit__ will not run: release workers and Ray here
-            self.close(status="aborted", error=f"{type(err).__name__}: {err}")
+        except BaseException as err:  # __exit__ will not run: release workers, lease and Ray
+            status = "aborted" if isinstance(err, PlanariaError) else "error"
+            self.close(status=status, error=f"{type(err).__name__}: {err}")
             raise
         return self
 
@@ -639,14 +640,14 @@ class Job:
     def _chaos_during_step(self, step: int) -> None:
         if self.chaos is None:
             return
-        for ev in self.chaos.due(step=step, elapsed_s=self.elapsed_s):
-            if ev.step is not None:
-                # Land inside the step: after dispatch, about a third of a typical step in.
-                typical = self.deadline.typical_step_s or 0.05
-                time.sleep(min(0.5, typical / 3))
-                self._inject(ev.action, ev.target, step)
-            else:
-                self._inject(ev.action, ev.target, step)
+        due = self.chaos.due(step=step, elapsed_s=self.elapsed_s)
+        if any(ev.step is not None for ev in due):
+            # Land inside the step: after dispatch, about a third of a typical step in; the
+            # faults planned for one step land together.
+            typical = self.deadline.typical_step_s or 0.05
+            time.sleep(min(0.5, typical / 3))
+        for ev in due:
+            self._inject(ev.action, ev.target, step)
 
     def _inject(self, action: str, target: str, step: int) -> None:
         assert self.chaos is not None

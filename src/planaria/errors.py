@@ -24,6 +24,7 @@ __all__ = [
     "ReplicaDivergence",
     "StaleGeneration",
     "StepAborted",
+    "StorageError",
     "UserCodeError",
     "WorkerHung",
     "WorkerLost",
@@ -102,6 +103,13 @@ class NonFiniteLoss(Failure):
     """The global loss or the reduced gradient of a step was NaN or infinite."""
 
     kind = "nonfinite_loss"
+
+
+class StorageError(Failure):
+    """Checkpoint storage failed (an OSError, an object store's client error, a permission
+    error) after its retries; not a bug in user code and not a worker's fault."""
+
+    kind = "storage_error"
 
 
 class ReplicaDivergence(Failure):
@@ -246,6 +254,7 @@ def classify(
     dead: list[str] = []
     broken: list[tuple[str, InfrastructureError | InternalError]] = []
     nonfinite: list[str] = []
+    storage: list[tuple[str, StorageError]] = []
     peer: list[str] = []
     for name, raw in errors.items():
         err = _root_cause(raw)
@@ -257,6 +266,8 @@ def classify(
             broken.append((name, err))
         elif isinstance(err, NonFiniteLoss):
             nonfinite.append(name)
+        elif isinstance(err, StorageError):
+            storage.append((name, err))
         elif isinstance(err, StepAborted) or is_peer_failure(err):
             peer.append(name)  # a consequence of another worker's failure, never a cause
         else:  # planaria's own code failed on that worker (an invariant, a stale generation)
@@ -300,6 +311,8 @@ def classify(
             workers=faulty,
             step=step,
         )
+    if storage:
+        return StorageError(str(storage[0][1]), workers=(), step=step)
     if nonfinite:
         return NonFiniteLoss(f"non-finite loss at step {step}", workers=(), step=step)
     if preempting:

@@ -39,6 +39,9 @@ class RecoveryPolicy:
     """Ask Ray for a replacement whenever a worker leaves."""
     max_replacement_attempts: int = 5
     """Start attempts per replacement before giving up on it (with exponential backoff)."""
+    allow_restart_from_scratch: bool = False
+    """When checkpoints exist but none can be restored, start over from step 0 (False: stop
+    with an error that says what would be lost)."""
     retry_policy: Callable[[int, Failure], bool] | None = None
     """Optional hook ``(attempt, failure) -> bool``: False stops the job on that failure."""
 
@@ -55,6 +58,8 @@ class RecoveryPolicy:
             self.on_nonfinite,
             "one of 'skip', 'rollback', 'abort'",
         )
+        check(isinstance(self.allow_restart_from_scratch, bool), "allow_restart_from_scratch",
+              self.allow_restart_from_scratch, "True or False")
         check(self.min_replicas >= 1, "min_replicas", self.min_replicas, "an integer >= 1")
         check(self.pause_timeout_s > 0, "pause_timeout_s", self.pause_timeout_s, "seconds > 0")
         check(self.max_failures >= 0, "max_failures", self.max_failures, "an integer >= 0")

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planaria.checkpoint.errors import NoViableCheckpoint
 from planaria.errors import (
     AllReplicasLost,
     ElasticRuntimeError,
@@ -258,13 +259,24 @@ class Recovery:
         for handle in job.members:
             handle.has_state = True  # every member is about to be overwritten
         job.build_generation(job.members, reason="restore")
-        restored = job.checkpointer.restore() if job.checkpointer is not None else None
+        try:
+            restored = job.checkpointer.restore() if job.checkpointer is not None else None
+        except NoViableCheckpoint as err:
+            if not job.policy.allow_restart_from_scratch:
+                why = (f"no checkpoint could be restored ({err}); starting over would lose all "
+                       f"{before} steps trained: set RecoveryPolicy(allow_restart_from_scratch="
+                       "True) to allow it")
+                job.log.emit("action", fault_id=fault.fault_id, action="abort", reason=why)
+                raise ElasticRuntimeError(f"planaria gave up: {why}") from err
+            restored = None
         if restored is None:
             restored = self._restart_from_scratch()
         fault.lost_steps = max(0, before - restored)
 
     def _restart_from_scratch(self) -> int:
-        """No checkpoint: every member rebuilds the seed's initial state; training starts over."""
+        """No checkpoint (or none viable, where the policy allows it): fresh workers build the
+        seed's initial state (the old ones, maybe half restored, are killed); training starts
+        over."""
         job = self.job
         _log.warning("no viable checkpoint: starting over from step 0")
         t0 = time.time()
@@ -280,6 +292,12 @@ class Recovery:
             handle.has_state = True
         job.steps_done = 0
         job.build_generation(ready, reason="restore")
+        # A ready worker may be a replacement that pre-built optimizer state: every member
+        # goes back to the seed's initial state, and they must agree on it.
+        sums = job._gather({h.name: h.actor.reinit.remote(job.gen) for h in job.members},
+                           deadline_s=job.policy.pause_timeout_s, step=None)
+        if len(set(sums.values())) > 1:
+            self._abort(f"fresh workers built different initial parameters {sums}", None)
         job.log.emit("restore", step=0, path=None, restore_s=time.time() - t0, lost_steps=before)
         return 0
 

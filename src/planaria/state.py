@@ -94,4 +94,6 @@ def load_state(
         state.setdefault(int(pid), {}).update(scalars)
     optimizer.load_state_dict({"state": state, "param_groups": meta["optim_param_groups"]})
     if scheduler is not None and meta.get("scheduler") is not None:
-        scheduler.load_state_dict(meta["scheduler"])
+        # Only the keys this scheduler has: a saved state must not add attributes to it.
+        own = scheduler.state_dict()
+        scheduler.load_state_dict({k: v for k, v in meta["scheduler"].items() if k in own})

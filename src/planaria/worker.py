@@ -286,6 +286,7 @@ class Worker(CheckpointWorkerMixin):
         step whose update the controller dropped (a non-finite one): it counts as done.
         """
         self._check(gen)
+        self._refuse_if_dirty("step")
         self._settle(steps_done, skipped)
         if step != self.steps_done:
             raise PlanariaError(f"{self.name} asked for step {step} but has {self.steps_done} done")
@@ -457,11 +458,13 @@ class Worker(CheckpointWorkerMixin):
         """What a joiner needs besides tensors: the layout, the JSON metadata, steps done."""
         self._check(gen)
         tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
+        meta = self._extra_state_get(meta)
         return {"layout": tensor_layout(tensors), "meta": meta, "steps_done": self.steps_done}
 
     def send_state(self, gen: int, dsts: list[int]) -> int:
         """Sends the whole state to ranks ``dsts`` over the generation's group; returns bytes."""
         self._check(gen)
+        self._refuse_if_dirty("send its state")
         assert self.comm is not None
         self._set_phase("send_state", self.steps_done)
         tensors, _ = flatten_state(self.model, self.optimizer, self.scheduler)
@@ -516,6 +519,7 @@ class Worker(CheckpointWorkerMixin):
                     model_live[name].copy_(tensor)
         optim = {k: v for k, v in tensors.items() if k.startswith("optim/")}
         load_state(None, self.optimizer, self.scheduler, optim, source["meta"])
+        self._extra_state_set(source["meta"])
         self._drop_pending()
         self.steps_done = int(source["steps_done"])
         self._set_phase("idle", self.steps_done)

@@ -14,9 +14,12 @@ verifies) tensors straight into the replica's live tensors (memory already
 allocated and touched: reading into fresh memory costs more in page faults than
 the read itself), :meth:`~CheckpointWorkerMixin.ckpt_apply` then loads the rest
 (optimizer and scheduler metadata), after broadcasting each tensor from the
-replica that read it when the replicas read shares. A read that fails leaves the
-replica's state partly overwritten (``ckpt_dirty``): the controller then tries
-an older checkpoint, or rebuilds the initial state (``Worker.reinit``).
+replica that read it when the replicas read shares. Before reading, the
+checkpoint's tensors (names, shapes, dtypes) are compared with the replica's: a
+mismatch is reported and nothing is read. A read that fails leaves the replica's
+state partly overwritten: the replica is ``ckpt_dirty`` until a restore
+completes, and a dirty replica refuses to step, to send its state and to be
+saved. Storage errors are reported as such (the controller retries them).
 """
 
 from __future__ import annotations
@@ -35,12 +38,17 @@ from planaria.checkpoint import (
     plan_shards,
     read_manifest,
 )
-from planaria.checkpoint.dtypes import DTYPES
+from planaria.checkpoint.backoff import is_storage_error
+from planaria.checkpoint.checksum import byte_view, crc32c
+from planaria.checkpoint.compat import compare_layouts
+from planaria.checkpoint.dtypes import DTYPES, dtype_name
+from planaria.checkpoint.storage import Storage
 from planaria.errors import PlanariaError
-from planaria.state import flatten_state, load_state
+from planaria.state import _jsonable, flatten_state, load_state
 
 if TYPE_CHECKING:
     from planaria.collective import Collective
+    from planaria.config import TrainSpec
 
 __all__ = ["CheckpointWorkerMixin", "broadcast_units"]
 
@@ -69,6 +77,15 @@ def broadcast_units(
     return units
 
 
+def _read_failure(err: Exception) -> dict[str, Any]:
+    """What :meth:`CheckpointWorkerMixin.ckpt_read` reports for an error while reading."""
+    if isinstance(err, CheckpointError):
+        return {"ok": False, "error": str(err)}
+    if is_storage_error(err):
+        return {"ok": False, "storage": True, "error": f"{type(err).__name__}: {err}"}
+    raise err
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -80,6 +97,7 @@ class CheckpointWorkerMixin:
     """Mixed into :class:`planaria.worker.Worker`; called by the controller's Checkpointer."""
 
     if TYPE_CHECKING:  # provided by Worker
+        spec: TrainSpec
         name: str
         model: torch.nn.Module
         optimizer: Any
@@ -102,6 +120,30 @@ class CheckpointWorkerMixin:
     ckpt_dirty: bool = False
     """A restore wrote into the live state and did not finish: the state is not to be used."""
 
+    def _extra_state_get(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """``meta`` with the spec's extra state added (``extra_state``), if it has one."""
+        from planaria.worker import _user  # worker imports this module
+
+        hook = self.spec.extra_state
+        if hook is not None:
+            meta["extra_state"] = _jsonable(_user("extra_state get", hook[0], self.model,
+                                                  self.optimizer), "extra_state")
+        return meta
+
+    def _extra_state_set(self, meta: Mapping[str, Any]) -> None:
+        """Hands the extra state in ``meta`` (if any) to the spec's setter."""
+        from planaria.worker import _user
+
+        hook = self.spec.extra_state
+        if hook is not None and isinstance(meta.get("extra_state"), dict):
+            _user("extra_state set", hook[1], self.model, self.optimizer, meta["extra_state"])
+
+    def _refuse_if_dirty(self, what: str) -> None:
+        """Raises if a restore left this replica's state half written."""
+        if self.ckpt_dirty:
+            raise PlanariaError(f"{self.name} cannot {what}: a restore into it did not finish, "
+                                "its state is partly overwritten")
+
     # ---- saving ------------------------------------------------------------------------------
 
     def ckpt_start(
@@ -116,6 +158,8 @@ class CheckpointWorkerMixin:
         *,
         if_busy: Literal["wait", "skip"] = "wait",
         fsync: bool = True,
+        attempts: int = 3,
+        staging_budget_bytes: int | None = None,
     ) -> dict[str, Any]:
         """Snapshots shard ``index`` of ``num_shards`` of the state after ``step`` steps and
         starts writing it under ``root``; returns once the snapshot is taken.
@@ -126,6 +170,10 @@ class CheckpointWorkerMixin:
         and, from shard 0, the state's JSON ``meta``.
         """
         self._check(gen)
+        self._refuse_if_dirty("be saved")
+        if self._ckpt_writer is not None and self._ckpt_writer.busy:
+            # Never block in an actor call on the writer: the controller drops this save.
+            return {"busy": True, "stall_s": None, "bytes": 0, "meta": None}
         if self.pending is not None or self.steps_done != step:
             raise PlanariaError(
                 f"{self.name} cannot snapshot step {step}: it has {self.steps_done} steps done"
@@ -135,10 +183,13 @@ class CheckpointWorkerMixin:
         tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
         plan = plan_shards({k: (t.shape, t.dtype) for k, t in tensors.items()}, num_shards)[index]
         writer = self._writer(root, storage_options, if_busy, fsync)
+        writer.attempts = attempts
+        writer.staging_budget_bytes = staging_budget_bytes
         stall = writer.start(step, tensors, plan, save_id=save_id)
         if stall is not None:
             self._ckpt_save_id = save_id
         self._set_phase("idle", step)
+        meta = self._extra_state_get(meta) if index == 0 else meta
         return {"stall_s": stall, "bytes": plan.nbytes, "meta": meta if index == 0 else None}
 
     def ckpt_poll(self, save_id: str) -> dict[str, Any] | None:
@@ -171,6 +222,22 @@ class CheckpointWorkerMixin:
         self._ckpt_writer.if_busy = if_busy
         return self._ckpt_writer
 
+    def ckpt_probe(
+        self, root: str, name: str, storage_options: Mapping[str, Any] | None, size: int
+    ) -> dict[str, Any]:
+        """Reads the file ``name`` the controller wrote under ``root``: ``ok``, or ``error``
+        (a root this worker cannot reach, e.g. a local path on another node). Not fenced:
+        it reads only."""
+        try:
+            st = Storage(root, storage_options)
+            got = len(st.read_bytes(st.path(name)))
+        except Exception as err:
+            return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+        if got != size:
+            return {"ok": False,
+                    "error": f"read {got} bytes of {name}, the controller wrote {size}"}
+        return {"ok": True}
+
     # ---- restoring ---------------------------------------------------------------------------
 
     def ckpt_read(
@@ -179,35 +246,54 @@ class CheckpointWorkerMixin:
         path: str,
         names: list[str] | None,
         storage_options: Mapping[str, Any] | None = None,
+        *,
+        strict: bool = True,
     ) -> dict[str, Any]:
-        """Phase 1 of a restore: reads tensors ``names`` (None: all) of the checkpoint at
-        ``path`` into fresh memory, verifying every byte read. Changes no training state.
+        """Phase 1 of a restore: checks the checkpoint at ``path`` fits this replica, then
+        reads tensors ``names`` (None: all) into the live tensors, verifying every byte.
 
-        Returns ``ok``, and ``error`` (naming the file at fault) when the checkpoint is
-        not usable, else ``bytes`` and ``read_s``.
+        Returns ``ok``; ``mismatch`` (naming the tensors) if the checkpoint's tensors
+        differ from the replica's (with ``strict`` nothing is read, else only the tensors
+        that match are); ``error`` (naming the file at fault) and ``storage`` when the
+        checkpoint is not usable; else ``bytes`` and ``read_s``.
         """
         self._check(gen)
         self._ckpt_staged = None
         self._set_phase("ckpt_read", -1)
         t0 = time.perf_counter()
-        if not self.optimizer.state:  # so that the optimizer state too lands in touched memory
-            self._prebuild_optimizer_state()
-        live, _ = flatten_state(self.model, self.optimizer, self.scheduler)
-        self._ckpt_live = live
-        self.ckpt_dirty = True
         try:
-            manifest = read_manifest(path, storage_options=storage_options)
-            tensors, meta = load_checkpoint(
-                path, names=names, storage_options=storage_options, into=live
-            )
-        except CheckpointError as err:
-            return {"ok": False, "error": str(err)}
+            if not self.optimizer.state:  # so that the optimizer state too lands in touched memory
+                self._prebuild_optimizer_state()
+            live, _ = flatten_state(self.model, self.optimizer, self.scheduler)
+            try:
+                manifest = read_manifest(path, storage_options=storage_options)
+            except Exception as err:
+                return _read_failure(err)
+            saved = {n: (tuple(t.shape), t.dtype) for n, t in manifest.tensors.items()}
+            mine = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in live.items()}
+            diff = compare_layouts(saved, mine)
+            if diff and strict:
+                return {"ok": False, "mismatch": "; ".join(diff), "error": "; ".join(diff)}
+            if diff:
+                names = [n for n in (names if names is not None else saved)
+                         if n in mine and mine[n] == saved[n]]
+            self._ckpt_live = live
+            self.ckpt_dirty = True
+            try:
+                tensors, meta = load_checkpoint(
+                    path, names=names, storage_options=storage_options, into=live
+                )
+            except Exception as err:
+                return _read_failure(err)
         finally:
             self._set_phase("idle", -1)
         layout = {n: (t.shape, DTYPES[t.dtype]) for n, t in manifest.tensors.items()}
         self._ckpt_staged = (path, tensors, meta, layout)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return {"ok": True, "bytes": nbytes, "read_s": time.perf_counter() - t0}
+        out: dict[str, Any] = {"ok": True, "bytes": nbytes, "read_s": time.perf_counter() - t0}
+        if diff:
+            out["mismatch"] = "; ".join(diff)
+        return out
 
     def ckpt_apply(
         self, gen: int, path: str, owners: dict[str, int] | None = None
@@ -233,14 +319,25 @@ class CheckpointWorkerMixin:
                     continue
                 if target.data_ptr() != tensor.data_ptr():
                     target.copy_(tensor)
-        optim = {k: v for k, v in tensors.items() if not k.startswith("model/")}
+        optim = {k: v for k, v in live.items() if k.startswith("optim/")}  # non-strict: kept
+        optim.update({k: v for k, v in tensors.items() if not k.startswith("model/")})
         load_state(None, self.optimizer, self.scheduler, optim, meta)
+        self._extra_state_set(meta)
         self._ckpt_live = None
         self.ckpt_dirty = False
         self._drop_pending()
         self.steps_done = int(meta["steps_done"])
         self._set_phase("idle", self.steps_done)
-        return {"steps_done": self.steps_done, "bcast_s": bcast_s}
+        return {"steps_done": self.steps_done, "bcast_s": bcast_s,
+                "checksum": self._model_crc()}
+
+    def _model_crc(self) -> int:
+        """CRC-32C (in hardware) over the model's tensors in name order: equal on every
+        replica after a restore, or the restore went wrong."""
+        crc = 0
+        for _, tensor in sorted(self.model.state_dict().items()):
+            crc = crc32c(byte_view(tensor.detach().cpu().contiguous()), crc)
+        return crc
 
     def _broadcast(
         self,

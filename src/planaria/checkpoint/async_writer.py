@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from planaria.checkpoint.backoff import with_retries
 from planaria.checkpoint.plan import ShardPlan
 from planaria.checkpoint.staging import StagingBuffers, take_share
 from planaria.checkpoint.writer import ShardRecord, write_shard
@@ -18,6 +19,15 @@ from planaria.checkpoint.writer import ShardRecord, write_shard
 __all__ = ["AsyncShardWriter"]
 
 _log = logging.getLogger("planaria.checkpoint")
+
+
+def _live_share(tensors: Mapping[str, torch.Tensor], plan: ShardPlan) -> dict[str, torch.Tensor]:
+    """The plan's slices as views of the live tensors (no copy for contiguous CPU tensors)."""
+    out = {}
+    for spec in plan.slices:
+        src = tensors[spec.name].detach()
+        out[spec.key] = src if spec.rows is None else src[spec.rows[0] : spec.rows[1]]
+    return out
 
 
 class AsyncShardWriter:
@@ -38,9 +48,18 @@ class AsyncShardWriter:
         fsync: bool = True,
         pin_memory: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        verify: bool = True,
+        attempts: int = 3,
+        staging_budget_bytes: int | None = None,
     ) -> None:
         """``if_busy``: what :meth:`start` does while the previous write runs;
-        ``busy_timeout_s``: the longest it waits (None: no limit), then ``TimeoutError``."""
+        ``busy_timeout_s``: the longest it waits (None: no limit), then ``TimeoutError``;
+        ``verify``: read each shard back once written and check it; ``attempts``: writes
+        tried (with backoff) before a storage error is final
+        (:class:`~planaria.errors.StorageError`); ``staging_budget_bytes``: the most host
+        memory the staging buffers may hold (None: a share's size, about 1/N of the
+        state); a share over it is written at once from the live tensors, without a
+        copy, blocking :meth:`start` for the whole write."""
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         self.root = root
@@ -48,6 +67,9 @@ class AsyncShardWriter:
         self.busy_timeout_s = busy_timeout_s
         self.fsync = fsync
         self.storage_options = dict(storage_options or {})
+        self.verify = verify
+        self.attempts = attempts
+        self.staging_budget_bytes = staging_budget_bytes
         self.staging = StagingBuffers(pin_memory=pin_memory)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-ckpt")
         self._future: Future[ShardRecord] | None = None
@@ -91,9 +113,18 @@ class AsyncShardWriter:
             if err is not None:
                 _log.warning("dropping uncollected failure of the previous save: %r", err)
         t0 = time.perf_counter()
-        share = take_share(tensors, plan, self.staging)
+        if self.staging_budget_bytes is not None and plan.nbytes > self.staging_budget_bytes:
+            self.staging.clear()
+            done: Future[ShardRecord] = Future()
+            try:
+                done.set_result(self._write(step, plan, _live_share(tensors, plan), save_id))
+            except Exception as err:
+                done.set_exception(err)
+            self._future = done
+        else:
+            share = take_share(tensors, plan, self.staging)
+            self._future = self._pool.submit(self._write, step, plan, share, save_id)
         self.last_stall_s = time.perf_counter() - t0
-        self._future = self._pool.submit(self._write, step, plan, share, save_id)
         self._collected = False
         return self.last_stall_s
 
@@ -101,9 +132,12 @@ class AsyncShardWriter:
         self, step: int, plan: ShardPlan, share: dict[str, torch.Tensor], save_id: str | None
     ) -> ShardRecord:
         t0 = time.perf_counter()
-        record = write_shard(self.root, step, plan.index, plan.num_shards, share,
-                             save_id=save_id, fsync=self.fsync,
-                             storage_options=self.storage_options)
+        record = with_retries(
+            lambda: write_shard(self.root, step, plan.index, plan.num_shards, share,
+                                save_id=save_id, fsync=self.fsync, verify=self.verify,
+                                storage_options=self.storage_options),
+            what=f"writing shard {plan.index} of step {step}", attempts=self.attempts,
+        )
         self.last_write_s = time.perf_counter() - t0
         return record
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -12,7 +12,13 @@ import torch
 
 from planaria._version import __version__
 from planaria.checkpoint.errors import IncompleteCheckpoint, ManifestError
-from planaria.checkpoint.layout import MANIFEST, MARKER, step_dir_name, trash_dir_name
+from planaria.checkpoint.layout import (
+    MANIFEST,
+    MARKER,
+    save_dir_name,
+    step_dir_name,
+    trash_dir_name,
+)
 from planaria.checkpoint.manifest import (
     Manifest,
     SliceEntry,
@@ -83,6 +89,7 @@ def commit_checkpoint(
     world_size: int,
     user_metadata: Mapping[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
 ) -> str:
     """Commits the save of ``step`` whose writers returned ``records``; returns its path.
 
@@ -90,7 +97,11 @@ def commit_checkpoint(
     exists with the recorded size and that the slices make whole tensors; then
     writes ``manifest.json``, then the commit marker, then (local disk) renames
     the temporary directory to ``step_XXXXXXXXX``, replacing an older directory
-    of the same step. ``meta`` must be JSON-serialisable. Raises
+    of the same step. On object stores the manifest goes under the save's prefix
+    and the marker, written last in one PUT, switches readers from an older
+    commit of the step to this one; the older copy's files are removed after.
+    ``meta`` must be JSON-serialisable; ``run_id`` (the run committing) goes in
+    the marker. Raises
     :class:`IncompleteCheckpoint` or :class:`ManifestError` (subclasses of
     :class:`CheckpointError`) before anything becomes visible; storage errors
     propagate as raised.
@@ -122,16 +133,18 @@ def commit_checkpoint(
         created_t=time.time(),
         checksum=ordered[0].checksum,
     )
+    if not storage.local:
+        manifest = dataclasses.replace(manifest, data_dir=save_dir_name(save_id))
     data = manifest.to_json()
     parse_manifest(data)  # the reader's own checks, before anything becomes visible
     final = storage.path(step_dir_name(step))
-    if not storage.local:
-        # An older commit of this step loses its marker first, so that it is never seen
-        # as committed with a mix of its files and ours.
-        storage.remove(f"{final}/{MARKER}")
-        _remove_strays(storage, final, {r.file.name for r in ordered})
     storage.write_bytes(f"{directory}/{MANIFEST}", data)
-    marker = marker_bytes(data, step, save_id, manifest.checksum)
+    marker = marker_bytes(data, step, save_id, manifest.checksum, data_dir=manifest.data_dir,
+                          run_id=run_id)
+    if not storage.local:
+        storage.write_bytes(f"{final}/{MARKER}", marker)  # the switch: one atomic PUT
+        remove_stale_saves(storage, final, manifest.data_dir)
+        return storage.url(final)
     storage.write_bytes(f"{directory}/{MARKER}", marker)
     if storage.local:
         storage.fsync_dir(directory)
@@ -148,9 +161,22 @@ def commit_checkpoint(
     return storage.url(final)
 
 
-def _remove_strays(storage: Storage, directory: str, keep: set[str]) -> None:
-    """Deletes files of an older save of this step that the new one does not overwrite."""
+def remove_stale_saves(storage: Storage, directory: str, data_dir: str) -> list[str]:
+    """Object stores: deletes what other saves of this step left in its ``directory`` (older
+    commits, re-saves that never committed), keeping the marker and the prefix
+    ``data_dir`` it names ("": an old-layout commit, whose files lie in ``directory``
+    itself). Returns the names removed; storage errors are logged, not raised (the
+    next clean-up retries)."""
+    removed = []
     for name in storage.listdir(directory):
-        if name not in keep and name not in (MANIFEST, MARKER):
-            with contextlib.suppress(OSError):
-                storage.remove(f"{directory}/{name}")
+        if name in (MARKER, data_dir):
+            continue
+        if not data_dir and not name.startswith("save-"):
+            continue  # the committed old-layout files themselves
+        try:
+            storage.remove_tree(f"{directory}/{name}")
+        except OSError as err:
+            _log.warning("could not remove %s/%s: %s", directory, name, err)
+            continue
+        removed.append(name)
+    return removed

@@ -6,9 +6,13 @@ from planaria.errors import CheckpointError
 
 __all__ = [
     "CheckpointError",
+    "CheckpointMismatch",
     "CorruptCheckpoint",
     "IncompleteCheckpoint",
+    "LeaseHeld",
     "ManifestError",
+    "NoViableCheckpoint",
+    "OtherRunCheckpoints",
 ]
 
 
@@ -23,3 +27,22 @@ class IncompleteCheckpoint(CheckpointError):
 class CorruptCheckpoint(CheckpointError):
     """A file's size or a checksum disagrees with the manifest. The message names the file
     (and the tensor, where one is at fault)."""
+
+
+class NoViableCheckpoint(CheckpointError):
+    """Committed checkpoints of this run's lineage exist but none verifies and loads: the
+    message says what was wrong with each. Never a silent start from step 0."""
+
+
+class OtherRunCheckpoints(CheckpointError):
+    """A run that does not resume found another run's checkpoints under its root; the
+    message says how to overwrite them or to branch off beside them."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint does not fit the job: tensors missing on either side, shapes or dtypes
+    that differ, or another data plan. The message names them."""
+
+
+class LeaseHeld(CheckpointError):
+    """Another controller holds (or took over) the lease on a checkpoint root."""

@@ -55,10 +55,14 @@ class CheckpointInterval:
     """Auto: never save more often than this."""
     max_steps: int | None = None
     """Auto: never save less often than this (None: no bound)."""
+    continuous: bool = False
+    """Auto: when Daly's optimum is shorter than a save takes to write and commit, save
+    back to back (continuous checkpointing) instead of at the write time."""
 
     _failures: int = field(default=0, init=False, repr=False)
     _exposure_s: float = field(default=0.0, init=False, repr=False)
     _stall_s: float | None = field(default=None, init=False, repr=False)
+    _save_s: float | None = field(default=None, init=False, repr=False)
     _step_s: float | None = field(default=None, init=False, repr=False)
     _last_step: int = field(default=0, init=False, repr=False)
     _last_t: float | None = field(default=None, init=False, repr=False)
@@ -101,6 +105,15 @@ class CheckpointInterval:
         """A save blocked training for ``seconds``."""
         self._stall_s = seconds if self._stall_s is None else 0.5 * self._stall_s + 0.5 * seconds
 
+    def observe_save_time(self, seconds: float) -> None:
+        """A save took ``seconds`` from its snapshot to its commit (writes included)."""
+        self._save_s = seconds if self._save_s is None else 0.5 * self._save_s + 0.5 * seconds
+
+    @property
+    def save_s(self) -> float | None:
+        """The measured time from a save's snapshot to its commit (None before one)."""
+        return self._save_s
+
     def observe_step_time(self, seconds: float) -> None:
         """A step took ``seconds`` (also counts as time exposed to failures)."""
         self._exposure_s += seconds
@@ -126,7 +139,11 @@ class CheckpointInterval:
         if self.every_s is not None:
             return self.every_s
         if self.auto:
-            return young_daly_interval(self.stall_s, self.mtbf_s)
+            optimum = young_daly_interval(self.stall_s, self.mtbf_s)
+            if self._save_s is not None and optimum < self._save_s:
+                # Saving more often than a save takes only queues saves behind each other.
+                return 0.0 if self.continuous else self._save_s
+            return optimum
         return None
 
     def steps(self) -> int | None:
@@ -166,5 +183,6 @@ class CheckpointInterval:
         out: dict[str, Any] = {"every_steps": self.steps(), "reason": reason,
                                "every_s": self.interval_s(), "step_s": self._step_s}
         if self.auto:
-            out.update(stall_s=self.stall_s, mtbf_s=self.mtbf_s, failures=self._failures)
+            out.update(stall_s=self.stall_s, mtbf_s=self.mtbf_s, failures=self._failures,
+                       save_s=self._save_s, continuous=self.continuous)
         return out

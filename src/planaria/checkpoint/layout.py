@@ -4,7 +4,11 @@ A root holds one directory per step, ``step_000001200/``, with the shard files
 ``shard-00001-of-00003.safetensors``, ``manifest.json`` and the commit marker
 ``COMMITTED`` (written last). On local disk a save is written under
 ``step_000001200.tmp-<save_id>`` and renamed when complete; directories being
-deleted are first renamed to ``step_000001200.trash-<id>``.
+deleted are first renamed to ``step_000001200.trash-<id>``. On object stores a
+save writes its shards and manifest under its own prefix,
+``step_000001200/save-<save_id>/``, and the marker (one atomic PUT) names it: a
+re-save of a step never touches the committed copy until its marker replaces
+the old one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ __all__ = [
     "MARKER",
     "new_save_id",
     "parse_dir_name",
+    "save_dir_name",
     "shard_file_name",
     "step_dir_name",
     "tmp_dir_name",
@@ -53,6 +58,11 @@ def step_dir_name(step: int) -> str:
 def tmp_dir_name(step: int, save_id: str) -> str:
     """The temporary name a save of ``step`` is written under on local disk."""
     return f"{step_dir_name(step)}.tmp-{check_save_id(save_id)}"
+
+
+def save_dir_name(save_id: str) -> str:
+    """The prefix, under a step's directory on object stores, a save's files go to."""
+    return f"save-{check_save_id(save_id)}"
 
 
 def trash_dir_name(step: int) -> str:

@@ -29,6 +29,7 @@ __all__ = [
     "SliceEntry",
     "TensorEntry",
     "marker_bytes",
+    "marker_fields",
     "parse_manifest",
     "parse_marker",
 ]
@@ -94,6 +95,9 @@ class Manifest:
     created_t: float = 0.0
     checksum: str = ALGORITHM
     """The algorithm of every checksum in the manifest (``crc32c``; ``crc32`` in old ones)."""
+    data_dir: str = ""
+    """Where the shard files are, under the step's directory ("": in it; on object stores
+    the save's own prefix, ``save-<save_id>``, so a re-save never touches a committed copy)."""
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +113,7 @@ class Manifest:
             "step": self.step,
             "world_size": self.world_size,
             "save_id": self.save_id,
+            "data_dir": self.data_dir,
             "created_t": self.created_t,
             "planaria_version": self.planaria_version,
             "torch_version": self.torch_version,
@@ -154,14 +159,43 @@ def parse_manifest(data: bytes) -> Manifest:
 
 
 def marker_bytes(
-    manifest_json: bytes, step: int, save_id: str, algorithm: str = ALGORITHM
+    manifest_json: bytes,
+    step: int,
+    save_id: str,
+    algorithm: str = ALGORITHM,
+    *,
+    data_dir: str = "",
+    run_id: str | None = None,
 ) -> bytes:
     """The commit marker's content: names the exact manifest it commits (its size and its
-    checksum with ``algorithm``; the key keeps its first name, ``manifest_crc32``)."""
-    doc = {"step": step, "save_id": save_id, "manifest_size": len(manifest_json),
-           "checksum": algorithm,
-           "manifest_crc32": checksum_function(algorithm)(manifest_json, 0)}
+    checksum with ``algorithm``; the key keeps its first name, ``manifest_crc32``), where
+    that manifest is (``data_dir`` under the step's directory) and the run that wrote it."""
+    doc: dict[str, Any] = {
+        "step": step, "save_id": save_id, "manifest_size": len(manifest_json),
+        "checksum": algorithm,
+        "manifest_crc32": checksum_function(algorithm)(manifest_json, 0),
+    }
+    if data_dir:
+        doc["data_dir"] = data_dir
+    if run_id is not None:
+        doc["run_id"] = run_id
     return json.dumps(doc).encode()
+
+
+def marker_fields(data: bytes) -> tuple[str, str | None]:
+    """``(data_dir, run_id)`` of a commit marker ("" and None for markers that name none);
+    :class:`ManifestError` if it is malformed or ``data_dir`` is not a plain name."""
+    try:
+        doc = json.loads(data)
+        data_dir = doc.get("data_dir", "")
+        run_id = doc.get("run_id")
+    except (ValueError, RecursionError, TypeError, AttributeError) as err:
+        raise ManifestError(f"commit marker is malformed: {err}") from err
+    if data_dir:
+        _file_name(data_dir)
+    if run_id is not None and not isinstance(run_id, str):
+        raise ManifestError(f"commit marker: run_id must be a string, got {run_id!r}")
+    return data_dir, run_id
 
 
 def parse_marker(data: bytes, manifest_json: bytes) -> None:
@@ -236,6 +270,9 @@ def _build(doc: Any) -> Manifest:
     meta, user = _get(doc, "meta"), _get(doc, "user_metadata")
     if not isinstance(meta, dict) or not isinstance(user, dict):
         raise _fail("'meta' and 'user_metadata' must be objects")
+    data_dir = doc.get("data_dir", "") if isinstance(doc, dict) else ""
+    if data_dir != "":
+        _file_name(data_dir)
     files = _files(_get(doc, "files"))
     tensors = _tensors(_get(doc, "tensors"), files)
     _check_coverage(files, tensors)
@@ -251,6 +288,7 @@ def _build(doc: Any) -> Manifest:
         torch_version=_str(doc, "torch_version"),
         created_t=float(created),
         checksum=algorithm,
+        data_dir=data_dir,
     )
 
 
@@ -337,15 +375,19 @@ def _check_slices(name: str, t: TensorEntry) -> None:
 
 
 def _check_coverage(files: dict[str, FileEntry], tensors: dict[str, TensorEntry]) -> None:
-    """Every byte of every file's data belongs to exactly one slice; keys are unique per file."""
+    """Every byte of every file's data belongs to exactly one slice; every slice key is used
+    once in the whole checkpoint (a loader fills slices by key: a key used twice would
+    leave one tensor unread)."""
     by_file: dict[str, list[SliceEntry]] = {name: [] for name in files}
-    for t in tensors.values():
+    seen: dict[str, str] = {}
+    for tname, t in tensors.items():
         for s in t.slices:
+            if s.key in seen:
+                raise _fail(f"slice key {s.key!r} is used twice (tensors {seen[s.key]!r} "
+                            f"and {tname!r})")
+            seen[s.key] = tname
             by_file[s.file].append(s)
     for name, slices in by_file.items():
-        keys = [s.key for s in slices]
-        if len(set(keys)) != len(keys):
-            raise _fail(f"file {name!r}: a safetensors key is used twice")
         pos = files[name].data_start
         for s in sorted(slices, key=lambda s: s.offsets):
             if s.offsets[0] != pos:

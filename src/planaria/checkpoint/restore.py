@@ -9,6 +9,7 @@ are checked chunk by chunk while the next chunk is being read.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from planaria.checkpoint.backoff import with_retries
 from planaria.checkpoint.checksum import Segment, byte_view, read_verified
 from planaria.checkpoint.dtypes import DTYPES
 from planaria.checkpoint.errors import (
@@ -31,10 +33,12 @@ from planaria.checkpoint.manifest import (
     Manifest,
     SliceEntry,
     TensorEntry,
+    marker_fields,
     parse_manifest,
     parse_marker,
 )
 from planaria.checkpoint.storage import Storage
+from planaria.errors import StorageError
 
 __all__ = [
     "CheckpointInfo",
@@ -101,6 +105,20 @@ def list_checkpoints(
     return sorted(out, key=lambda c: c.step)
 
 
+def read_run_id(path: str, *, storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """The run that committed the checkpoint at ``path``, from its marker (None: a marker
+    that names none, from before runs had ids). Cheap: reads the marker only."""
+    st = Storage(path, storage_options)
+    try:
+        marker = st.read_bytes(st.path(MARKER))
+    except FileNotFoundError as err:
+        raise IncompleteCheckpoint(f"{path} is not committed (no {MARKER} marker)") from err
+    try:
+        return marker_fields(marker)[1]
+    except ManifestError as err:
+        raise ManifestError(f"{path}: {err}") from err
+
+
 def read_manifest(path: str, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
     """The manifest of the committed checkpoint at ``path``, checked against its marker.
 
@@ -113,7 +131,12 @@ def read_manifest(path: str, *, storage_options: Mapping[str, Any] | None = None
     except FileNotFoundError as err:
         raise IncompleteCheckpoint(f"{path} is not committed (no {MARKER} marker)") from err
     try:
-        data = st.read_bytes(st.path(MANIFEST))
+        data_dir, _ = marker_fields(marker)
+    except ManifestError as err:
+        raise ManifestError(f"{path}: {err}") from err
+    where = st.path(data_dir, MANIFEST) if data_dir else st.path(MANIFEST)
+    try:
+        data = st.read_bytes(where)
     except FileNotFoundError as err:
         raise IncompleteCheckpoint(f"{path}: {MANIFEST} is missing") from err
     try:
@@ -121,6 +144,9 @@ def read_manifest(path: str, *, storage_options: Mapping[str, Any] | None = None
         manifest = parse_manifest(data)
     except ManifestError as err:
         raise ManifestError(f"{path}: {err}") from err
+    if manifest.data_dir != data_dir:
+        raise ManifestError(f"{path}: the manifest names data_dir {manifest.data_dir!r}, the "
+                            f"marker {data_dir!r}")
     parsed = parse_dir_name(st.root.rsplit("/", 1)[-1])
     if parsed is not None and parsed[0] != manifest.step:
         raise ManifestError(f"{path}: manifest is for step {manifest.step}")
@@ -132,8 +158,30 @@ def _label(fe: FileEntry, name: str, s: SliceEntry) -> str:
     return f"{fe.name}: tensor {name!r}{rows}"
 
 
+def _file_path(st: Storage, manifest: Manifest, fe: FileEntry) -> str:
+    return st.path(manifest.data_dir, fe.name) if manifest.data_dir else st.path(fe.name)
+
+
+def _check_sizes(st: Storage, manifest: Manifest, names: Collection[str]) -> list[str]:
+    """Problems with the sizes of files ``names`` on storage against the manifest: checked
+    before any memory is allocated for their tensors (a forged manifest may claim any shape)."""
+    problems = []
+    for fe in manifest.files:
+        if fe.name not in names:
+            continue
+        try:
+            size = st.size(_file_path(st, manifest, fe))
+        except FileNotFoundError:
+            problems.append(f"{fe.name}: {_MISSING}")
+            continue
+        if size != fe.size:
+            problems.append(f"{fe.name}: file has {size} bytes, the manifest says {fe.size}")
+    return problems
+
+
 def _read_file(
     st: Storage,
+    path: str,
     fe: FileEntry,
     wanted: list[tuple[str, SliceEntry]],
     dest: dict[str, memoryview] | None,
@@ -143,14 +191,8 @@ def _read_file(
     algorithm: str,
 ) -> list[str]:
     """Reads a shard (``whole``) or only the ``wanted`` slices, each slice straight into
-    its destination bytes ``dest[key]`` (None: verify only); returns the problems."""
-    path = st.path(fe.name)
-    try:
-        size = st.size(path)
-    except FileNotFoundError:
-        return [f"{fe.name}: {_MISSING}"]
-    if size != fe.size:
-        return [f"{fe.name}: file has {size} bytes, the manifest says {fe.size}"]
+    its destination bytes ``dest[key]`` (None: verify only); returns the problems. The
+    file's size has been checked (:func:`_check_sizes`)."""
     segs = [Segment(s.offsets[0], s.offsets[1], s.crc32, _label(fe, n, s)) for n, s in wanted]
     if dest is None:
         targets: list[tuple[int, int, memoryview | None]] = [(0, fe.size, None)]
@@ -163,6 +205,8 @@ def _read_file(
     try:
         with st.open_read(path) as f:
             bad = read_verified(f, targets, segs if verify else (), algorithm=algorithm)
+    except FileNotFoundError:
+        return [f"{fe.name}: {_MISSING}"]
     except EOFError as err:
         return [f"{fe.name}: {err}"]
     return [f"{seg.label}: checksum mismatch (manifest {seg.crc:#010x}, data {got:#010x})"
@@ -217,12 +261,14 @@ def _read_all(
     for name, t in chosen.items():
         for s in t.slices:
             wanted[s.file].append((name, s))
-    tensors, dest = _destinations(chosen, into) if keep else ({}, None)
     jobs = [(fe, wanted[fe.name]) for fe in manifest.files if names is None or wanted[fe.name]]
-    problems: list[str] = []
+    problems = _check_sizes(st, manifest, {fe.name for fe, _ in jobs})
+    if problems:
+        return {}, problems
+    tensors, dest = _destinations(chosen, into) if keep else ({}, None)
     with ThreadPoolExecutor(max_workers=max(1, min(_IO_THREADS, len(jobs)))) as pool:
-        futures = [pool.submit(_read_file, st, fe, w, dest, whole=names is None, verify=verify,
-                               algorithm=manifest.checksum)
+        futures = [pool.submit(_read_file, st, _file_path(st, manifest, fe), fe, w, dest,
+                               whole=names is None, verify=verify, algorithm=manifest.checksum)
                    for fe, w in jobs]
         for fut in futures:
             problems += fut.result()
@@ -313,16 +359,24 @@ def load_latest(
     *,
     names: Collection[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    attempts: int = 3,
+    backoff_s: float = 0.5,
 ) -> tuple[Restored | None, list[str]]:
     """Loads the newest committed checkpoint under ``root`` that verifies, reading each
     byte once (verification overlaps the load); falls back to older ones, with a
-    warning for each one skipped. ``(None, warnings)`` if none is viable."""
+    warning for each one skipped. A storage error is retried (``attempts`` in all,
+    with backoff from ``backoff_s``) before the checkpoint is skipped.
+    ``(None, warnings)`` if none is viable."""
     committed, uncommitted = _candidates(root, storage_options)
     warnings: list[str] = []
     for c in committed:
         try:
-            tensors, meta = load_checkpoint(c.path, names=names, storage_options=storage_options)
-        except CheckpointError as err:
+            tensors, meta = with_retries(
+                functools.partial(load_checkpoint, c.path, names=names,
+                                  storage_options=storage_options),
+                what=f"loading {c.path}", attempts=attempts, backoff_s=backoff_s,
+            )
+        except (CheckpointError, StorageError) as err:
             warnings.append(f"step {c.step} ({c.path}) skipped: {err}")
             continue
         return Restored(c.path, c.step, tensors, meta), _torn(uncommitted, c.step) + warnings

@@ -3,8 +3,8 @@
 A shard is a safetensors file written directly from the tensors' memory (no
 serialised copy), each tensor's checksum computed on a helper thread while the
 previous one is written. On local disk it goes into the save's temporary
-directory and is fsynced; on object stores into the step's directory, where it
-stays invisible to readers until the commit marker names the manifest.
+directory and is fsynced; on object stores under the save's own prefix in the
+step's directory, invisible to readers until the commit marker names it.
 """
 
 from __future__ import annotations
@@ -18,12 +18,19 @@ from typing import Any
 
 import torch
 
-from planaria.checkpoint.checksum import ALGORITHM, byte_view, checksum_function
+from planaria.checkpoint.checksum import (
+    ALGORITHM,
+    Segment,
+    byte_view,
+    checksum_function,
+    read_verified,
+)
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
-from planaria.checkpoint.errors import ManifestError
+from planaria.checkpoint.errors import CorruptCheckpoint, ManifestError
 from planaria.checkpoint.layout import (
     DEFAULT_SAVE_ID,
     check_save_id,
+    save_dir_name,
     shard_file_name,
     step_dir_name,
     tmp_dir_name,
@@ -97,10 +104,10 @@ def _pair(v: Any) -> tuple[int, int]:
 
 def shard_dir(storage: Storage, step: int, save_id: str) -> str:
     """Where the shards of a save are written: a temporary directory on local disk, the
-    step's own directory on object stores."""
+    save's own prefix in the step's directory on object stores."""
     if storage.local:
         return storage.path(tmp_dir_name(step, save_id))
-    return storage.path(step_dir_name(step))
+    return storage.path(step_dir_name(step), save_dir_name(save_id))
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -118,6 +125,7 @@ def write_shard(
     fsync: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     algorithm: str = ALGORITHM,
+    verify: bool = False,
 ) -> ShardRecord:
     """Writes ``share`` (slice key -> CPU tensor, e.g. from :func:`take_share`) as shard
     ``shard_index`` of ``num_shards`` of the checkpoint of ``step`` under ``root``.
@@ -128,6 +136,9 @@ def write_shard(
     call from a background thread; the tensors must not change until it returns.
     Storage errors propagate as raised by the filesystem (``OSError`` and kin).
     ``algorithm`` names the checksum (``crc32c``; ``crc32`` writes the old format).
+    With ``verify`` the file is read back once written and every checksum checked
+    (:class:`CorruptCheckpoint` if one differs): a committed checkpoint then needs
+    no read-back before older ones are deleted.
     """
     sid = check_save_id(save_id or DEFAULT_SAVE_ID)
     storage = Storage(root, storage_options)
@@ -171,8 +182,24 @@ def write_shard(
             ))
     size = data_start + pos
     assert size == data_start + sum(math.prod(s.shape) * DTYPES[s.dtype].itemsize for s in slices)
-    return ShardRecord(
+    record = ShardRecord(
         step=step, save_id=sid, shard_index=shard_index, num_shards=num_shards,
         file=FileEntry(name=name, size=size, data_start=data_start, header_crc32=crc(head, 0)),
         slices=tuple(slices), checksum=algorithm,
     )
+    if verify:
+        _verify_written(storage, f"{directory}/{name}", record)
+    return record
+
+
+def _verify_written(storage: Storage, path: str, record: ShardRecord) -> None:
+    """Reads the shard just written back and checks every checksum the record holds."""
+    fe = record.file
+    segs = [Segment(0, fe.data_start, fe.header_crc32, f"{fe.name}: header")]
+    segs += [Segment(s.offsets[0], s.offsets[1], s.crc32, f"{fe.name}: tensor {s.key!r}")
+             for s in record.slices]
+    with storage.open_read(path) as f:
+        bad = read_verified(f, [(0, fe.size, None)], segs, algorithm=record.checksum)
+    if bad:
+        raise CorruptCheckpoint(f"{storage.url(path)} read back differs from what was written: "
+                                + "; ".join(seg.label for seg, _ in bad[:3]))

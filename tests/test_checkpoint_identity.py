@@ -1,0 +1,149 @@
+"""Run identity without Ray: lineage in markers, retention by lineage, the root's lease, the
+fit of a checkpoint to a job, the auto interval against slow saves, root validation."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from planaria.checkpoint import (
+    CheckpointInterval,
+    apply_retention,
+    commit_checkpoint,
+    list_checkpoints,
+    plan_shards,
+    take_share,
+    write_shard,
+)
+from planaria.checkpoint.compat import compare_data_plans, compare_layouts
+from planaria.checkpoint.errors import LeaseHeld
+from planaria.checkpoint.lease import RootLease
+from planaria.checkpoint.restore import read_run_id
+from planaria.checkpoint.storage import Storage
+from planaria.checkpointing import CheckpointConfig
+from planaria.errors import ConfigError
+
+
+def run_save(root: str, step: int, run_id: str) -> str:
+    state = {"w": torch.full((8, 4), float(step))}
+    (plan,) = plan_shards({k: (v.shape, v.dtype) for k, v in state.items()}, 1)
+    rec = write_shard(root, step, 0, 1, take_share(state, plan), save_id=f"s{step}")
+    return commit_checkpoint(root, step, [rec], {"steps_done": step}, world_size=1,
+                             run_id=run_id)
+
+
+def test_retention_ranks_only_its_own_lineage(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    for step in (900, 1000, 1100):
+        run_save(root, step, "old")
+    for step in (100, 200, 300):
+        run_save(root, step, "new")
+    assert read_run_id(os.path.join(root, "step_000000100")) == "new"
+    # Ranked by step over the whole root, the new run's checkpoints would all go.
+    deleted = apply_retention(root, keep_last=2, verify_newest=False, run_ids={"new"})
+    assert deleted == [100]
+    assert [c.step for c in list_checkpoints(root)] == [200, 300, 900, 1000, 1100]
+
+
+def test_lease_is_exclusive_and_fenced(tmp_path: Path) -> None:
+    st = Storage(str(tmp_path))
+    first = RootLease(st, "run-a", ttl_s=60)
+    assert first.acquire() is None
+    first.set_lineage(("run-0", "run-a"))
+    second = RootLease(st, "run-b", ttl_s=60)
+    with pytest.raises(LeaseHeld, match="run-a"):
+        second.acquire()
+    first.release()
+    prev = second.acquire()
+    assert prev is not None and prev.lineage == ("run-0", "run-a") and second.epoch == 2
+    with pytest.raises(LeaseHeld, match="run-b"):
+        first.renew()  # fenced: a commit of run-a now fails before its marker is written
+
+
+def test_compare_layouts_names_the_tensors() -> None:
+    saved = {"model/0.weight": ((128, 32), "F32"), "model/0.bias": ((128,), "F32"),
+             "optim/0/step": ((), "F32")}
+    live = {"model/0.weight": ((64, 32), "F32"), "model/0.bias": ((128,), "BF16"),
+            "model/5.weight": ((1, 1), "F32")}
+    diff = compare_layouts(saved, live)
+    assert diff == [
+        "not in the checkpoint: model/5.weight",
+        "in the checkpoint but not in the job: optim/0/step",
+        "shape differs: model/0.weight (checkpoint [128, 32], job [64, 32])",
+        "dtype differs: model/0.bias (checkpoint F32, job BF16)",
+    ]
+    assert compare_layouts(saved, saved) == []
+    plan = {"num_samples": 512, "global_batch_size": 64, "seed": 0}
+    assert compare_data_plans(plan, plan) == []
+    assert compare_data_plans(plan, {**plan, "num_samples": 500}) == [
+        "num_samples: checkpoint 512, job 500"]
+    assert compare_data_plans(None, plan) == []
+
+
+def test_auto_interval_is_never_below_the_save_time() -> None:
+    iv = CheckpointInterval.from_spec("auto", stall_prior_s=0.01, mtbf_prior_s=10.0)
+    iv.observe_step_time(0.1)
+    assert iv.interval_s() == pytest.approx((2 * 0.01 * 10.0) ** 0.5, rel=0.2)
+    iv.observe_save_time(5.0)  # a save takes longer than Daly's optimum
+    assert iv.interval_s() == 5.0 and iv.steps() == 50
+    cont = CheckpointInterval.from_spec("auto", stall_prior_s=0.01, mtbf_prior_s=10.0,
+                                        continuous=True)
+    cont.observe_step_time(0.1)
+    cont.observe_save_time(5.0)
+    assert cont.interval_s() == 0.0 and cont.steps() == 1
+
+
+def test_root_validation() -> None:
+    with pytest.raises(ConfigError, match="memory://"):
+        CheckpointConfig(root="memory://x")
+    for bad in ({"on_other_run": "merge"}, {"storage_attempts": 0}, {"lease_ttl_s": 0}):
+        with pytest.raises(ConfigError):
+            CheckpointConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_scheduler_state_is_loaded_only_into_its_own_keys() -> None:
+    from planaria.state import flatten_state, load_state
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    tensors, meta = flatten_state(model, opt, sched)
+    meta["scheduler"] = {**meta["scheduler"], "last_epoch": 7, "optimizer": "not yours"}
+    load_state(model, opt, sched, tensors, meta)
+    assert sched.last_epoch == 7 and sched.optimizer is opt
+
+
+def test_strategy_follows_the_replicas_topology(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from planaria.checkpointing import Checkpointer
+
+    def strategy(nodes: list[str], **cfg: object) -> str:
+        job = SimpleNamespace(run_dir=str(tmp_path),
+                              members=[SimpleNamespace(info={"node": n}) for n in nodes])
+        ck = Checkpointer(job, CheckpointConfig(**cfg))  # type: ignore[arg-type]
+        try:
+            return ck._strategy()
+        finally:
+            ck._committer.shutdown()
+            ck._retainer.shutdown()
+
+    assert strategy(["a", "a", "a"]) == "read_all"
+    assert strategy(["a", "b", "a"]) == "share"
+    assert strategy(["a", "a"], restore_strategy="share") == "share"
+    assert strategy(["a", "b"], strict=False) == "read_all"
+
+
+def test_relative_root_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from planaria.checkpointing import Checkpointer
+
+    monkeypatch.chdir(tmp_path)
+    ck = Checkpointer(SimpleNamespace(run_dir="x"), CheckpointConfig(root="ckpts"))  # type: ignore[arg-type]
+    assert ck.root == str(tmp_path / "ckpts")
+    ck._committer.shutdown()
+    ck._retainer.shutdown()

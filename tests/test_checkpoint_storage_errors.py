@@ -1,0 +1,73 @@
+"""Storage errors on read and on write: retried with backoff, then the previous checkpoint;
+a StorageError of its own kind, never mistaken for a bug in user code."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+
+from flaky_fs import flaky_options
+from planaria.checkpoint import AsyncShardWriter, load_latest, plan_shards
+from planaria.checkpoint.backoff import is_storage_error, with_retries
+from planaria.errors import StorageError, UserCodeError, classify
+from test_checkpoint_roundtrip import assert_same, make_state, save
+
+
+def root_of(tmp_path: Path) -> str:
+    return f"flaky://{tmp_path}/root"
+
+
+def test_read_error_is_retried_then_the_previous_checkpoint_is_used(tmp_path: Path) -> None:
+    clean = flaky_options("setup", (), ())
+    save(root_of(tmp_path), 1, make_state(0), 2, storage_options=clean)
+    save(root_of(tmp_path), 2, make_state(1), 2, storage_options=clean)
+    # One failed read of step 2: retried, step 2 loads.
+    once = flaky_options(secrets.token_hex(4), ("read",), (3,))
+    restored, warnings = load_latest(root_of(tmp_path), storage_options=once, backoff_s=0.01)
+    assert restored is not None and restored.step == 2 and warnings == []
+    assert_same(restored.tensors, make_state(1))
+    # Every read of step 2 fails: step 1 is used, and said so.
+    always = flaky_options(secrets.token_hex(4), ("read",), tuple(range(1, 99)),
+                           match="step_000000002")
+    restored, warnings = load_latest(root_of(tmp_path), storage_options=always, attempts=2,
+                                     backoff_s=0.01)
+    assert restored is not None and restored.step == 1
+    assert_same(restored.tensors, make_state(0))
+    assert "step 2" in warnings[0] and "injected I/O error" in warnings[0]
+
+
+def test_write_error_is_retried_and_a_persistent_one_is_a_storage_error(tmp_path: Path) -> None:
+    state = make_state()
+    plan = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, 1)[0]
+    opts = flaky_options(secrets.token_hex(4), ("write",), (1,))
+    writer = AsyncShardWriter(root_of(tmp_path), storage_options=opts)
+    writer.start(3, state, plan, save_id="a")
+    record = writer.result(timeout_s=60)
+    assert record.step == 3 and record.file.size > 0
+    opts = flaky_options(secrets.token_hex(4), ("write",), tuple(range(1, 10)))
+    writer = AsyncShardWriter(root_of(tmp_path), storage_options=opts, attempts=2)
+    writer.start(4, state, plan, save_id="b")
+    with pytest.raises(StorageError, match="injected I/O error"):
+        writer.result(timeout_s=60)
+    writer.close(timeout_s=10)
+
+
+def test_storage_errors_are_their_own_kind() -> None:
+    assert is_storage_error(PermissionError("denied")) and is_storage_error(TimeoutError())
+    assert not is_storage_error(ValueError("bug"))
+    failure = classify({"w1": StorageError("s3 down")}, live_after=2, step=4)
+    assert isinstance(failure, StorageError) and not isinstance(failure, UserCodeError)
+    assert failure.workers == ()
+    calls = []
+
+    def flaky() -> int:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionResetError("reset")
+        return 7
+
+    assert with_retries(flaky, what="x", backoff_s=0.001) == 7
+    with pytest.raises(ZeroDivisionError):
+        with_retries(lambda: 1 // 0, what="x")
