@@ -186,6 +186,7 @@ def test_cli_rejects_a_bad_option(capsys):
 # ---- a real campaign -------------------------------------------------------------------------
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1800)

@@ -295,6 +295,7 @@ def marked_not_renamed(root: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.soak
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # 21 job starts: ~4 min idle, much longer on a loaded machine

@@ -204,3 +204,41 @@ def test_a_death_during_a_new_generations_rendezvous_does_not_stall_it(
     next_gen = next(e for e in of(evs, "generation") if e["t"] > fault_t)
     assert next_gen["t"] - fault_t < 15
     assert max(e["width"] for e in of(evs, "step_committed")) <= 3
+
+
+def test_a_death_during_a_restore_restores_again(tmp_path, reference):
+    from planaria.checkpointing import CheckpointConfig
+
+    killed: list[str] = []
+
+    def kill_one_reader(job, phase, **info):
+        if phase == "restore" and not killed:
+            victim = job.members[-1]
+            killed.append(victim.name)
+            os.kill(victim.pid, signal.SIGKILL)
+
+    job = Job(
+        mlp.make_spec(n=N),
+        planaria.RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True),
+        chaos=planaria.ChaosPlan.parse("kill:w0@step8,kill:w1@step8,kill:w2@step8"),
+        checkpoint=CheckpointConfig(every=3, fsync=False),
+    )
+    job.hooks.append(kill_one_reader)
+    with job:
+        while job.steps_done < STEPS:
+            try:
+                job.train_step()
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+        state = job.model_state_dict()
+    assert killed, "the restore never read"
+    assert_same_state(reference, state)
+    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(tmp_path)
+    faults = of(evs, "fault")
+    assert faults[0]["kind"] == "all_replicas_lost" and len(faults) == 2
+    assert faults[1]["worker"] == killed[0]  # lost, or all lost if it was the only reader
+    # The second fault interrupted the reads, leaving the others' tensors half overwritten:
+    # the state was restored again, never resized onto them.
+    assert [a["action"] for a in of(evs, "action")] == ["restore", "restore"]
+    assert len(of(evs, "restore")) == 1 and of(evs, "restore")[0]["step"] == 6

@@ -413,47 +413,57 @@ class Checkpointer:
         self._drop_inflight("a restore began before the save finished")
         self._restoring = True  # retention deletes nothing meanwhile
         try:
-            self._wait_retention()
-            candidates = list(reversed(self._own_committed()))
-            if not candidates:
-                return None
-            warnings: list[str] = []
-            for c in candidates:
-                try:
-                    manifest = self._storage_call(
-                        functools.partial(read_manifest, c.path, storage_options=self.options),
-                        f"reading the manifest of {c.path}")
-                except (CheckpointError, StorageError) as err:
-                    warnings.append(f"step {c.step} ({c.path}) skipped: {err}")
-                    continue
-                self._check_data_plan(c.path, manifest.meta)
-                strategy = self._strategy()
-                problems = self._load(c.path, manifest, strategy)
-                if problems:
-                    warnings.append(f"step {c.step} ({c.path}) skipped: {problems}")
-                    continue
-                for w in warnings:
-                    _log.warning("checkpoint %s", w)
-                for h in job.members:
-                    h.has_state = True
-                meta = manifest.meta
-                job.steps_done = manifest.step
-                if reason == "resume" and isinstance(meta.get("deadline"), dict):
-                    job.deadline.load_state_dict(meta["deadline"])
-                self.last_committed, self.last_path = manifest.step, c.path
-                if self.interval is not None:
-                    self.interval.mark_saved(manifest.step, time.monotonic())
-                record = job.log.emit(
-                    "restore", step=manifest.step, path=c.path, restore_s=time.time() - t0,
-                    lost_steps=max(0, before - manifest.step), reason=reason, strategy=strategy,
-                    width=job.width, bytes=manifest.nbytes, skipped=warnings,
-                )
-                self.restores.append(record)
-                _log.info("restored step %d from %s (%s, %d replicas)", manifest.step, c.path,
-                          strategy, job.width)
-                return manifest.step
+            return self._restore(t0, before, reason)
+        except Failure:
+            # A worker failed mid-restore: the survivors' live tensors may be half overwritten.
+            # None holds usable state now, so the recovery restores again (never a resize).
+            for h in job.members:
+                h.has_state = False
+            raise
         finally:
             self._restoring = False
+
+    def _restore(self, t0: float, before: int, reason: str) -> int | None:
+        job = self.job
+        self._wait_retention()
+        candidates = list(reversed(self._own_committed()))
+        if not candidates:
+            return None
+        warnings: list[str] = []
+        for c in candidates:
+            try:
+                manifest = self._storage_call(
+                    functools.partial(read_manifest, c.path, storage_options=self.options),
+                    f"reading the manifest of {c.path}")
+            except (CheckpointError, StorageError) as err:
+                warnings.append(f"step {c.step} ({c.path}) skipped: {err}")
+                continue
+            self._check_data_plan(c.path, manifest.meta)
+            strategy = self._strategy()
+            problems = self._load(c.path, manifest, strategy)
+            if problems:
+                warnings.append(f"step {c.step} ({c.path}) skipped: {problems}")
+                continue
+            for w in warnings:
+                _log.warning("checkpoint %s", w)
+            for h in job.members:
+                h.has_state = True
+            meta = manifest.meta
+            job.steps_done = manifest.step
+            if reason == "resume" and isinstance(meta.get("deadline"), dict):
+                job.deadline.load_state_dict(meta["deadline"])
+            self.last_committed, self.last_path = manifest.step, c.path
+            if self.interval is not None:
+                self.interval.mark_saved(manifest.step, time.monotonic())
+            record = job.log.emit(
+                "restore", step=manifest.step, path=c.path, restore_s=time.time() - t0,
+                lost_steps=max(0, before - manifest.step), reason=reason, strategy=strategy,
+                width=job.width, bytes=manifest.nbytes, skipped=warnings,
+            )
+            self.restores.append(record)
+            _log.info("restored step %d from %s (%s, %d replicas)", manifest.step, c.path,
+                      strategy, job.width)
+            return manifest.step
         for h in job.members:  # their state is partly overwritten: it must not be used
             h.has_state = False
         raise NoViableCheckpoint(

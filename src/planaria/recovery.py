@@ -262,16 +262,31 @@ class Recovery:
         try:
             restored = job.checkpointer.restore() if job.checkpointer is not None else None
         except NoViableCheckpoint as err:
-            if not job.policy.allow_restart_from_scratch:
-                why = (f"no checkpoint could be restored ({err}); starting over would lose all "
-                       f"{before} steps trained: set RecoveryPolicy(allow_restart_from_scratch="
-                       "True) to allow it")
-                job.log.emit("action", fault_id=fault.fault_id, action="abort", reason=why)
-                raise ElasticRuntimeError(f"planaria gave up: {why}") from err
+            self._refuse_to_start_over(fault, before, f"no checkpoint could be restored ({err})",
+                                       err)
             restored = None
         if restored is None:
+            if job.checkpointer is None:
+                where = "checkpointing is off: pass checkpoint=CheckpointConfig(every=...)"
+            else:
+                where = f"no checkpoint was saved under {job.checkpointer.root} yet"
+            self._refuse_to_start_over(fault, before, f"no replica holds the state and {where}",
+                                       None)
             restored = self._restart_from_scratch()
         fault.lost_steps = max(0, before - restored)
+
+    def _refuse_to_start_over(
+        self, fault: _OpenFault, before: int, what: str, err: BaseException | None
+    ) -> None:
+        """Starting over from step 0 is never silent: an error unless the policy allows it
+        (or nothing was trained yet)."""
+        job = self.job
+        if before == 0 or job.policy.allow_restart_from_scratch:
+            return
+        why = (f"{what}; starting over would lose all {before} steps trained: set "
+               "RecoveryPolicy(allow_restart_from_scratch=True) to allow it")
+        job.log.emit("action", fault_id=fault.fault_id, action="abort", reason=why)
+        raise ElasticRuntimeError(f"planaria gave up: {why}") from (err or self._current)
 
     def _restart_from_scratch(self) -> int:
         """No checkpoint (or none viable, where the policy allows it): fresh workers build the
