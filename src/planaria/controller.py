@@ -502,7 +502,7 @@ class Job:
         hung: list[str] = []
         end = time.monotonic() + deadline_s
         pending = list(by_ref)
-        self.liveness.observe(list(refs))
+        self.liveness.watch(list(refs))
         while pending:
             now = time.monotonic()
             if now >= end:

@@ -24,6 +24,7 @@ A peer's death never makes the survivors suspects: they abandon the step
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -67,9 +68,16 @@ class _Seen:
 class Liveness:
     """The controller's view of every worker's heartbeat, on its own monotonic clock."""
 
-    def __init__(self, store: dist.Store, *, timeout_s: float) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store = store
         self.timeout_s = timeout_s
+        self._clock = clock
         self._seen: dict[str, _Seen] = {}
 
     def observe(self, names: list[str]) -> None:
@@ -85,7 +93,7 @@ class Liveness:
             raws = self.store.multi_get([f"hb/{n}" for n in present]) if present else []
         except Exception:  # the store itself is the controller's: a read error is transient
             return
-        now = time.monotonic()
+        now = self._clock()
         for name, raw in zip(present, raws, strict=True):
             try:
                 record = Heartbeat.parse(raw)
@@ -101,6 +109,16 @@ class Liveness:
                 if moved:
                     seen.progress_t = now
 
+    def watch(self, names: list[str]) -> None:
+        """A call was just sent to ``names``: their progress clocks start now (a worker that
+        sat idle in a work phase's label since its last call is not stuck)."""
+        self.observe(names)
+        now = self._clock()
+        for name in names:
+            seen = self._seen.get(name)
+            if seen is not None:
+                seen.progress_t = now
+
     def last(self, name: str) -> Heartbeat | None:
         seen = self._seen.get(name)
         return None if seen is None else seen.record
@@ -108,7 +126,7 @@ class Liveness:
     def silent_s(self, name: str) -> float:
         """Seconds since the heartbeat last changed (0 if never seen)."""
         seen = self._seen.get(name)
-        return 0.0 if seen is None else time.monotonic() - seen.changed_t
+        return 0.0 if seen is None else self._clock() - seen.changed_t
 
     def stopped(self, name: str) -> bool:
         """The heartbeat thread stopped: the process is stopped, frozen or gone."""
@@ -119,7 +137,7 @@ class Liveness:
         seen = self._seen.get(name)
         if seen is None or seen.record.phase not in WORK_PHASES:
             return False
-        return time.monotonic() - seen.progress_t > deadline_s
+        return self._clock() - seen.progress_t > deadline_s
 
     def hung(self, names: list[str], deadline_s: float) -> list[str]:
         """Of ``names``, those whose heartbeat stopped or that are stuck in their own work."""
@@ -131,7 +149,7 @@ class Liveness:
         seen = self._seen.get(name)
         if seen is None:
             return None
-        return time.time() - (time.monotonic() - seen.changed_t)
+        return time.time() - (self._clock() - seen.changed_t)
 
     def forget(self, name: str) -> None:
         self._seen.pop(name, None)

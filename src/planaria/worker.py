@@ -363,6 +363,7 @@ class Worker(CheckpointWorkerMixin):
         """Applies the pending step if the controller counts it committed; returns steps done."""
         self._check(gen)
         self._settle(steps_done, skipped)
+        self._set_phase("idle", self.steps_done)  # not "apply": the call is over
         return self.steps_done
 
     def _settle(self, steps_done: int, skipped: int = -1, *, allow_behind: bool = False) -> None:

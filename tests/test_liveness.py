@@ -1,0 +1,68 @@
+"""Busy is not hung: liveness and progress judged on the controller's (injected) clock."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from planaria.liveness import Heartbeat, Liveness
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def beat(store: dist.Store, name: str, n: int, phase: str, progress: int) -> None:
+    store.set(f"hb/{name}", Heartbeat(n, phase, 3, 0, False, progress).format())
+
+
+def make() -> tuple[dist.Store, Liveness, Clock]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    clock = Clock()
+    return store, Liveness(store, timeout_s=3.0, clock=clock), clock
+
+
+def test_a_busy_worker_that_beats_and_progresses_is_never_hung():
+    store, live, clock = make()
+    for i in range(100):  # 100 s of a long compute: beats change, progress moves
+        beat(store, "w0", i, "compute", i // 10)
+        assert live.hung(["w0"], deadline_s=20.0) == []
+        clock.t += 1.0
+
+
+def test_a_stopped_heartbeat_is_hung_on_the_controllers_clock():
+    store, live, clock = make()
+    beat(store, "w1", 1, "compute", 5)
+    assert live.hung(["w1"], deadline_s=600.0) == []
+    clock.t += 2.9
+    assert live.hung(["w1"], deadline_s=600.0) == []
+    clock.t += 0.2  # 3.1 s without a change: SIGSTOP'ed or frozen
+    assert live.hung(["w1"], deadline_s=600.0) == ["w1"]
+
+
+def test_no_progress_in_its_own_work_past_the_deadline_is_stuck_but_waiting_is_not():
+    store, live, clock = make()
+    for i in range(12):
+        beat(store, "w0", i, "compute", 7)  # heartbeat alive, progress frozen
+        beat(store, "w1", i, "reduce", 7)  # waiting on a peer: never judged by progress
+        clock.t += 1.0
+        hung = live.hung(["w0", "w1"], deadline_s=10.0)
+    assert hung == ["w0"]
+
+
+def test_a_call_restarts_the_progress_clock():
+    store, live, clock = make()
+    beat(store, "w2", 1, "apply", 4)  # left labelled "apply" by its last call
+    live.observe(["w2"])
+    clock.t += 60.0  # the controller was busy elsewhere for a minute
+    beat(store, "w2", 2, "apply", 4)
+    live.watch(["w2"])  # a new call is sent now
+    clock.t += 1.0
+    beat(store, "w2", 3, "apply", 4)
+    assert live.hung(["w2"], deadline_s=10.0) == []
