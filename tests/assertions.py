@@ -64,3 +64,17 @@ def assert_same_state(a: dict, b: dict, *, atol: float = 1e-5, rtol: float = 1e-
         torch.testing.assert_close(
             a[key], b[key], atol=atol, rtol=rtol, msg=lambda m, k=key: f"{k}: {m}"
         )
+
+
+def events(run_dir: os.PathLike[str] | str) -> list[dict]:
+    """The run's event records (a torn last line from a crash is left out)."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(run_dir) / "events.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+def of(evs: list[dict], name: str) -> list[dict]:
+    """The records of one event type, in order."""
+    return [e for e in evs if e["event"] == name]

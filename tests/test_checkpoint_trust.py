@@ -9,7 +9,6 @@ sample was used exactly once.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
@@ -28,20 +27,11 @@ from planaria.checkpoint.errors import (
 )
 from planaria.checkpointing import CheckpointConfig
 from planaria.examples import mlp
-from tests.assertions import assert_exactly_once, assert_same_state
+from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 N, G, STEPS = 512, 64, 12
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
-            if line.strip().endswith("}")]
-
-
-def of(evs: list[dict], name: str) -> list[dict]:
-    return [e for e in evs if e["event"] == name]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ Every fault test asserts that training reaches the parameters of a fault-free ru
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import shutil
@@ -39,21 +38,12 @@ from planaria.checkpoint.manifest import parse_marker
 from planaria.checkpointing import CheckpointConfig
 from planaria.errors import CheckpointError, ConfigError
 from planaria.examples import mlp
-from tests.assertions import assert_exactly_once, assert_same_state
+from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 # The workers unpickle this module's helpers by value: they cannot import the tests package.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 N, G, STEPS = 512, 64, 20
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
-            if line.strip().endswith("}")]
-
-
-def of(evs: list[dict], name: str) -> list[dict]:
-    return [e for e in evs if e["event"] == name]
 
 
 def job_state(job: Job) -> dict[str, torch.Tensor]:

@@ -3,11 +3,9 @@ uncaught exception, and the final state equals a fault-free run with exactly-onc
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
-from pathlib import Path
 
 import pytest
 import ray
@@ -16,7 +14,7 @@ import torch
 import planaria
 from planaria import Job, RecoveryPolicy, fit
 from planaria.examples import mlp
-from tests.assertions import assert_exactly_once, assert_same_state
+from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -30,14 +28,6 @@ def reference(tmp_path_factory, ray_cluster):
     return fit(
         mlp.make_spec(n=N), steps=STEPS, replicas=2, run_dir=tmp_path_factory.mktemp("ref")
     ).state_dict
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-
-
-def of(evs: list[dict], name: str) -> list[dict]:
-    return [e for e in evs if e["event"] == name]
 
 
 def test_every_member_preempted_at_once_keeps_the_state(tmp_path, reference):

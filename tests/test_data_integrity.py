@@ -7,7 +7,6 @@ ledger's record of what the datasets served, and the replica checksum check.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from planaria.integrity import (
     sample_digest,
 )
 from planaria.randomness import micro_batch_seed, sample_scope, sample_seed
-from tests.assertions import assert_exactly_once, assert_same_state
+from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -180,14 +179,6 @@ def test_ledger_keeps_every_record_and_the_committing_attempt_counts(tmp_path):
 
 
 # ---- real workers ----------------------------------------------------------------------------
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-
-
-def of(evs: list[dict], name: str) -> list[dict]:
-    return [e for e in evs if e["event"] == name]
 
 
 def train(spec: TrainSpec, run_dir: Path, *, replicas: int, steps: int = STEPS, **options):

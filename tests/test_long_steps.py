@@ -8,7 +8,6 @@ a fault-free run's and every sample is used exactly once.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import ray
 import planaria
 from planaria import HangConfig, Job, RunConfig, fit
 from planaria.examples import mlp
-from tests.assertions import assert_exactly_once, assert_same_state
+from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -63,14 +62,6 @@ def reference(tmp_path_factory, ray_cluster):
     return fit(
         mlp.make_spec(n=N), steps=STEPS, replicas=2, run_dir=tmp_path_factory.mktemp("ref")
     ).state_dict
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-
-
-def of(evs: list[dict], name: str) -> list[dict]:
-    return [e for e in evs if e["event"] == name]
 
 
 def run(run_dir: Path, chaos: str, hang: HangConfig | None = None) -> dict:

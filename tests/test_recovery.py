@@ -7,7 +7,6 @@ committed step was lost, and that a replacement joined.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -28,7 +27,7 @@ from planaria import (
     fit,
 )
 from planaria.examples import mlp
-from tests.assertions import assert_exactly_once, assert_same_state
+from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 # The workers unpickle this module's helpers by value: they cannot import the tests package.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -44,14 +43,6 @@ def reference(tmp_path_factory, ray_cluster):
     return fit(
         mlp.make_spec(n=N), steps=STEPS, replicas=2, run_dir=tmp_path_factory.mktemp("ref")
     ).state_dict
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-
-
-def of(evs: list[dict], name: str) -> list[dict]:
-    return [e for e in evs if e["event"] == name]
 
 
 def run_with_faults(
