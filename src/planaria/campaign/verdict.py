@@ -202,9 +202,16 @@ def _fault(
         if left and name not in faulted.get(seg, set()):
             problems.append(f"the straggler {name} was evicted")
     if kind == "storage_write":
+        # Handled: the save it hit was reported failed, or a writer's retry committed it anyway
+        # (the next checkpoint_saved after the error holds the step the error was injected in).
         t = fired[hits[0]["id"]]["t"]
-        if not any(r.get("event") == "checkpoint_failed" and r["t"] >= t for s in segs for r in s):
-            problems.append("the write error left no checkpoint_failed record")
+        after = [r for s in segs for r in s if r["t"] >= t]
+        failed = any(r.get("event") == "checkpoint_failed" for r in after)
+        path = str(fired[hits[0]["id"]].get("path", ""))
+        saved = any(r.get("event") == "checkpoint_saved" and str(r.get("path", "")) in path
+                    for r in after)
+        if not failed and not saved:
+            problems.append("the write error left no checkpoint_failed record and no retried save")
     if kind == "job_kill":
         problems += _resumed(fv, int(hits[0]["incarnation"]), fired[hits[0]["id"]]["t"], segs)
     if not completed:
