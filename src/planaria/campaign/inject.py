@@ -42,16 +42,7 @@ _SECONDARY_PHASE = {"kill_rerun": "rerun", "kill_join": "join", "kill_save": "sa
 
 
 def read_injections(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / INJECTIONS_FILE
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # torn by a whole-job SIGKILL
-    return out
+    return storage_faults.read_jsonl(Path(run_dir) / INJECTIONS_FILE)
 
 
 class Injector:

@@ -52,9 +52,10 @@ def log_fired(control: str | Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def fired(control: str | Path) -> list[dict[str, Any]]:
-    """Every injection that fired (storage errors and the loss triggers)."""
-    path = Path(control) / FIRED_LOG
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (none if it is missing; a line torn by a SIGKILL
+    mid-write is left out)."""
+    path = Path(path)
     if not path.exists():
         return []
     out = []
@@ -62,8 +63,13 @@ def fired(control: str | Path) -> list[dict[str, Any]]:
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            continue  # a torn line from a SIGKILL mid-write
+            continue
     return out
+
+
+def fired(control: str | Path) -> list[dict[str, Any]]:
+    """Every injection that fired (storage errors and the loss triggers)."""
+    return read_jsonl(Path(control) / FIRED_LOG)
 
 
 def _take(control: str, op: str, path: str) -> None:
