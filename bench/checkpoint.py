@@ -141,6 +141,8 @@ def planaria_extra(job: Job, k: int, repeat: int) -> dict[str, float]:
         assert ck.last_committed == step, (ck.last_committed, step)
         job.train_step()
         syncs.append(timed(lambda: ck.save_now(reason="bench")))
+    print("planaria windows: extra wall per checkpoint (s):", [round(x, 3) for x in extras],
+          flush=True)
     return {"extra_wall_per_ckpt_s": statistics.median(extras),
             "stall_s": statistics.median(stalls),
             "planaria_sync_save_s": statistics.median(syncs)}
@@ -177,6 +179,8 @@ def baselines(job: Job, k: int, repeat: int, workdir: Path) -> dict[str, float]:
         job.commit_all()
         out["dcp_async_extra_wall_s"].append(time.perf_counter() - t0 - base)
         shutil.rmtree(workdir / f"dcp{i}", ignore_errors=True)
+    print("DCP windows: extra wall per checkpoint (s):",
+          [round(x, 3) for x in out["dcp_async_extra_wall_s"]], flush=True)
     return {key: statistics.median(v) for key, v in out.items()}
 
 
@@ -208,7 +212,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=5, help="pairs of windows (medians)")
+    ap.add_argument("--repeat", type=int, default=11, help="pairs of windows (medians)")
     ap.add_argument("--workdir", "--dir", dest="workdir", default=None)
     ap.add_argument("--quick", action="store_true", help="tiny state, 3 repeats (smoke test)")
     args = ap.parse_args()

@@ -258,11 +258,11 @@ def test_staging_budget_writes_over_budget_shares_without_a_copy(tmp_path) -> No
     plans = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, 2)
     w = AsyncShardWriter(str(tmp_path), staging_budget_bytes=1024)
     w.start(1, state, plans[0], save_id="x")
-    assert not w.busy and w.staging.nbytes == 0  # written during start, nothing staged
+    assert not w.busy and w.image.nbytes == 0  # written during start, nothing staged
     record = w.result(timeout_s=0)
     w2 = AsyncShardWriter(str(tmp_path))
     w2.start(1, state, plans[1], save_id="x")
-    assert w2.staging.nbytes == plans[1].nbytes
+    assert plans[1].nbytes <= w2.image.nbytes <= plans[1].nbytes + 16384  # + header, alignment
     path = commit_checkpoint(str(tmp_path), 1, [record, w2.result(timeout_s=60)], {},
                              world_size=2)
     assert_same(load_checkpoint(path)[0], state)

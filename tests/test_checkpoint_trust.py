@@ -110,7 +110,7 @@ def flaky_storage_model() -> nn.Module:
     import planaria.worker_checkpoint as wc
 
     if not getattr(aw, "_flaky", False):
-        write, load = aw.write_shard, wc.load_checkpoint
+        write, load = aw.write_image, wc.load_checkpoint
         failed: set[str] = set()
 
         def once(kind: str, fn):  # type: ignore[no-untyped-def]
@@ -121,7 +121,7 @@ def flaky_storage_model() -> nn.Module:
                 return fn(*args, **kwargs)
             return call
 
-        aw.write_shard = once("write", write)
+        aw.write_image = once("write", write)
         wc.load_checkpoint = once("read", load)
         aw._flaky = True
     return mlp.make_model()
@@ -155,13 +155,13 @@ def slow_writes_model() -> nn.Module:
     import planaria.checkpoint.async_writer as aw
 
     if not getattr(aw, "_slowed", False):
-        original = aw.write_shard
+        original = aw.write_image
 
         def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
             time.sleep(0.4)  # simulated slow storage, not a wait on another thread
             return original(*args, **kwargs)
 
-        aw.write_shard = slow
+        aw.write_image = slow
         aw._slowed = True
     return mlp.make_model()
 
@@ -225,7 +225,7 @@ def broken_storage_model() -> nn.Module:
     def fail(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise PermissionError(13, "injected: write denied")
 
-    aw.write_shard = fail
+    aw.write_shard = aw.write_image = fail
     return mlp.make_model()
 
 

@@ -165,7 +165,7 @@ def slow_writes_model():
     import planaria.checkpoint.async_writer as aw
 
     if not getattr(aw, "_slowed", False):
-        original = aw.write_shard
+        original = aw.write_image
 
         def slow(*args, **kwargs):
             time.sleep(0.3)
@@ -173,7 +173,7 @@ def slow_writes_model():
             time.sleep(0.3)
             return record
 
-        aw.write_shard = slow
+        aw.write_image = slow
         aw._slowed = True
     return mlp.make_model()
 

@@ -147,6 +147,10 @@ class CheckpointConfig:
     """Save just in time when a preemption would leave fewer than min_replicas (needs ``every``)."""
     fsync: bool = True
     """fsync shard files and directories on local disk (off only for benchmarks and tests)."""
+    direct_io: bool = True
+    """On local disk, write each staged shard and read it back with ``O_DIRECT`` (the disk's
+    DMA moves the bytes; no page-cache copy competes with training for CPU). File systems
+    without it fall back to buffered writes by themselves; False forces buffered writes."""
     timeout_s: float = 600.0
     """Base deadline for a blocking save (final, just in time) or a restore's reads (plus
     one second per ``min_bytes_per_s`` bytes)."""
@@ -565,6 +569,7 @@ class Checkpointer:
                 job.gen, step, i, width, save.save_id, self.root, self.options,
                 if_busy="wait", fsync=self.config.fsync, attempts=self.config.storage_attempts,
                 staging_budget_bytes=self.config.staging_budget_bytes,
+                direct_io=self.config.direct_io,
             )
             for i, h in enumerate(job.members)
         }

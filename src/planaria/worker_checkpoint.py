@@ -160,6 +160,7 @@ class CheckpointWorkerMixin:
         fsync: bool = True,
         attempts: int = 3,
         staging_budget_bytes: int | None = None,
+        direct_io: bool = True,
     ) -> dict[str, Any]:
         """Snapshots shard ``index`` of ``num_shards`` of the state after ``step`` steps and
         starts writing it under ``root``; returns once the snapshot is taken.
@@ -185,6 +186,7 @@ class CheckpointWorkerMixin:
         writer = self._writer(root, storage_options, if_busy, fsync)
         writer.attempts = attempts
         writer.staging_budget_bytes = staging_budget_bytes
+        writer.direct = direct_io
         stall = writer.start(step, tensors, plan, save_id=save_id)
         if stall is not None:
             self._ckpt_save_id = save_id

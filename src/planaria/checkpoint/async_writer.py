@@ -13,8 +13,8 @@ import torch
 
 from planaria.checkpoint.backoff import with_retries
 from planaria.checkpoint.plan import ShardPlan
-from planaria.checkpoint.staging import StagingBuffers, take_share
-from planaria.checkpoint.writer import ShardRecord, write_shard
+from planaria.checkpoint.staging import ShardImage
+from planaria.checkpoint.writer import ShardRecord, write_image, write_shard
 
 __all__ = ["AsyncShardWriter"]
 
@@ -33,8 +33,9 @@ def _live_share(tensors: Mapping[str, torch.Tensor], plan: ShardPlan) -> dict[st
 class AsyncShardWriter:
     """Owns a writer's staging buffers and background thread.
 
-    :meth:`start` blocks only for the snapshot (:func:`take_share` into reused
-    buffers), then :func:`write_shard` runs on a background thread. Saves never
+    :meth:`start` blocks only for the snapshot (the share copied into a reused
+    :class:`ShardImage` of the shard file), then :func:`write_image` runs on a
+    background thread (``O_DIRECT`` on local disk unless ``direct=False``). Saves never
     overlap: a new :meth:`start` first waits for the previous write (or, with
     ``if_busy="skip"``, skips the new save). Not thread-safe: one owner calls it.
     """
@@ -51,6 +52,7 @@ class AsyncShardWriter:
         verify: bool = True,
         attempts: int = 3,
         staging_budget_bytes: int | None = None,
+        direct: bool = True,
     ) -> None:
         """``if_busy``: what :meth:`start` does while the previous write runs;
         ``busy_timeout_s``: the longest it waits (None: no limit), then ``TimeoutError``;
@@ -70,7 +72,8 @@ class AsyncShardWriter:
         self.verify = verify
         self.attempts = attempts
         self.staging_budget_bytes = staging_budget_bytes
-        self.staging = StagingBuffers(pin_memory=pin_memory)
+        self.direct = direct
+        self.image = ShardImage(pin_memory=pin_memory)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-ckpt")
         self._future: Future[ShardRecord] | None = None
         self._collected = True
@@ -114,7 +117,7 @@ class AsyncShardWriter:
                 _log.warning("dropping uncollected failure of the previous save: %r", err)
         t0 = time.perf_counter()
         if self.staging_budget_bytes is not None and plan.nbytes > self.staging_budget_bytes:
-            self.staging.clear()
+            self.image.clear()
             done: Future[ShardRecord] = Future()
             try:
                 done.set_result(self._write(step, plan, _live_share(tensors, plan), save_id))
@@ -122,20 +125,30 @@ class AsyncShardWriter:
                 done.set_exception(err)
             self._future = done
         else:
-            share = take_share(tensors, plan, self.staging)
-            self._future = self._pool.submit(self._write, step, plan, share, save_id)
+            self.image.fill(tensors, plan, step)
+            self._future = self._pool.submit(self._write, step, plan, None, save_id)
         self.last_stall_s = time.perf_counter() - t0
         self._collected = False
         return self.last_stall_s
 
     def _write(
-        self, step: int, plan: ShardPlan, share: dict[str, torch.Tensor], save_id: str | None
+        self, step: int, plan: ShardPlan, share: dict[str, torch.Tensor] | None,
+        save_id: str | None,
     ) -> ShardRecord:
+        """Writes ``share`` (live views, over the staging budget) or else the staged image."""
         t0 = time.perf_counter()
+
+        def attempt() -> ShardRecord:
+            if share is not None:
+                return write_shard(self.root, step, plan.index, plan.num_shards, share,
+                                   save_id=save_id, fsync=self.fsync, verify=self.verify,
+                                   storage_options=self.storage_options)
+            return write_image(self.root, step, plan.index, plan.num_shards, self.image,
+                               save_id=save_id, fsync=self.fsync, verify=self.verify,
+                               storage_options=self.storage_options, direct=self.direct)
+
         record = with_retries(
-            lambda: write_shard(self.root, step, plan.index, plan.num_shards, share,
-                                save_id=save_id, fsync=self.fsync, verify=self.verify,
-                                storage_options=self.storage_options),
+            attempt,
             what=f"writing shard {plan.index} of step {step}", attempts=self.attempts,
         )
         self.last_write_s = time.perf_counter() - t0
@@ -170,4 +183,4 @@ class AsyncShardWriter:
             except FutureTimeout:
                 _log.warning("closing with a checkpoint write still running")
         self._pool.shutdown(wait=False)
-        self.staging.clear()
+        self.image.clear()

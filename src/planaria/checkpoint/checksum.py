@@ -25,6 +25,7 @@ __all__ = [
     "CHUNK_BYTES",
     "Readable",
     "Segment",
+    "SegmentChecker",
     "byte_view",
     "checksum_function",
     "crc32",
@@ -88,7 +89,7 @@ class Segment:
     label: str
 
 
-class _Checker:
+class SegmentChecker:
     """Checksums consecutive chunks against sorted segments; runs on one thread at a time."""
 
     def __init__(self, segments: Sequence[Segment], algorithm: str = ALGORITHM) -> None:
@@ -132,7 +133,7 @@ def read_verified(
     ``(segment, crc found)`` for each segment whose checksum differs. Raises
     ``EOFError`` if the file ends early.
     """
-    checker = _Checker(segments, algorithm) if segments else None
+    checker = SegmentChecker(segments, algorithm) if segments else None
     longest = max((n for _, n, out in targets if out is None), default=0)
     ring = [memoryview(bytearray(min(chunk_bytes, longest))) for _ in range(2)] if longest else []
     pool = ThreadPoolExecutor(max_workers=1) if checker is not None else None

@@ -9,7 +9,6 @@ step's directory, invisible to readers until the commit marker names it.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,8 @@ from planaria.checkpoint.checksum import (
     checksum_function,
     read_verified,
 )
-from planaria.checkpoint.dtypes import DTYPES, dtype_name
+from planaria.checkpoint.direct_io import read_back_direct, write_direct
+from planaria.checkpoint.dtypes import DTYPES
 from planaria.checkpoint.errors import CorruptCheckpoint, ManifestError
 from planaria.checkpoint.layout import (
     DEFAULT_SAVE_ID,
@@ -37,9 +37,11 @@ from planaria.checkpoint.layout import (
 )
 from planaria.checkpoint.manifest import FileEntry
 from planaria.checkpoint.plan import parse_slice_key
+from planaria.checkpoint.shard_file import ShardEntry, lay_out
+from planaria.checkpoint.staging import ShardImage
 from planaria.checkpoint.storage import Storage
 
-__all__ = ["RecordedSlice", "ShardRecord", "write_shard"]
+__all__ = ["RecordedSlice", "ShardRecord", "write_image", "write_shard"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +112,12 @@ def shard_dir(storage: Storage, step: int, save_id: str) -> str:
     return storage.path(step_dir_name(step), save_dir_name(save_id))
 
 
+def _recorded(e: ShardEntry, crc: int) -> RecordedSlice:
+    name, rows = parse_slice_key(e.key)
+    return RecordedSlice(name=name, key=e.key, dtype=e.dtype, shape=e.shape, rows=rows,
+                         offsets=(e.begin, e.end), crc32=crc)
+
+
 def _bytes_view(t: torch.Tensor) -> memoryview:
     return byte_view(t.detach().cpu().contiguous())
 
@@ -146,24 +154,9 @@ def write_shard(
     storage.makedirs(directory)
     name = shard_file_name(shard_index, num_shards)
 
-    items = []
-    for key in share:
-        dtype = dtype_name(share[key].dtype)
-        items.append((-DTYPES[dtype].itemsize, key, dtype))
-    items.sort()  # widest dtypes first keeps every tensor aligned to its element size
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "step": str(step)}}
-    views: list[memoryview] = []
-    pos = 0
-    for _, key, dtype in items:
-        view = _bytes_view(share[key])
-        header[key] = {"dtype": dtype, "shape": list(share[key].shape),
-                       "data_offsets": [pos, pos + view.nbytes]}
-        views.append(view)
-        pos += view.nbytes
-    hjson = json.dumps(header, separators=(",", ":")).encode()
-    hjson += b" " * (-(8 + len(hjson)) % 8)
-    head = len(hjson).to_bytes(8, "little") + hjson
-    data_start = len(head)
+    layout = lay_out({k: (t.dtype, tuple(t.shape)) for k, t in share.items()}, step)
+    views = [_bytes_view(share[e.key]) for e in layout.entries]
+    head, data_start = layout.head, layout.data_start
 
     crc = checksum_function(algorithm)
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -173,14 +166,9 @@ def write_shard(
             for v in views:
                 f.write(v)
         slices = []
-        for (_, key, dtype), v, fut in zip(items, views, crcs, strict=True):
-            tensor_name, rows = parse_slice_key(key)
-            begin = data_start + header[key]["data_offsets"][0]
-            slices.append(RecordedSlice(
-                name=tensor_name, key=key, dtype=dtype, shape=tuple(share[key].shape),
-                rows=rows, offsets=(begin, begin + v.nbytes), crc32=fut.result(),
-            ))
-    size = data_start + pos
+        for e, fut in zip(layout.entries, crcs, strict=True):
+            slices.append(_recorded(e, fut.result()))
+    size = layout.size
     assert size == data_start + sum(math.prod(s.shape) * DTYPES[s.dtype].itemsize for s in slices)
     record = ShardRecord(
         step=step, save_id=sid, shard_index=shard_index, num_shards=num_shards,
@@ -192,14 +180,77 @@ def write_shard(
     return record
 
 
-def _verify_written(storage: Storage, path: str, record: ShardRecord) -> None:
-    """Reads the shard just written back and checks every checksum the record holds."""
+def write_image(
+    root: str,
+    step: int,
+    shard_index: int,
+    num_shards: int,
+    image: ShardImage,
+    *,
+    save_id: str | None = None,
+    fsync: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+    algorithm: str = ALGORITHM,
+    verify: bool = False,
+    direct: bool = True,
+) -> ShardRecord:
+    """Writes a shard staged by :meth:`ShardImage.fill` (for ``step``); like
+    :func:`write_shard` otherwise. The checksums are taken from the staged bytes. On
+    local disk with ``direct`` the file is written and read back with ``O_DIRECT``
+    (:mod:`~planaria.checkpoint.direct_io`), else as one buffered write. The image
+    must not change until this returns."""
+    layout = image.layout
+    assert layout is not None, "nothing staged"
+    sid = check_save_id(save_id or DEFAULT_SAVE_ID)
+    storage = Storage(root, storage_options)
+    directory = shard_dir(storage, step, sid)
+    storage.makedirs(directory)
+    name = shard_file_name(shard_index, num_shards)
+    path = f"{directory}/{name}"
+    data = image.view()
+    crc = checksum_function(algorithm)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        crcs = [pool.submit(crc, data[e.begin : e.end], 0) for e in layout.entries]
+        if not (direct and storage.local and write_direct(path, data, layout.size, fsync=fsync)):
+            with storage.open_write(path, fsync=fsync) as f:
+                f.write(data[: layout.size])
+        slices = tuple(_recorded(e, fut.result()) for e, fut in zip(layout.entries, crcs,
+                                                                     strict=True))
+    record = ShardRecord(
+        step=step, save_id=sid, shard_index=shard_index, num_shards=num_shards,
+        file=FileEntry(name=name, size=layout.size, data_start=layout.data_start,
+                       header_crc32=crc(layout.head, 0)),
+        slices=slices, checksum=algorithm,
+    )
+    if verify:
+        bad = None
+        if direct and storage.local:
+            bad = read_back_direct(path, layout.size, _segments(record), image.scratch(),
+                                   algorithm)
+        if bad is None:
+            _verify_written(storage, path, record)
+        elif bad:
+            raise _differs(storage, path, bad)
+    return record
+
+
+def _segments(record: ShardRecord) -> list[Segment]:
     fe = record.file
     segs = [Segment(0, fe.data_start, fe.header_crc32, f"{fe.name}: header")]
     segs += [Segment(s.offsets[0], s.offsets[1], s.crc32, f"{fe.name}: tensor {s.key!r}")
              for s in record.slices]
+    return segs
+
+
+def _differs(storage: Storage, path: str, bad: list[tuple[Segment, int]]) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"{storage.url(path)} read back differs from what was written: "
+                             + "; ".join(seg.label for seg, _ in bad[:3]))
+
+
+def _verify_written(storage: Storage, path: str, record: ShardRecord) -> None:
+    """Reads the shard just written back and checks every checksum the record holds."""
     with storage.open_read(path) as f:
-        bad = read_verified(f, [(0, fe.size, None)], segs, algorithm=record.checksum)
+        bad = read_verified(f, [(0, record.file.size, None)], _segments(record),
+                            algorithm=record.checksum)
     if bad:
-        raise CorruptCheckpoint(f"{storage.url(path)} read back differs from what was written: "
-                                + "; ".join(seg.label for seg, _ in bad[:3]))
+        raise _differs(storage, path, bad)
