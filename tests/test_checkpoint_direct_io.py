@@ -4,6 +4,8 @@ file system refuses direct I/O, and a read-back that goes to the disk."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from planaria.checkpoint import (
     take_share,
     write_shard,
 )
+from planaria.checkpoint.async_writer import AsyncShardWriter
 from planaria.checkpoint.layout import shard_file_name
 from planaria.checkpoint.staging import ShardImage
 from planaria.checkpoint.storage import Storage
@@ -133,3 +136,21 @@ def test_a_shard_larger_than_the_scratch_buffer_is_read_back_in_chunks(
     record = write_image(str(tmp_path), 2, 0, 1, image, verify=True)
     path = commit_checkpoint(str(tmp_path), 2, [record], {}, world_size=1)
     assert_same(load_checkpoint(path)[0], state)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+def test_the_background_write_runs_on_idle_cpu_time_only(tmp_path: Path) -> None:
+    w = AsyncShardWriter(str(tmp_path))
+    policies = [w._pool.submit(os.sched_getscheduler, 0).result(),
+                w._pool.submit(_policy_of_a_child).result()]  # its helper threads inherit it
+    assert policies == [os.SCHED_IDLE, os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller (training) is untouched
+    w.close()
+
+
+def _policy_of_a_child() -> int:
+    out: list[int] = []
+    t = threading.Thread(target=lambda: out.append(os.sched_getscheduler(0)))
+    t.start()
+    t.join()
+    return out[0]

@@ -148,6 +148,49 @@ def test_storage_errors_on_write_and_read_are_retried(tmp_path: Path, reference)
     assert "user_code_error" not in [e["kind"] for e in of(evs, "fault")]
 
 
+def slow_reads_model() -> nn.Module:
+    """The MLP, in a worker whose checkpoint reads move 8 KB every 0.1 s (a slow but live
+    file system: a restore of its ~250 KB takes seconds)."""
+    import time
+
+    import planaria.checkpoint.restore as rs
+
+    if not getattr(rs, "_slowed", False):
+        original = rs.read_verified
+
+        def slow(f, targets, segments=(), *, on_progress=None, **kwargs):  # type: ignore[no-untyped-def]
+            def moved(n: int) -> None:
+                time.sleep(0.1)  # simulated slow storage, not a wait on another thread
+                if on_progress is not None:
+                    on_progress(n)
+            kwargs["chunk_bytes"] = 8192
+            return original(f, targets, segments, on_progress=moved, **kwargs)
+
+        rs.read_verified = slow
+        rs._slowed = True
+    return mlp.make_model()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_restore_slower_than_its_deadline_that_moves_bytes_is_not_hung(
+    tmp_path: Path, reference
+) -> None:
+    spec = dataclasses.replace(mlp.make_spec(n=N), model=slow_reads_model)
+    cfg = CheckpointConfig(every=3, timeout_s=1.0, min_bytes_per_s=1e12)  # deadline ~1 s
+    result = fit(spec, steps=STEPS, replicas=2, run_dir=tmp_path, ledger=True,
+                 chaos="kill:w0@step7,kill:w1@step7", checkpoint=cfg)
+    assert result.final_step == STEPS
+    assert_same_state(reference, result.state_dict)
+    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(tmp_path)
+    (restore,) = of(evs, "restore")
+    assert restore["restore_s"] > 2.0  # it did take longer than its deadline
+    assert of(evs, "hang_stack") == []  # and no reader was killed as hung
+    assert {e["kind"] for e in of(evs, "fault")} == {"worker_lost"}
+
+
 def slow_writes_model() -> nn.Module:
     """The MLP, in a worker whose checkpoint writes take ~0.4 s (several steps)."""
     import time

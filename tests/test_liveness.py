@@ -66,3 +66,17 @@ def test_a_call_restarts_the_progress_clock():
     clock.t += 1.0
     beat(store, "w2", 3, "apply", 4)
     assert live.hung(["w2"], deadline_s=10.0) == []
+
+
+def test_a_read_that_moves_bytes_is_moving_and_one_that_stopped_is_not():
+    store, live, clock = make()
+    for i in range(40):  # a slow restore: a chunk every second
+        beat(store, "w0", i, "ckpt_read", i)
+        beat(store, "w1", i, "ckpt_read", 3)  # bytes stopped moving after the start
+        live.observe(["w0", "w1"])
+        clock.t += 1.0
+    assert live.moving("w0", within_s=5.0)
+    assert not live.moving("w1", within_s=5.0)
+    beat(store, "w2", 1, "compute", 1)  # not an I/O phase: never "moving"
+    live.observe(["w2"])
+    assert not live.moving("w2", within_s=5.0)

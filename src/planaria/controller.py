@@ -41,7 +41,7 @@ from planaria.errors import (
 )
 from planaria.events import EventLog
 from planaria.integrity import describe_mismatch, divergent_replicas
-from planaria.liveness import WORK_PHASES, Liveness
+from planaria.liveness import IO_STALL_S, WORK_PHASES, Liveness
 from planaria.policy import HangConfig, RecoveryPolicy
 from planaria.watchdog import StepDeadline
 from planaria.workers import WorkerHandle, WorkerPool
@@ -506,8 +506,11 @@ class Job:
         while pending:
             now = time.monotonic()
             if now >= end:
-                hung += self._past_deadline([by_ref[r] for r in pending])
-                break
+                late = self._past_deadline([by_ref[r] for r in pending])
+                if late:
+                    hung += late
+                    break
+                end = now + 1.0  # every one of them still moves checkpoint bytes
             # Wake on the first answer (a death is known the moment Ray reports it),
             # then sweep whatever else is ready too.
             done, pending = ray.wait(pending, num_returns=1, timeout=min(0.25, end - now))
@@ -561,8 +564,11 @@ class Job:
             _log.debug("could not set abort/%d", self.gen, exc_info=True)
 
     def _past_deadline(self, names: list[str]) -> list[str]:
-        """The last resort: past the call's deadline, whoever is not waiting on a peer."""
+        """The last resort: past the call's deadline, whoever is not waiting on a peer; none
+        while every one of them still moves checkpoint bytes (a slow read is not a hang)."""
         self.liveness.observe(names)
+        if all(self.liveness.moving(n, IO_STALL_S) for n in names):
+            return []
         working = [
             n for n in names
             if (hb := self.liveness.last(n)) is None or hb.phase in WORK_PHASES

@@ -16,6 +16,9 @@ in the controller's store (``hb/<name>``, written by a thread in the worker):
   thread still runs. A worker waiting on its peers (in a collective, a
   rendezvous, a state transfer) is never judged by progress: it waits for
   someone else, and that someone is the one to judge.
+- **I/O**: a worker reading a checkpoint bumps its progress at every chunk. Past
+  the read's deadline (which grows with the bytes) it is hung only if its bytes
+  stopped moving: a slow read that moves is never killed.
 
 A peer's death never makes the survivors suspects: they abandon the step
 (``abort/<gen>`` in the store, polled between micro-batches) and answer.
@@ -29,10 +32,14 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["WORK_PHASES", "Heartbeat", "Liveness"]
+__all__ = ["IO_PHASES", "IO_STALL_S", "WORK_PHASES", "Heartbeat", "Liveness"]
 
 WORK_PHASES = frozenset({"loading", "compute", "apply"})
 """Phases in which a worker does its own work, so that no progress means stuck."""
+IO_PHASES = frozenset({"ckpt_read"})
+"""Phases in which a worker moves checkpoint bytes, bumping its progress at every chunk."""
+IO_STALL_S = 30.0
+"""Past its deadline, a read whose bytes moved within this many seconds is still waited for."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,13 @@ class Liveness:
         if seen is None or seen.record.phase not in WORK_PHASES:
             return False
         return self._clock() - seen.progress_t > deadline_s
+
+    def moving(self, name: str, within_s: float) -> bool:
+        """In an I/O phase with progress in the last ``within_s`` seconds."""
+        seen = self._seen.get(name)
+        if seen is None or seen.record.phase not in IO_PHASES:
+            return False
+        return self._clock() - seen.progress_t <= within_s
 
     def hung(self, names: list[str], deadline_s: float) -> list[str]:
         """Of ``names``, those whose heartbeat stopped or that are stuck in their own work."""

@@ -104,6 +104,7 @@ class CheckpointWorkerMixin:
         scheduler: Any
         steps_done: int
         pending: int | None
+        progress: int
         comm: Collective | None
 
         def _check(self, gen: int) -> None: ...
@@ -283,7 +284,8 @@ class CheckpointWorkerMixin:
             self.ckpt_dirty = True
             try:
                 tensors, meta = load_checkpoint(
-                    path, names=names, storage_options=storage_options, into=live
+                    path, names=names, storage_options=storage_options, into=live,
+                    on_progress=self._bytes_moved,
                 )
             except Exception as err:
                 return _read_failure(err)
@@ -296,6 +298,10 @@ class CheckpointWorkerMixin:
         if diff:
             out["mismatch"] = "; ".join(diff)
         return out
+
+    def _bytes_moved(self, n: int) -> None:
+        """A chunk was read: the heartbeat's progress moves (see planaria.liveness)."""
+        self.progress += 1
 
     def ckpt_apply(
         self, gen: int, path: str, owners: dict[str, int] | None = None

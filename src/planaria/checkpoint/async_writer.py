@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,9 +18,23 @@ from planaria.checkpoint.plan import ShardPlan
 from planaria.checkpoint.staging import ShardImage
 from planaria.checkpoint.writer import ShardRecord, write_image, write_shard
 
-__all__ = ["AsyncShardWriter"]
+__all__ = ["AsyncShardWriter", "background_priority"]
 
 _log = logging.getLogger("planaria.checkpoint")
+
+
+def background_priority() -> None:
+    """Puts the calling thread in ``SCHED_IDLE`` (Linux; elsewhere the lowest nice value):
+    it runs on CPU time that training leaves idle (waits in collectives, step
+    boundaries) instead of taking it from training. An unprivileged thread may always
+    lower its own priority; where even that fails the thread just keeps its own."""
+    try:
+        if hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+        else:  # pragma: no cover - not Linux
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError as err:  # pragma: no cover - a sandbox that forbids it
+        _log.debug("could not lower the writer thread's priority: %r", err)
 
 
 def _live_share(tensors: Mapping[str, torch.Tensor], plan: ShardPlan) -> dict[str, torch.Tensor]:
@@ -74,7 +90,8 @@ class AsyncShardWriter:
         self.staging_budget_bytes = staging_budget_bytes
         self.direct = direct
         self.image = ShardImage(pin_memory=pin_memory)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-ckpt")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-ckpt",
+                                        initializer=background_priority)
         self._future: Future[ShardRecord] | None = None
         self._collected = True
         #: Seconds the last :meth:`start` blocked for its snapshot.

@@ -124,6 +124,7 @@ def read_verified(
     *,
     chunk_bytes: int = CHUNK_BYTES,
     algorithm: str = ALGORITHM,
+    on_progress: Callable[[int], None] | None = None,
 ) -> list[tuple[Segment, int]]:
     """Reads byte ranges of ``f``: each target is ``(offset, length, out)``, in file order;
     the bytes go into ``out`` or, if it is None, through two reused chunk buffers.
@@ -131,7 +132,8 @@ def read_verified(
     ``segments`` (file offsets inside the ranges read) are checksummed with
     ``algorithm`` on a helper thread while the next chunk is read. Returns
     ``(segment, crc found)`` for each segment whose checksum differs. Raises
-    ``EOFError`` if the file ends early.
+    ``EOFError`` if the file ends early. ``on_progress(n)`` is called after every read
+    of ``n`` bytes (a liveness signal: a slow read that moves is not a stuck one).
     """
     checker = SegmentChecker(segments, algorithm) if segments else None
     longest = max((n for _, n, out in targets if out is None), default=0)
@@ -159,6 +161,8 @@ def read_verified(
                     raise EOFError(
                         f"file ended after {offset + pos} bytes, expected {offset + length}"
                     )
+                if on_progress is not None:
+                    on_progress(n)
                 if pool is not None and checker is not None:
                     pending.append(pool.submit(checker.feed, view[:n], offset + pos))
                     del pending[:-2]

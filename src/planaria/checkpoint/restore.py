@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,6 +189,7 @@ def _read_file(
     whole: bool,
     verify: bool,
     algorithm: str,
+    on_progress: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Reads a shard (``whole``) or only the ``wanted`` slices, each slice straight into
     its destination bytes ``dest[key]`` (None: verify only); returns the problems. The
@@ -204,7 +205,8 @@ def _read_file(
             targets.append((0, fe.data_start, None))
     try:
         with st.open_read(path) as f:
-            bad = read_verified(f, targets, segs if verify else (), algorithm=algorithm)
+            bad = read_verified(f, targets, segs if verify else (), algorithm=algorithm,
+                                on_progress=on_progress)
     except FileNotFoundError:
         return [f"{fe.name}: {_MISSING}"]
     except EOFError as err:
@@ -250,6 +252,7 @@ def _read_all(
     verify: bool,
     storage_options: Mapping[str, Any] | None,
     into: Mapping[str, torch.Tensor] | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     st = Storage(path, storage_options)
     if names is not None:
@@ -268,7 +271,8 @@ def _read_all(
     tensors, dest = _destinations(chosen, into) if keep else ({}, None)
     with ThreadPoolExecutor(max_workers=max(1, min(_IO_THREADS, len(jobs)))) as pool:
         futures = [pool.submit(_read_file, st, _file_path(st, manifest, fe), fe, w, dest,
-                               whole=names is None, verify=verify, algorithm=manifest.checksum)
+                               whole=names is None, verify=verify, algorithm=manifest.checksum,
+                               on_progress=on_progress)
                    for fe, w in jobs]
         for fut in futures:
             problems += fut.result()
@@ -284,6 +288,7 @@ def load_checkpoint(
     names: Collection[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Loads the committed checkpoint at ``path``: ``(tensors by name, meta)``.
 
@@ -297,11 +302,13 @@ def load_checkpoint(
     reading); a whole-checkpoint load then covers every byte of every file.
     Raises :class:`IncompleteCheckpoint`, :class:`ManifestError` or
     :class:`CorruptCheckpoint` (all :class:`CheckpointError`), ``KeyError`` for
-    an unknown name; storage errors propagate.
+    an unknown name; storage errors propagate. ``on_progress(n)`` is called (from
+    reading threads) after every read of ``n`` bytes.
     """
     manifest = read_manifest(path, storage_options=storage_options)
     tensors, problems = _read_all(path, manifest, names, keep=True, verify=verify,
-                                  storage_options=storage_options, into=into)
+                                  storage_options=storage_options, into=into,
+                                  on_progress=on_progress)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         missing = problems[0].endswith(_MISSING)
