@@ -188,7 +188,7 @@ def test_a_restore_slower_than_its_deadline_that_moves_bytes_is_not_hung(
     (restore,) = of(evs, "restore")
     assert restore["restore_s"] > 2.0  # it did take longer than its deadline
     assert of(evs, "hang_stack") == []  # and no reader was killed as hung
-    assert {e["kind"] for e in of(evs, "fault")} == {"worker_lost"}
+    assert {e["kind"] for e in of(evs, "fault")} == {"all_replicas_lost"}
 
 
 def slow_writes_model() -> nn.Module:
