@@ -126,6 +126,10 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
         "--on-worker-lost", default="resize", choices=["resize", "pause", "restore", "abort"]
     )
     p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument(
+        "--spares", type=int, default=0,
+        help="standby workers kept warm, which take a lost worker's place at once",
+    )
     p.add_argument("--ledger", action="store_true", help="record the samples every step served")
     p.add_argument(
         "--verify-every",
@@ -181,6 +185,7 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             checkpoint=checkpoint,
             ledger=args.ledger,
             verify_every=args.verify_every,
+            spares=args.spares,
             use_gpu=args.gpu,
             listeners=listeners,
         )

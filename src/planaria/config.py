@@ -125,8 +125,13 @@ class RunConfig:
     """Where the event log, ledger and checkpoints go."""
     address: str | None = None
     """Ray cluster address (``auto``, ``ray://host:10001``); None starts Ray locally."""
+    spares: int = 0
+    """Hot spares: standby workers started and warmed ahead of need (imports, model,
+    optimizer and its state built) that take a lost worker's place at once, receiving
+    the state as a hot-join does; replenished in the background. Each holds a replica's
+    memory (and a GPU with ``use_gpu``) while it waits."""
     cpus_per_worker: float = 1.0
-    """CPUs Ray reserves for each worker."""
+    """CPUs Ray reserves for each worker (spares included)."""
     threads_per_worker: int | None = None
     """torch threads per worker; None: the CPUs of this machine split over the replicas."""
     use_gpu: bool = False
@@ -153,6 +158,12 @@ class RunConfig:
             "replicas",
             self.replicas,
             "an integer >= 1",
+        )
+        check(
+            isinstance(self.spares, int) and self.spares >= 0,
+            "spares",
+            self.spares,
+            "an integer >= 0 (standby workers kept warm)",
         )
         check(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "a number > 0")
         check(

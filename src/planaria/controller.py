@@ -194,6 +194,7 @@ class Job:
         ready.sort(key=lambda h: int(h.name[1:]))
         self._check_same_init(ready)
         self.pool.data_fingerprint = ready[0].info["data_fingerprint"]
+        self.pool.replenish()  # spares start once the members are up, never before them
         num_samples = ready[0].info["num_samples"]
         self.plan = DataPlan(num_samples, self.spec.global_batch_size, self.spec.seed)
         for handle in ready:
@@ -222,7 +223,8 @@ class Job:
         from planaria.ray_logs import route_ray_logs
 
         route_ray_logs(self.run_dir)  # Ray's notices go to RUN_DIR/ray.log, planaria's to you
-        logical_cpus = max(os.cpu_count() or 1, math.ceil((cfg.replicas + 2) * cfg.cpus_per_worker))
+        workers = cfg.replicas + cfg.spares + 2  # + replacements starting while others run
+        logical_cpus = max(os.cpu_count() or 1, math.ceil(workers * cfg.cpus_per_worker))
         kwargs: dict[str, Any] = {
             "num_cpus": logical_cpus,
             "include_dashboard": False,
@@ -628,6 +630,19 @@ class Job:
             if not ready and self.pool.pending_count == 0:
                 break  # nothing is coming
         return self.width
+
+    def wait_for_spares(self, *, timeout_s: float) -> int:
+        """Waits until ``config.spares`` standby workers are warm or ``timeout_s`` has passed;
+        returns how many stand by. Spares start with the job and warm up in the background;
+        a run (or a benchmark) that must not meet a fault without one can wait here."""
+        end = time.monotonic() + timeout_s
+        while len(self.pool.standby) < self.config.spares and time.monotonic() < end:
+            ready = self.pool.poll(timeout_s=min(0.2, max(0.0, end - time.monotonic())))
+            if ready:  # a replacement became ready meanwhile: it joins as at any boundary
+                self.recovery.admit(ready)
+            if not self.pool.spares_starting and len(self.pool.standby) < self.config.spares:
+                break  # none is coming (their starts failed)
+        return len(self.pool.standby)
 
     def _hook(self, phase: str, **info: Any) -> None:
         """Calls the hooks at a named phase: ``boundary`` (a step boundary begins), ``join``

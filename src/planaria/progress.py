@@ -75,6 +75,8 @@ class ProgressDisplay:
         self._width: int | None = None
         self._workers: dict[Any, str] = {}  # fault_id -> worker
         self._joining: set[str] = set()  # workers replaced, whose replacement has not joined
+        self._spares: set[str] = set()  # hot spares standing by
+        self._spares_seen = False
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._last_status = -float("inf")
@@ -139,7 +141,8 @@ class ProgressDisplay:
         return (f"step {self._step + 1}/{self.total_steps}  loss {loss}  "
                 f"replicas {self._width if self._width is not None else '-'}"
                 f"/{self.target_replicas}  "
-                f"{'-' if sps is None else f'{sps:.1f}'} samples/s  ETA {_eta(self.eta_s())}")
+                f"{'-' if sps is None else f'{sps:.1f}'} samples/s  ETA {_eta(self.eta_s())}"
+                + (f"  spares {len(self._spares)}" if self._spares_seen else ""))
 
     def __call__(self, record: dict[str, Any]) -> None:
         with self._lock:
@@ -178,6 +181,15 @@ class ProgressDisplay:
                     "yellow")
         elif ev == "replacement_requested":
             self._joining.add(str(r.get("replaces")))
+            if r.get("spare"):
+                self._spares.discard(str(r.get("worker")))
+                return f"spare {r.get('worker')} takes {r.get('replaces')}'s place", None
+        elif ev == "spare_ready":
+            self._spares_seen = True
+            self._spares.add(str(r.get("worker")))
+        elif ev == "spare_lost":
+            self._spares.discard(str(r.get("worker")))
+            return f"spare {r.get('worker')} was lost while standing by", "yellow"
         elif ev == "recovered":
             who = self._workers.get(r.get("fault_id"), "job")
             kind = next((e.get("kind") for e in reversed(self._events)

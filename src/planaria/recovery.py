@@ -224,6 +224,13 @@ class Recovery:
         joiners: list[WorkerHandle] = []
         if job.width < want:
             joiners = self._wait_for(want - job.width, reason)
+        # A warm spare taken for this fault (or a replacement already up) joins in this very
+        # generation: no step at reduced width, no second rendezvous.
+        room = job.config.replicas - job.width - len(joiners)
+        now = job.pool.poll(timeout_s=0.0)
+        for handle in now[max(0, room):]:
+            job.pool.release(handle)
+        joiners += now[: max(0, room)]
         for handle in joiners:
             self._joining[handle.name] = handle.ready_t or time.time()
         job.build_generation(job.members + joiners, reason=reason)

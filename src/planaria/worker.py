@@ -614,6 +614,10 @@ class Worker(CheckpointWorkerMixin):
                     return
                 time.sleep(self._heartbeat_s)
 
+    def ping(self) -> bool:
+        """Answers at once: the controller's check that an idle standby spare still lives."""
+        return True
+
     @ray.method(concurrency_group="control")
     def dump_stack(self) -> str:
         """Every thread's Python stack (answers even while a step is running)."""

@@ -1,4 +1,5 @@
-"""The controller's pool of worker actors: start, replace with backoff, watch, kill."""
+"""The controller's pool of worker actors: start, replace with backoff, keep hot spares,
+watch, kill."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class WorkerHandle:
     ready_t: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
     has_state: bool = False
+    spare: bool = False  # started as a standby worker (see WorkerPool.replenish)
 
     @property
     def pid(self) -> int | None:
@@ -46,7 +48,13 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    """Starts worker actors and tracks them until they are ready, dead or evicted."""
+    """Starts worker actors and tracks them until they are ready, dead or evicted.
+
+    With ``config.spares`` it also keeps that many standby workers warm (set up, with
+    the optimizer state built): a replacement asked for takes a standby at once and
+    the next :meth:`poll` hands it over as ready, while a new standby starts in the
+    background. A standby is checked alive (one call) before it is handed over.
+    """
 
     def __init__(
         self,
@@ -68,6 +76,8 @@ class WorkerPool:
         self.max_attempts = max_attempts
         self._next_index = 0
         self.starting: list[WorkerHandle] = []
+        self.standby: list[WorkerHandle] = []  # warm spares, ready to take a place
+        self._handed: list[WorkerHandle] = []  # spares taken, handed over by the next poll
         self.last_start_error: str | None = None
         self._retry_at: list[tuple[float, WorkerHandle]] = []
         self.local_node = socket.gethostname()
@@ -77,9 +87,19 @@ class WorkerPool:
         self._actor_cls = remote(concurrency_groups={"control": 1})(Worker)
 
     def start(
-        self, *, replaces: str | None = None, attempt: int = 1, name: str | None = None
+        self,
+        *,
+        replaces: str | None = None,
+        attempt: int = 1,
+        name: str | None = None,
+        spare: bool = False,
     ) -> WorkerHandle:
-        """Asks Ray for a new worker; it builds its model in the background."""
+        """Asks Ray for a new worker; it builds its model in the background. A replacement
+        takes a warm spare instead when one is standing by."""
+        if replaces is not None and attempt == 1:
+            taken = self._take_spare(replaces)
+            if taken is not None:
+                return taken
         if name is None:
             name = f"w{self._next_index}"
             self._next_index += 1
@@ -99,12 +119,51 @@ class WorkerPool:
             use_gpu=cfg.use_gpu,
             record_digests=cfg.ledger,
         )
-        handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt)
-        handle.setup_ref = actor.setup.remote(prebuild_optimizer_state=replaces is not None)
+        handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt,
+                              spare=spare)
+        handle.setup_ref = actor.setup.remote(
+            prebuild_optimizer_state=replaces is not None or spare
+        )
         self.starting.append(handle)
         if replaces is not None and attempt == 1:
             self.log.emit("replacement_requested", worker=name, replaces=replaces)
+        if spare and attempt == 1:
+            self.log.emit("spare_requested", worker=name)
         return handle
+
+    # ---- hot spares --------------------------------------------------------------------------
+
+    @property
+    def spares_starting(self) -> int:
+        return sum(h.spare for h in self.starting) + sum(h.spare for _, h in self._retry_at)
+
+    def replenish(self) -> None:
+        """Starts standby workers until ``config.spares`` are standing by or starting."""
+        for _ in range(self.config.spares - len(self.standby) - self.spares_starting):
+            self.start(spare=True)
+
+    def _take_spare(self, replaces: str) -> WorkerHandle | None:
+        """The first standby that still answers, now a replacement for ``replaces``."""
+        while self.standby:
+            handle = self.standby.pop(0)
+            try:  # a standby sits idle, so a death there is only seen when it is asked
+                ray.get(handle.actor.ping.remote(), timeout=5.0)
+            except Exception as err:
+                self.log.emit("spare_lost", worker=handle.name, error=str(err)[:300])
+                self.kill(handle, fence=False)
+                continue
+            now = time.time()
+            waited = now - (handle.ready_t or now)
+            handle.replaces, handle.requested_t, handle.ready_t = replaces, now, now
+            self.log.emit("replacement_requested", worker=handle.name, replaces=replaces,
+                          spare=True)
+            self.log.emit("replacement_ready", worker=handle.name, replacement_s=0.0,
+                          spare=True, standby_s=waited)
+            self._handed.append(handle)
+            self.replenish()
+            return handle
+        self.replenish()  # the lost ones are made up for
+        return None
 
     def poll(self, timeout_s: float = 0.0) -> list[WorkerHandle]:
         """Workers that became ready within ``timeout_s``; failed starts are retried with backoff.
@@ -117,12 +176,13 @@ class WorkerPool:
         for due, old in list(self._retry_at):
             if due <= now:
                 self._retry_at.remove((due, old))
-                self.start(replaces=old.replaces, attempt=old.attempt + 1, name=old.name)
+                self.start(replaces=old.replaces, attempt=old.attempt + 1, name=old.name,
+                           spare=old.spare)
+        ready, self._handed = self._handed, []
         if not self.starting:
-            return []
+            return ready
         refs = [h.setup_ref for h in self.starting]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        ready: list[WorkerHandle] = []
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.0 if ready else timeout_s)
         for handle in [h for h in self.starting if h.setup_ref in done]:
             self.starting.remove(handle)
             try:
@@ -144,6 +204,10 @@ class WorkerPool:
                 node=handle.info.get("node"),
                 ready_s=ready_s,
             )
+            if handle.spare:
+                self.standby.append(handle)
+                self.log.emit("spare_ready", worker=handle.name, ready_s=ready_s)
+                continue
             if handle.replaces is not None:
                 self.log.emit("replacement_ready", worker=handle.name, replacement_s=ready_s)
             ready.append(handle)
@@ -180,7 +244,9 @@ class WorkerPool:
 
     @property
     def pending_count(self) -> int:
-        return len(self.starting) + len(self._retry_at)
+        """Replacements on their way (spares starting for the standby do not count)."""
+        return (len(self._handed) + len(self.starting) + len(self._retry_at)
+                - self.spares_starting)
 
     def stack(self, handle: WorkerHandle, timeout_s: float = 1.0) -> str | None:
         """The worker's Python stacks if it still answers within the deadline."""
@@ -212,5 +278,9 @@ class WorkerPool:
     def shutdown(self) -> None:
         for handle in self.starting:
             self.kill(handle, fence=False)
+        for handle in self.standby + self._handed:
+            self.release(handle)
         self.starting.clear()
+        self.standby.clear()
+        self._handed.clear()
         self._retry_at.clear()
