@@ -75,6 +75,18 @@ def test_checkpoint_quick(tmp_path):
     assert isinstance(out["page_cache_dropped"], bool)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_spares_quick(tmp_path):
+    out = run_quick("spares.py", tmp_path, timeout_s=580)
+
+    assert out["bench"] == "spares"
+    assert out["full_width_s_spare"] > 0 and out["full_width_s_no_spare"] > 0
+    assert out["details"]["spares_taken_spare"] == 1
+    assert out["details"]["spares_taken_no_spare"] == 0
+
+
 def test_make_benchmarks_md_renders(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
     from bench import make_benchmarks_md as mk
