@@ -33,7 +33,7 @@ sys.path.insert(0, str(_REPO))  # for bench.common, when run as a script
 from bench import common  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
-BENCHES = ("overhead", "recovery", "checkpoint", "campaign")
+BENCHES = ("overhead", "recovery", "checkpoint", "spares", "campaign")
 
 
 def machine() -> dict[str, Any]:
@@ -298,6 +298,25 @@ def render_generic(name: str, rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def render_spares(rec: dict[str, Any]) -> list[str]:
+    r = rec["result"]
+    d = r.get("details", {})
+    spare, cold = r.get("full_width_s_spare"), r.get("full_width_s_no_spare")
+    out = [
+        "## Hot spares", "", *_header(rec), "",
+        "Back at full width after a SIGKILL: the kill → the first committed step with every "
+        "replica in, with one warm spare and without (a fresh worker starts), side by side; "
+        f"the median of {d.get('kills', '?')} kills per run ({d.get('size', '?')} model, "
+        f"{d.get('replicas', '?')} replicas).", "",
+        "| figure | value | target | met |", "|---|---:|---|:-:|",
+        f"| back at full width, with a spare (s) | {_f(spare, '.3f')} | ≤ 1 s "
+        f"| {_ok(None if spare is None else spare <= 1.0)} |",
+        f"| back at full width, without (s) | {_f(cold, '.3f')} | | |",
+        f"| with ÷ without | {_f(r.get('spare_over_no_spare'), '.3f')} | | |",
+    ]
+    return [*out, ""]
+
+
 CAMPAIGN_ZERO = ("unrecovered", "diverged", "samples_duplicated", "samples_missing",
                  "healthy_evicted")
 
@@ -347,6 +366,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_campaign(rec)
         elif name == "checkpoint":
             out += render_checkpoint(rec)
+        elif name == "spares":
+            out += render_spares(rec)
         else:
             out += render_generic(name, rec)
         if rec.get("table"):
