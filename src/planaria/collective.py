@@ -68,6 +68,29 @@ class Collective:
             return
         self._run(lambda pg: [pg.allreduce([t]) for t in tensors])
 
+    def allreduce_start(self, tensors: list[torch.Tensor]) -> list[Any]:
+        """Starts summing each tensor over the ranks, in place; :meth:`wait_all` waits. On
+        an error the group is closed (as in :meth:`allreduce_sum`)."""
+        if self.world_size == 1:
+            return []
+        if self.pg is None:
+            raise RuntimeError(f"the process group of generation {self.gen} was closed")
+        try:
+            return [self.pg.allreduce([t]) for t in tensors]
+        except Exception:
+            self.close()
+            raise
+
+    def wait_all(self, works: list[Any]) -> None:
+        """Waits for operations :meth:`allreduce_start` started; on an error closes the group."""
+        try:
+            for work in works:
+                work.wait()
+        except Exception:
+            works.clear()
+            self.close()
+            raise
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         if self.world_size == 1:
             return

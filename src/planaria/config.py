@@ -132,6 +132,9 @@ class RunConfig:
     memory (and a GPU with ``use_gpu``) while it waits."""
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves for each worker (spares included)."""
+    overlap_reduction: bool = False
+    """Start the gradient all-reduce in buckets during the last micro-batch's backward, as
+    buckets complete (as DDP does), instead of once after it (see planaria.overlap)."""
     threads_per_worker: int | None = None
     """torch threads per worker; None: the CPUs of this machine split over the replicas."""
     use_gpu: bool = False

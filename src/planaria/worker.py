@@ -37,6 +37,7 @@ from planaria.errors import Failure, PlanariaError, StaleGeneration, StepAborted
 from planaria.faults import user_call
 from planaria.integrity import Served, dataset_fingerprint
 from planaria.liveness import Heartbeat
+from planaria.overlap import OverlappedReduce
 from planaria.randomness import factory_seed, micro_batch_seed, sample_scope, seed_globals
 from planaria.state import flatten_state, load_state, tensor_layout
 from planaria.worker_checkpoint import CheckpointWorkerMixin
@@ -91,9 +92,12 @@ class Worker(CheckpointWorkerMixin):
         heartbeat_s: float,
         use_gpu: bool = False,
         record_digests: bool = False,
+        overlap_reduction: bool = False,
     ) -> None:
         self.name = name
         self.record_digests = record_digests
+        self.overlap_reduction = overlap_reduction
+        self._overlap: OverlappedReduce | None = None
         self.spec = spec
         self.threads = threads
         torch.set_num_threads(threads)
@@ -213,6 +217,10 @@ class Worker(CheckpointWorkerMixin):
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
             self.grad_buffers.append(flat)
+        if self._overlap is not None:
+            self._overlap.remove()
+        self._overlap = (OverlappedReduce(self.grad_buffers, list(by_dtype.values()))
+                         if self.overlap_reduction else None)
 
     def join(
         self,
@@ -299,6 +307,7 @@ class Worker(CheckpointWorkerMixin):
         metric_sums: dict[str, float] = {}
         gbs = self.spec.global_batch_size
         assert self.comm is not None, "step before join"
+        overlap = self._overlap if self.comm.world_size > 1 else None
         try:
             self._set_phase("loading", step)
             loaded = self._take(ids, step)
@@ -312,6 +321,8 @@ class Worker(CheckpointWorkerMixin):
             self.model.train()
             for j, (n, batch) in enumerate(loaded.batches):
                 self._raise_if_aborted(step)
+                if overlap is not None and j == len(loaded.batches) - 1:
+                    overlap.arm(self.comm)  # this backward reduces its buckets as they complete
                 # The micro-batch's own random stream: the same at any width, on any rank.
                 torch.manual_seed(micro_batch_seed(self.spec.seed, step, first + j))
                 out = _user("the loss function", self.spec.loss, self.model, batch)
@@ -325,11 +336,16 @@ class Worker(CheckpointWorkerMixin):
         except Failure as err:
             # This step is lost whatever happens: tell the peers to abandon it now (they poll
             # between micro-batches) and close the group so that none waits in a collective.
+            self._abandon_overlap()
             self._abort_generation(step)
             err.workers, err.step = (self.name,), step
             raise
         except StepAborted:
+            self._abandon_overlap()
             self._abort_generation(step)
+            raise
+        except BaseException:
+            self._abandon_overlap()
             raise
         t1 = time.perf_counter()
         self._set_phase("reduce", step)
@@ -339,7 +355,13 @@ class Worker(CheckpointWorkerMixin):
         extra = self.buffer_sync.contributions(
             rank=comm.rank, width=comm.world_size, first=first, count=count, total=total
         )
-        comm.allreduce_sum(self.grad_buffers + extra)
+        if overlap is not None:
+            if not overlap.armed:  # no micro-batch here: the same buckets, in the same order
+                overlap.arm(comm)
+            overlap.finish()  # the buckets still in flight, and any not started yet
+            comm.allreduce_sum(extra)
+        else:
+            comm.allreduce_sum(self.grad_buffers + extra)
         self.buffer_sync.reduced(extra)
         # The reduced gradient is the same on every rank: its norm tells every rank (and the
         # controller) whether the update is finite, and serves the clipping at apply.
@@ -358,6 +380,10 @@ class Worker(CheckpointWorkerMixin):
             "reduce_s": t2 - t1,
             "preempting": self.preempting,
         }
+
+    def _abandon_overlap(self) -> None:
+        if self._overlap is not None:
+            self._overlap.abandon()
 
     def commit(self, gen: int, steps_done: int, *, skipped: int = -1) -> int:
         """Applies the pending step if the controller counts it committed; returns steps done."""

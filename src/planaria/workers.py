@@ -118,6 +118,7 @@ class WorkerPool:
             heartbeat_s=self.hang.heartbeat_s,
             use_gpu=cfg.use_gpu,
             record_digests=cfg.ledger,
+            overlap_reduction=cfg.overlap_reduction,
         )
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt,
                               spare=spare)

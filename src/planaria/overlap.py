@@ -1,0 +1,120 @@
+"""The gradient all-reduce overlapped with the last micro-batch's backward, as DDP does.
+
+The gradients live in one flat buffer per dtype (every ``param.grad`` is a
+view into it). The buffers are cut into buckets of about ``bucket_bytes``,
+each a contiguous slice holding parameters in reverse registration order, the
+order in which backward produces their gradients. During the last micro-batch
+(the earlier ones only accumulate), a post-accumulate-grad hook counts each
+bucket's parameters down; a complete bucket starts its all-reduce at once,
+asynchronously, while backward goes on with the layers below. Buckets start in
+bucket order on every rank whatever order the hooks fire in (a ready bucket
+waits for the ones before it), so every rank issues the same collectives in
+the same order. Parameters that got no gradient leave their buckets
+incomplete: :meth:`OverlappedReduce.finish` starts what is left, in order,
+and waits for every bucket. The update is applied only after that, so the
+commit protocol is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["BUCKET_BYTES", "OverlappedReduce"]
+
+#: About this many bytes per bucket (DDP's default bucket_cap_mb is 25).
+BUCKET_BYTES = 25 << 20
+
+
+class OverlappedReduce:
+    """Buckets of the flat gradient buffers, reduced as backward completes them."""
+
+    def __init__(
+        self,
+        buffers: Sequence[torch.Tensor],
+        layout: Sequence[Sequence[torch.nn.Parameter]],
+        *,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        """``buffers[i]`` holds the gradients of ``layout[i]``'s parameters, in that order."""
+        self.buckets: list[torch.Tensor] = []
+        self._owner: dict[int, int] = {}  # id(param) -> bucket
+        sizes: list[int] = []
+        for flat, params in zip(buffers, layout, strict=True):
+            end = flat.numel()
+            start = end
+            count = 0
+            for p in reversed(params):
+                if p.numel() == 0:
+                    continue  # nothing to reduce; its hook is ignored
+                start -= p.numel()
+                self._owner[id(p)] = len(self.buckets)
+                count += 1
+                if (end - start) * flat.element_size() >= bucket_bytes:
+                    self.buckets.append(flat[start:end])
+                    sizes.append(count)
+                    end, count = start, 0
+            if count:
+                self.buckets.append(flat[start:end])
+                sizes.append(count)
+        self._sizes = sizes
+        self._left: list[int] = []
+        self._ready: list[bool] = []
+        self._next = 0
+        self._works: list[Any] = []
+        self._comm: Any = None
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for params in layout for p in params
+        ]
+
+    @property
+    def armed(self) -> bool:
+        return self._comm is not None
+
+    def arm(self, comm: Any) -> None:
+        """The next backward is the step's last: reduce its buckets as they complete."""
+        self._comm = comm
+        self._left = list(self._sizes)
+        self._ready = [False] * len(self.buckets)
+        self._next = 0
+        self._works = []
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._comm is None:
+            return
+        b = self._owner.get(id(p))
+        if b is None:
+            return
+        self._left[b] -= 1
+        if self._left[b] == 0:
+            self._ready[b] = True
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._ready[self._next]:
+            self._works += self._comm.allreduce_start([self.buckets[self._next]])
+            self._next += 1
+
+    def finish(self) -> None:
+        """Starts the buckets still waiting (parameters without a gradient), in order, and
+        waits for every bucket's reduction; raises as the collective does."""
+        comm = self._comm
+        assert comm is not None, "finish without arm"
+        try:
+            self._ready = [True] * len(self.buckets)
+            self._launch_ready()
+            comm.wait_all(self._works)
+        finally:
+            self._comm, self._works = None, []
+
+    def abandon(self) -> None:
+        """The step failed: forget the reductions in flight (the group is being closed)."""
+        self._comm, self._works = None, []
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
