@@ -152,8 +152,10 @@ def run_planaria_steady(
     *,
     warmup: int = 3,
     run_dir: str | os.PathLike | None = None,
+    **run_options: Any,
 ) -> dict[str, Any]:
     """``steps`` steps on ``replicas`` workers, no faults; per-step medians after ``warmup``.
+    ``run_options`` are further RunConfig fields (e.g. ``overlap_reduction``).
 
     Per step (then the median over the steady steps), in ms:
 
@@ -179,7 +181,8 @@ def run_planaria_steady(
         raise ValueError(f"steps={steps} must exceed warmup={warmup}")
     _ensure_worker_path()
     rd = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="planaria_steady_"))
-    config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads)
+    config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads,
+                       **run_options)
     with _timed_workers():
         job = _timed_job_class()(make_spec(size), config)
         job.start()
