@@ -132,6 +132,10 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
     )
     p.add_argument("--ledger", action="store_true", help="record the samples every step served")
     p.add_argument(
+        "--overlap-reduction", action="store_true",
+        help="all-reduce the gradients in buckets during the last backward (as DDP does)",
+    )
+    p.add_argument(
         "--verify-every",
         type=int,
         default=None,
@@ -186,6 +190,7 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             ledger=args.ledger,
             verify_every=args.verify_every,
             spares=args.spares,
+            overlap_reduction=args.overlap_reduction,
             use_gpu=args.gpu,
             listeners=listeners,
         )
