@@ -61,6 +61,12 @@ class TrainSpec:
     """Seeds the model's initial state, the data order and per-step randomness."""
     name: str = "spec"
     """A label for logs and reports."""
+    compile: bool = False
+    """Compile the model with ``torch.compile`` (``dynamic=False``) in every worker; workers
+    started later get the compile cache of a running one and compile before they join
+    (see :mod:`planaria.compile_cache`)."""
+    compile_options: dict[str, Any] | None = None
+    """Further keyword arguments for ``torch.compile`` (``mode``, ``backend``, ...)."""
     extra_state: tuple[Callable[[Any, Any], dict[str, Any]],
                        Callable[[Any, Any, dict[str, Any]], None]] | None = None
     """State beyond the model, optimizer and scheduler (a GradScaler's scale, an EMA's
@@ -132,6 +138,10 @@ class RunConfig:
     memory (and a GPU with ``use_gpu``) while it waits."""
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves for each worker (spares included)."""
+    share_compile_cache: bool = True
+    """With ``spec.compile``: hand a running worker's compile cache to every worker started
+    later (and keep it in ``RUN_DIR/compile_cache.tar.gz`` for a resumed job); False: every
+    worker compiles from scratch."""
     overlap_reduction: bool = False
     """Start the gradient all-reduce in buckets during the last micro-batch's backward, as
     buckets complete (as DDP does), instead of once after it (see planaria.overlap)."""

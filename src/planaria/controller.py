@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from planaria._version import __version__
 from planaria.chaos import ChaosPlan, send_signal
+from planaria.compile_cache import CACHE_FILE
 from planaria.config import RunConfig, TrainSpec
 from planaria.data_plan import DataPlan, Ledger, split_micro_batches
 from planaria.errors import (
@@ -182,6 +183,9 @@ class Job:
             self.log,
             max_attempts=self.policy.max_replacement_attempts,
         )
+        cache_file = self.run_dir / CACHE_FILE
+        if self.spec.compile and cfg.share_compile_cache and cache_file.exists():
+            self.pool.compile_cache = cache_file.read_bytes()  # a resumed job starts warm
         for _ in range(cfg.replicas):
             self.pool.start()
         ready = self._wait_ready(cfg.replicas, timeout_s=max(120.0, cfg.join_timeout_s))
@@ -194,6 +198,8 @@ class Job:
         ready.sort(key=lambda h: int(h.name[1:]))
         self._check_same_init(ready)
         self.pool.data_fingerprint = ready[0].info["data_fingerprint"]
+        if self.spec.compile and cfg.share_compile_cache:
+            self._keep_compile_cache(ready[0])
         self.pool.replenish()  # spares start once the members are up, never before them
         num_samples = ready[0].info["num_samples"]
         self.plan = DataPlan(num_samples, self.spec.global_batch_size, self.spec.seed)
@@ -212,6 +218,22 @@ class Job:
                 self.checkpointer.resume_if_asked()
             except Failure as failure:  # a worker died while resuming: recover as from any
                 self.recovery.handle(failure)
+
+    def _keep_compile_cache(self, source: WorkerHandle) -> None:
+        """Takes ``source``'s compile cache (it compiled in its setup) for the workers started
+        later, and saves it in the run directory (atomically) for a resumed job."""
+        try:
+            data = ray.get(source.actor.compile_cache.remote(), timeout=120)
+        except Exception as err:  # no cache: workers started later compile from scratch
+            _log.warning("could not take %s's compile cache: %r", source.name, err)
+            return
+        if not data:
+            return
+        self.pool.compile_cache = data
+        tmp = self.run_dir / f"{CACHE_FILE}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, self.run_dir / CACHE_FILE)
+        self.log.emit("compile_cache", worker=source.name, bytes=len(data))
 
     def _init_ray(self) -> None:
         if ray.is_initialized():

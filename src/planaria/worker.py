@@ -29,6 +29,7 @@ import numpy as np
 import ray
 import torch
 
+from planaria import compile_cache as compile_cache_mod
 from planaria.buffers import BufferSync
 from planaria.collective import Collective, connect_store
 from planaria.config import TrainSpec
@@ -94,6 +95,7 @@ class Worker(CheckpointWorkerMixin):
         record_digests: bool = False,
         overlap_reduction: bool = False,
     ) -> None:
+        self._init_t = time.time()  # after the process started and imported planaria
         self.name = name
         self.record_digests = record_digests
         self.overlap_reduction = overlap_reduction
@@ -129,16 +131,26 @@ class Worker(CheckpointWorkerMixin):
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def setup(self, *, prebuild_optimizer_state: bool = False) -> dict[str, Any]:
+    def setup(
+        self, *, prebuild_optimizer_state: bool = False, compile_cache: bytes | None = None
+    ) -> dict[str, Any]:
         """Builds model, optimizer, scheduler and dataset from the spec's factories.
 
         A replacement (``prebuild_optimizer_state``) also materialises its
         optimizer state now, off the critical path, so that the state it will
-        receive lands in memory that is already allocated and touched.
+        receive lands in memory that is already allocated and touched. With
+        ``spec.compile`` the model is compiled here, from ``compile_cache`` (a
+        running worker's, see :mod:`planaria.compile_cache`) when given.
         """
         self.phase = "setup"
         spec = self.spec
+        t0 = time.time()
+        if spec.compile:
+            self._compile_dir = compile_cache_mod.use_private_cache()
+            if compile_cache:
+                compile_cache_mod.unpack(compile_cache, self._compile_dir)
         self._build_model()
+        t1 = time.time()
         self.dataset = _factory("dataset", spec.seed, spec.dataset)
         if spec.collate is not None:
             self.collate = spec.collate
@@ -150,6 +162,10 @@ class Worker(CheckpointWorkerMixin):
         fingerprint = _user(
             "dataset[i]", dataset_fingerprint, self.dataset, spec.seed, self._fingerprint_sample
         )
+        t2 = time.time()
+        if spec.compile:
+            self._warm_compile()
+        t3 = time.time()
         if prebuild_optimizer_state:
             self._prebuild_optimizer_state()
         self.phase = "idle"
@@ -162,7 +178,35 @@ class Worker(CheckpointWorkerMixin):
             "data_fingerprint": fingerprint,
             "param_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "threads": torch.get_num_threads(),
+            "init_t": self._init_t,
+            "start": {"build_s": t1 - t0, "data_s": t2 - t1, "compile_s": t3 - t2,
+                      "setup_s": time.time() - t0},
         }
+
+    def _warm_compile(self) -> None:
+        """Compiles now, off the critical path: one forward and backward of a micro-batch of
+        the dataset's first samples (the shape of every step's micro-batches), then the
+        model's state and the gradients put back as they were."""
+        mbs = self.spec.micro_batch_size
+        n = _user("len(dataset)", len, self.dataset)
+        samples = [self._fingerprint_sample(i % n) for i in range(mbs)]
+        batch = _to_device(_user("collate", self.collate, samples), self.device)
+        saved = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.model.train()
+        torch.manual_seed(self.spec.seed)
+        out = _user("the loss function", self.spec.loss, self.compiled, batch)
+        loss = out[0] if isinstance(out, tuple) else out
+        _user("backward", loss.backward)
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                v.copy_(saved[k])
+        self._drop_pending()
+
+    def compile_cache(self) -> bytes | None:
+        """This worker's compile cache, packed (None without ``spec.compile``)."""
+        if not self.spec.compile:
+            return None
+        return compile_cache_mod.pack(self._compile_dir)
 
     def _build_model(self) -> None:
         """Model, optimizer and scheduler in their initial state (seeded from the spec)."""
@@ -176,6 +220,8 @@ class Worker(CheckpointWorkerMixin):
         )
         self.buffer_sync = BufferSync(self.model)
         self._bind_grad_buffers()
+        self.compiled = (torch.compile(self.model, dynamic=False, **(spec.compile_options or {}))
+                         if spec.compile else self.model)
 
     def reinit(self, gen: int) -> int:
         """Back to the initial state (after a restore that failed part-way); returns checksum."""
@@ -325,7 +371,7 @@ class Worker(CheckpointWorkerMixin):
                     overlap.arm(self.comm)  # this backward reduces its buckets as they complete
                 # The micro-batch's own random stream: the same at any width, on any rank.
                 torch.manual_seed(micro_batch_seed(self.spec.seed, step, first + j))
-                out = _user("the loss function", self.spec.loss, self.model, batch)
+                out = _user("the loss function", self.spec.loss, self.compiled, batch)
                 loss, metrics = out if isinstance(out, tuple) else (out, {})
                 _user("backward", (loss * (n / gbs)).backward)
                 loss_sum += float(loss.detach()) * n

@@ -82,6 +82,7 @@ class WorkerPool:
         self._retry_at: list[tuple[float, WorkerHandle]] = []
         self.local_node = socket.gethostname()
         self.data_fingerprint: dict[str, Any] | None = None  # the job's, once it has started
+        self.compile_cache: bytes | None = None  # a running worker's (spec.compile), for new ones
         # Two lanes: steps and state in the default one, stack dumps (mid-step) in "control".
         remote: Any = ray.remote
         self._actor_cls = remote(concurrency_groups={"control": 1})(Worker)
@@ -123,7 +124,8 @@ class WorkerPool:
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt,
                               spare=spare)
         handle.setup_ref = actor.setup.remote(
-            prebuild_optimizer_state=replaces is not None or spare
+            prebuild_optimizer_state=replaces is not None or spare,
+            compile_cache=self.compile_cache,
         )
         self.starting.append(handle)
         if replaces is not None and attempt == 1:
@@ -198,12 +200,17 @@ class WorkerPool:
             self._check_data(handle)
             handle.ready_t = time.time()
             ready_s = handle.ready_t - handle.requested_t
+            start = dict(handle.info.get("start") or {})
+            if "init_t" in handle.info:  # two clocks when the worker is on another node
+                start["process_s"] = max(0.0, handle.info["init_t"] - handle.requested_t)
             self.log.emit(
                 "worker_started",
                 worker=handle.name,
                 pid=handle.pid,
                 node=handle.info.get("node"),
                 ready_s=ready_s,
+                warm=self.compile_cache is not None if self.spec.compile else None,
+                **start,
             )
             if handle.spare:
                 self.standby.append(handle)
