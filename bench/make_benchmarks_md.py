@@ -33,7 +33,7 @@ sys.path.insert(0, str(_REPO))  # for bench.common, when run as a script
 from bench import common  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
-BENCHES = ("overhead", "recovery", "checkpoint", "spares", "overlap", "campaign")
+BENCHES = ("overhead", "recovery", "checkpoint", "spares", "overlap", "warm_join", "campaign")
 
 
 def machine() -> dict[str, Any]:

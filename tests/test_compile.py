@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from planaria import fit
+from planaria import ChaosPlan, Failure, Job, RunConfig, fit
 from planaria.examples import mlp
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
@@ -28,10 +28,19 @@ def test_a_compiled_run_equals_an_eager_one_and_its_replacement_starts_warm(
     eager = fit(mlp.make_spec(n=N), steps=STEPS, replicas=2, run_dir=tmp_path / "eager")
     spec = dataclasses.replace(mlp.make_spec(n=N), compile=True)
     run = tmp_path / "compiled"
-    result = fit(spec, steps=STEPS, replicas=2, run_dir=run, ledger=True,
-                 chaos="kill:w1@step4")
-    assert result.final_step == STEPS
-    assert_same_state(eager.state_dict, result.state_dict)
+    job = Job(spec, RunConfig(steps=STEPS, replicas=2, run_dir=run, ledger=True),
+              chaos=ChaosPlan.parse("kill:w1@step4"))
+    with job:
+        while job.steps_done < STEPS:
+            if job.steps_done == STEPS - 2:
+                job.wait_for_width(2, timeout_s=300)  # the replacement joins within the run
+            try:
+                job.train_step()
+            except Failure as failure:
+                job.recovery.handle(failure)
+        state = job.model_state_dict()
+    assert job.steps_done == STEPS
+    assert_same_state(eager.state_dict, state)
     assert_exactly_once(run, num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(run)
     started = {e["worker"]: e for e in of(evs, "worker_started")}
