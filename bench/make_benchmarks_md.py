@@ -317,6 +317,22 @@ def render_spares(rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def render_warm_join(rec: dict[str, Any]) -> list[str]:
+    r = rec["result"]
+    ratio = r.get("warm_over_cold")
+    out = [
+        "## Warm joins of a compiled model", "", *_header(rec), "",
+        "A compiled tiny GPT's replacement: asked for → first committed step with it, "
+        "compiling from scratch (cold) and from a running worker's compile cache (warm).", "",
+        "| figure | value | target | met |", "|---|---:|---|:-:|",
+        f"| cold join (s) | {_f(r.get('cold_join_s'), '.2f')} | | |",
+        f"| warm join (s) | {_f(r.get('warm_join_s'), '.2f')} | | |",
+        f"| warm ÷ cold | {_f(ratio, '.3f')} | ≤ 0.3 "
+        f"| {_ok(None if ratio is None else ratio <= 0.3)} |",
+    ]
+    return [*out, ""]
+
+
 CAMPAIGN_ZERO = ("unrecovered", "diverged", "samples_duplicated", "samples_missing",
                  "healthy_evicted")
 
@@ -368,6 +384,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_checkpoint(rec)
         elif name == "spares":
             out += render_spares(rec)
+        elif name == "warm_join":
+            out += render_warm_join(rec)
         else:
             out += render_generic(name, rec)
         if rec.get("table"):
