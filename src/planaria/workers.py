@@ -158,6 +158,7 @@ class WorkerPool:
             now = time.time()
             waited = now - (handle.ready_t or now)
             handle.replaces, handle.requested_t, handle.ready_t = replaces, now, now
+            handle.spare = False  # a replacement from now on
             self.log.emit("replacement_requested", worker=handle.name, replaces=replaces,
                           spare=True)
             self.log.emit("replacement_ready", worker=handle.name, replacement_s=0.0,
