@@ -61,6 +61,8 @@ def run(size: str, replicas: int, spares: int, kills: int, every: int, run_dir: 
                 victim = job.members[len(kill_t) % replicas]
                 kill_t.append(time.time())
                 os.kill(victim.pid, signal.SIGKILL)
+            if job.steps_done == steps - 1:
+                job.wait_for_width(replicas, timeout_s=300)  # the last kill's figure too
             try:
                 job.train_step()
             except planaria.Failure as failure:

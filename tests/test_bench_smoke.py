@@ -75,7 +75,8 @@ def test_checkpoint_quick(tmp_path):
     assert isinstance(out["page_cache_dropped"], bool)
 
 
-@pytest.mark.slow
+# The goodput-issue benches: opt-in (-m soak) to keep the default suite's time bounded.
+@pytest.mark.soak
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_spares_quick(tmp_path):
@@ -85,6 +86,30 @@ def test_spares_quick(tmp_path):
     assert out["full_width_s_spare"] > 0 and out["full_width_s_no_spare"] > 0
     assert out["details"]["spares_taken_spare"] == 1
     assert out["details"]["spares_taken_no_spare"] == 0
+
+
+@pytest.mark.soak
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_overlap_quick(tmp_path):
+    out = run_quick("overlap.py", tmp_path, timeout_s=580)
+
+    assert out["bench"] == "overlap"
+    assert out["step_ms_overlap"] > 0 and out["step_ms_plain"] > 0
+    assert out["overlap_over_plain"] == pytest.approx(
+        out["step_ms_overlap"] / out["step_ms_plain"], rel=1e-3)
+
+
+@pytest.mark.soak
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_warm_join_quick(tmp_path):
+    out = run_quick("warm_join.py", tmp_path, timeout_s=880)
+
+    assert out["bench"] == "warm_join"
+    assert out["warm_join_s"] > 0 and out["cold_join_s"] > 0
+    assert out["details"]["warm"]["replacement"]["compile_s"] < \
+        out["details"]["cold"]["replacement"]["compile_s"]
 
 
 def test_make_benchmarks_md_renders(tmp_path, monkeypatch):

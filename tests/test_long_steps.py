@@ -24,7 +24,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
-N, G, STEPS = 512, 64, 6
+N, G, STEPS = 512, 64, 4
 MICRO_S = 3.0  # each micro-batch takes at least this long: 2 per rank at width 3, a 6 s step
 
 
