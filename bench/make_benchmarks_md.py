@@ -282,7 +282,7 @@ def render_checkpoint(rec: dict[str, Any]) -> list[str]:
                 "the shares into the staged images, two CRC-32C passes, pinning pages for the "
                 "direct I/O: ~0.12 s of CPU per 208 MB, measured per component) and the "
                 "controller's snapshot call itself takes ~0.03 s, while a tenth of a "
-                "synchronous save here is 0.015–0.04 s. See docs/design.md (checkpoints)."]
+                "synchronous save here is 0.015-0.04 s. See docs/design.md (checkpoints)."]
     if r.get("page_cache_dropped") is False:
         out += ["", "The cold raw read was not slower than the warm one: this machine's "
                 "storage served it from a host cache, so the cold figures are warm ones."]
