@@ -64,22 +64,14 @@ class Collective:
 
     def allreduce_sum(self, tensors: list[torch.Tensor]) -> None:
         """Sums each tensor over the ranks, in place."""
-        if self.world_size == 1:
-            return
-        self._run(lambda pg: [pg.allreduce([t]) for t in tensors])
+        self.wait_all(self.allreduce_start(tensors))
 
     def allreduce_start(self, tensors: list[torch.Tensor]) -> list[Any]:
         """Starts summing each tensor over the ranks, in place; :meth:`wait_all` waits. On
         an error the group is closed (as in :meth:`allreduce_sum`)."""
         if self.world_size == 1:
             return []
-        if self.pg is None:
-            raise RuntimeError(f"the process group of generation {self.gen} was closed")
-        try:
-            return [self.pg.allreduce([t]) for t in tensors]
-        except Exception:
-            self.close()
-            raise
+        return self._start(lambda pg: [pg.allreduce([t]) for t in tensors])
 
     def wait_all(self, works: list[Any]) -> None:
         """Waits for operations :meth:`allreduce_start` started; on an error closes the group."""
@@ -87,7 +79,7 @@ class Collective:
             for work in works:
                 work.wait()
         except Exception:
-            works.clear()
+            works.clear()  # pending work holds the group's connections too
             self.close()
             raise
 
@@ -115,15 +107,15 @@ class Collective:
         from it (not from the dead rank) only notices when its sockets close, and
         would otherwise wait for the whole collective timeout.
         """
+        self.wait_all(self._start(issue))
+
+    def _start(self, issue: Any) -> list[Any]:
+        """Issues the operations (``issue(pg)``) without waiting; on an error closes the group."""
         if self.pg is None:
             raise RuntimeError(f"the process group of generation {self.gen} was closed")
-        works: list[Any] = []
         try:
-            works = issue(self.pg)
-            for work in works:
-                work.wait()
+            return list(issue(self.pg))
         except Exception:
-            works.clear()  # pending work holds the group's connections too
             self.close()
             raise
 
