@@ -111,7 +111,8 @@ class OverlappedReduce:
             self._comm, self._works = None, []
 
     def abandon(self) -> None:
-        """The step failed: forget the reductions in flight (the group is being closed)."""
+        """Disarms, forgetting any reductions in flight (a failed step leaves it armed; its
+        group is closed)."""
         self._comm, self._works = None, []
 
     def remove(self) -> None:

@@ -354,6 +354,8 @@ class Worker(CheckpointWorkerMixin):
         gbs = self.spec.global_batch_size
         assert self.comm is not None, "step before join"
         overlap = self._overlap if self.comm.world_size > 1 else None
+        if self._overlap is not None:
+            self._overlap.abandon()  # a step starts with no reduction armed (a failed one may)
         try:
             self._set_phase("loading", step)
             loaded = self._take(ids, step)
@@ -382,16 +384,11 @@ class Worker(CheckpointWorkerMixin):
         except Failure as err:
             # This step is lost whatever happens: tell the peers to abandon it now (they poll
             # between micro-batches) and close the group so that none waits in a collective.
-            self._abandon_overlap()
             self._abort_generation(step)
             err.workers, err.step = (self.name,), step
             raise
         except StepAborted:
-            self._abandon_overlap()
             self._abort_generation(step)
-            raise
-        except BaseException:
-            self._abandon_overlap()
             raise
         t1 = time.perf_counter()
         self._set_phase("reduce", step)
@@ -426,10 +423,6 @@ class Worker(CheckpointWorkerMixin):
             "reduce_s": t2 - t1,
             "preempting": self.preempting,
         }
-
-    def _abandon_overlap(self) -> None:
-        if self._overlap is not None:
-            self._overlap.abandon()
 
     def commit(self, gen: int, steps_done: int, *, skipped: int = -1) -> int:
         """Applies the pending step if the controller counts it committed; returns steps done."""
