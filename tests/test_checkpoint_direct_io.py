@@ -34,6 +34,16 @@ def shard_path(root: Path, step: int, index: int, num: int, save_id: str) -> Pat
     return Path(shard_dir(Storage(str(root)), step, save_id)) / shard_file_name(index, num)
 
 
+def assert_round_trip(root: Path, state: dict[str, torch.Tensor], step: int) -> None:
+    """One writer stages ``state``, writes and verifies it, commits; it loads back equal."""
+    (plan,) = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, 1)
+    image = ShardImage()
+    image.fill(state, plan, step)
+    record = write_image(str(root), step, 0, 1, image, verify=True)
+    path = commit_checkpoint(str(root), step, [record], {}, world_size=1)
+    assert_same(load_checkpoint(path)[0], state)
+
+
 @pytest.fixture
 def direct_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """What each write_direct call answered (True: written with O_DIRECT)."""
@@ -93,12 +103,7 @@ def test_file_systems_without_direct_io_get_a_buffered_write(
 ) -> None:
     monkeypatch.setattr(direct_io, "_O_DIRECT", 0)  # as on tmpfs or a FUSE mount
     state = make_state()
-    (plan,) = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, 1)
-    image = ShardImage()
-    image.fill(state, plan, 3)
-    record = write_image(str(tmp_path), 3, 0, 1, image, verify=True)
-    path = commit_checkpoint(str(tmp_path), 3, [record], {}, world_size=1)
-    assert_same(load_checkpoint(path)[0], state)
+    assert_round_trip(tmp_path, state, 3)
     assert direct_calls == [False]
 
 
@@ -129,13 +134,7 @@ def test_a_shard_larger_than_the_scratch_buffer_is_read_back_in_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(ShardImage, "SCRATCH_BYTES", 2 * direct_io.ALIGN)
-    state = {"a": torch.randn(3001), "b": torch.randn(17, 33).double()}
-    (plan,) = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, 1)
-    image = ShardImage()
-    image.fill(state, plan, 2)
-    record = write_image(str(tmp_path), 2, 0, 1, image, verify=True)
-    path = commit_checkpoint(str(tmp_path), 2, [record], {}, world_size=1)
-    assert_same(load_checkpoint(path)[0], state)
+    assert_round_trip(tmp_path, {"a": torch.randn(3001), "b": torch.randn(17, 33).double()}, 2)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")

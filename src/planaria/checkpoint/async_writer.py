@@ -15,7 +15,7 @@ import torch
 
 from planaria.checkpoint.backoff import with_retries
 from planaria.checkpoint.plan import ShardPlan
-from planaria.checkpoint.staging import ShardImage
+from planaria.checkpoint.staging import ShardImage, slice_of
 from planaria.checkpoint.writer import ShardRecord, write_image, write_shard
 
 __all__ = ["AsyncShardWriter", "background_priority"]
@@ -39,11 +39,7 @@ def background_priority() -> None:
 
 def _live_share(tensors: Mapping[str, torch.Tensor], plan: ShardPlan) -> dict[str, torch.Tensor]:
     """The plan's slices as views of the live tensors (no copy for contiguous CPU tensors)."""
-    out = {}
-    for spec in plan.slices:
-        src = tensors[spec.name].detach()
-        out[spec.key] = src if spec.rows is None else src[spec.rows[0] : spec.rows[1]]
-    return out
+    return {spec.key: slice_of(tensors, spec) for spec in plan.slices}
 
 
 class AsyncShardWriter:

@@ -19,18 +19,13 @@ from collections.abc import Sequence
 
 from planaria.checkpoint.checksum import Segment, SegmentChecker
 
-__all__ = ["ALIGN", "read_back_direct", "supported", "write_direct"]
+__all__ = ["ALIGN", "read_back_direct", "write_direct"]
 
 #: Alignment of buffers, lengths and offsets (the largest common logical block size).
 ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: At most this many bytes per system call (Linux caps one write near 2 GiB).
 _MAX_IO = 1 << 30
-
-
-def supported() -> bool:
-    """Whether this platform has ``O_DIRECT`` at all."""
-    return _O_DIRECT != 0
 
 
 def _open(path: str, flags: int) -> int | None:

@@ -32,17 +32,12 @@ class ShardEntry:
     begin: int
     end: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
 
 @dataclass(frozen=True, slots=True)
 class ShardLayout:
     """A shard file's bytes: ``head`` (length prefix and JSON header), then the entries."""
 
     head: bytes
-    header: dict[str, Any]
     entries: tuple[ShardEntry, ...]
 
     @property
@@ -74,4 +69,4 @@ def lay_out(share: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], step: int)
     start = len(head)
     entries = tuple(ShardEntry(key, dtype, shape, start + b, start + e)
                     for key, dtype, shape, b, e in placed)
-    return ShardLayout(head=head, header=header, entries=entries)
+    return ShardLayout(head=head, entries=entries)

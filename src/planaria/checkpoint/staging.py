@@ -12,7 +12,7 @@ from planaria.checkpoint.direct_io import ALIGN
 from planaria.checkpoint.plan import ShardPlan, SliceSpec
 from planaria.checkpoint.shard_file import ShardLayout, lay_out
 
-__all__ = ["ShardImage", "StagingBuffers", "take_share"]
+__all__ = ["ShardImage", "StagingBuffers", "slice_of", "take_share"]
 
 
 class StagingBuffers:
@@ -65,7 +65,7 @@ def take_share(
     out: dict[str, torch.Tensor] = {}
     device_copies = False
     for spec in plan.slices:
-        src = _slice_of(tensors, spec)
+        src = slice_of(tensors, spec)
         if staging is not None:
             dst = staging.buffer(spec.key, src.shape, src.dtype)
         else:
@@ -121,7 +121,7 @@ class ShardImage:
         ``KeyError`` for a tensor the plan names but ``tensors`` lacks, ``ValueError``
         if a row range does not fit the tensor.
         """
-        sources = {spec.key: _slice_of(tensors, spec) for spec in plan.slices}
+        sources = {spec.key: slice_of(tensors, spec) for spec in plan.slices}
         layout = lay_out({k: (t.dtype, tuple(t.shape)) for k, t in sources.items()}, step)
         padded = layout.size + (-layout.size % ALIGN)
         self._raw = self._aligned(padded, self._raw)
@@ -159,7 +159,9 @@ class ShardImage:
         self.layout = None
 
 
-def _slice_of(tensors: Mapping[str, torch.Tensor], spec: SliceSpec) -> torch.Tensor:
+def slice_of(tensors: Mapping[str, torch.Tensor], spec: SliceSpec) -> torch.Tensor:
+    """The plan's slice ``spec`` of ``tensors`` as a view (``ValueError`` if its rows do not
+    fit the tensor)."""
     src = tensors[spec.name].detach()
     if spec.rows is not None:
         begin, end = spec.rows

@@ -9,7 +9,6 @@ step's directory, invisible to readers until the commit marker names it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -25,7 +24,6 @@ from planaria.checkpoint.checksum import (
     read_verified,
 )
 from planaria.checkpoint.direct_io import read_back_direct, write_direct
-from planaria.checkpoint.dtypes import DTYPES
 from planaria.checkpoint.errors import CorruptCheckpoint, ManifestError
 from planaria.checkpoint.layout import (
     DEFAULT_SAVE_ID,
@@ -37,7 +35,7 @@ from planaria.checkpoint.layout import (
 )
 from planaria.checkpoint.manifest import FileEntry
 from planaria.checkpoint.plan import parse_slice_key
-from planaria.checkpoint.shard_file import ShardEntry, lay_out
+from planaria.checkpoint.shard_file import ShardLayout, lay_out
 from planaria.checkpoint.staging import ShardImage
 from planaria.checkpoint.storage import Storage
 
@@ -112,10 +110,33 @@ def shard_dir(storage: Storage, step: int, save_id: str) -> str:
     return storage.path(step_dir_name(step), save_dir_name(save_id))
 
 
-def _recorded(e: ShardEntry, crc: int) -> RecordedSlice:
-    name, rows = parse_slice_key(e.key)
-    return RecordedSlice(name=name, key=e.key, dtype=e.dtype, shape=e.shape, rows=rows,
-                         offsets=(e.begin, e.end), crc32=crc)
+def _destination(
+    root: str, step: int, shard_index: int, num_shards: int, save_id: str | None,
+    storage_options: Mapping[str, Any] | None,
+) -> tuple[Storage, str, str]:
+    """The storage, the checked save id and the path of a shard file (its directory made)."""
+    sid = check_save_id(save_id or DEFAULT_SAVE_ID)
+    storage = Storage(root, storage_options)
+    directory = shard_dir(storage, step, sid)
+    storage.makedirs(directory)
+    return storage, sid, f"{directory}/{shard_file_name(shard_index, num_shards)}"
+
+
+def _record(layout: ShardLayout, crcs: list[int], step: int, save_id: str, shard_index: int,
+            num_shards: int, path: str, algorithm: str) -> ShardRecord:
+    """What the commit needs of a shard written with ``layout``; ``crcs`` per entry."""
+    slices = []
+    for e, crc in zip(layout.entries, crcs, strict=True):
+        name, rows = parse_slice_key(e.key)
+        slices.append(RecordedSlice(name=name, key=e.key, dtype=e.dtype, shape=e.shape,
+                                    rows=rows, offsets=(e.begin, e.end), crc32=crc))
+    header_crc = checksum_function(algorithm)(layout.head, 0)
+    return ShardRecord(
+        step=step, save_id=save_id, shard_index=shard_index, num_shards=num_shards,
+        file=FileEntry(name=path.rsplit("/", 1)[-1], size=layout.size,
+                       data_start=layout.data_start, header_crc32=header_crc),
+        slices=tuple(slices), checksum=algorithm,
+    )
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -148,35 +169,23 @@ def write_shard(
     (:class:`CorruptCheckpoint` if one differs): a committed checkpoint then needs
     no read-back before older ones are deleted.
     """
-    sid = check_save_id(save_id or DEFAULT_SAVE_ID)
-    storage = Storage(root, storage_options)
-    directory = shard_dir(storage, step, sid)
-    storage.makedirs(directory)
-    name = shard_file_name(shard_index, num_shards)
-
+    storage, sid, path = _destination(root, step, shard_index, num_shards, save_id,
+                                      storage_options)
     layout = lay_out({k: (t.dtype, tuple(t.shape)) for k, t in share.items()}, step)
     views = [_bytes_view(share[e.key]) for e in layout.entries]
-    head, data_start = layout.head, layout.data_start
+    assert [v.nbytes for v in views] == [e.end - e.begin for e in layout.entries]
 
     crc = checksum_function(algorithm)
     with ThreadPoolExecutor(max_workers=1) as pool:
         crcs = [pool.submit(crc, v, 0) for v in views]
-        with storage.open_write(f"{directory}/{name}", fsync=fsync) as f:
-            f.write(head)
+        with storage.open_write(path, fsync=fsync) as f:
+            f.write(layout.head)
             for v in views:
                 f.write(v)
-        slices = []
-        for e, fut in zip(layout.entries, crcs, strict=True):
-            slices.append(_recorded(e, fut.result()))
-    size = layout.size
-    assert size == data_start + sum(math.prod(s.shape) * DTYPES[s.dtype].itemsize for s in slices)
-    record = ShardRecord(
-        step=step, save_id=sid, shard_index=shard_index, num_shards=num_shards,
-        file=FileEntry(name=name, size=size, data_start=data_start, header_crc32=crc(head, 0)),
-        slices=tuple(slices), checksum=algorithm,
-    )
+        record = _record(layout, [fut.result() for fut in crcs], step, sid, shard_index,
+                         num_shards, path, algorithm)
     if verify:
-        _verify_written(storage, f"{directory}/{name}", record)
+        _verify_written(storage, path, record)
     return record
 
 
@@ -201,12 +210,8 @@ def write_image(
     must not change until this returns."""
     layout = image.layout
     assert layout is not None, "nothing staged"
-    sid = check_save_id(save_id or DEFAULT_SAVE_ID)
-    storage = Storage(root, storage_options)
-    directory = shard_dir(storage, step, sid)
-    storage.makedirs(directory)
-    name = shard_file_name(shard_index, num_shards)
-    path = f"{directory}/{name}"
+    storage, sid, path = _destination(root, step, shard_index, num_shards, save_id,
+                                      storage_options)
     data = image.view()
     crc = checksum_function(algorithm)
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -214,14 +219,8 @@ def write_image(
         if not (direct and storage.local and write_direct(path, data, layout.size, fsync=fsync)):
             with storage.open_write(path, fsync=fsync) as f:
                 f.write(data[: layout.size])
-        slices = tuple(_recorded(e, fut.result()) for e, fut in zip(layout.entries, crcs,
-                                                                     strict=True))
-    record = ShardRecord(
-        step=step, save_id=sid, shard_index=shard_index, num_shards=num_shards,
-        file=FileEntry(name=name, size=layout.size, data_start=layout.data_start,
-                       header_crc32=crc(layout.head, 0)),
-        slices=slices, checksum=algorithm,
-    )
+        record = _record(layout, [fut.result() for fut in crcs], step, sid, shard_index,
+                         num_shards, path, algorithm)
     if verify:
         bad = None
         if direct and storage.local:
