@@ -231,4 +231,8 @@ def test_a_death_during_a_restore_restores_again(tmp_path, reference):
     # The second fault interrupted the reads, leaving the others' tensors half overwritten:
     # the state was restored again, never resized onto them.
     assert [a["action"] for a in of(evs, "action")] == ["restore", "restore"]
-    assert len(of(evs, "restore")) == 1 and of(evs, "restore")[0]["step"] == 6
+    # Restored from the newest committed checkpoint (step 6, or step 3 when step 6's background
+    # save was still in flight at the kill on a slow machine).
+    (restore,) = of(evs, "restore")
+    committed = [c["step"] for c in of(evs, "checkpoint_saved") if c["t"] <= restore["t"]]
+    assert committed and committed[-1] in (3, 6) and restore["step"] == committed[-1]
