@@ -290,6 +290,7 @@ def run_planaria_kill(
     victim: str = "w1",
     join_wait_s: float = 180.0,
     run_dir: str | os.PathLike | None = None,
+    **run_options: Any,
 ) -> dict[str, Any]:
     """Resize policy; ``kill:<victim>@step<kill_at_step>`` through planaria's chaos plan.
 
@@ -306,7 +307,8 @@ def run_planaria_kill(
 
     _ensure_worker_path()
     rd = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="planaria_kill_"))
-    config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads)
+    config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads,
+                       **run_options)
     chaos = planaria.ChaosPlan.parse(f"kill:{victim}@step{kill_at_step}")
     job = planaria.Job(make_spec(size), config, chaos=chaos)
     with job:

@@ -16,6 +16,7 @@ def ray_cluster() -> Iterator[None]:
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # not another Ray running on this machine
             num_cpus=8,
             include_dashboard=False,
             configure_logging=False,

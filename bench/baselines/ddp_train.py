@@ -58,7 +58,11 @@ def make_parser(**defaults) -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, default=common.GLOBAL_BATCH)
     p.add_argument("--micro-batch", type=int, default=common.MICRO_BATCH)
     p.add_argument("--out", default=None, help="JSON-lines log (rank 0 steps, every rank's start)")
-    p.add_argument("--pg-timeout-s", type=float, default=60.0, help="gloo collective timeout")
+    p.add_argument("--pg-timeout-s", type=float, default=60.0, help="collective timeout")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the model trains (cuda: the rank's GPU, or a shared one)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                   help="process group backend (nccl needs a GPU per rank)")
     p.set_defaults(**defaults)
     return p
 
@@ -67,9 +71,12 @@ def setup(args: argparse.Namespace):
     """Process group, model (DDP), optimizer and dataset; the same on every rank."""
     torch.set_num_threads(args.threads)
     args.imported_wall = time.time()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout_s))
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local % torch.cuda.device_count())  # ranks share GPUs if few
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.pg_timeout_s))
     args.pg_wall = time.time()
-    model = DDP(common.make_model(args.size))
+    model = DDP(common.make_model(args.size).to(args.device))
     optimizer = common.make_optimizer(model.parameters())
     dataset = common.make_dataset(size=args.size)
     return model, optimizer, dataset
@@ -87,7 +94,8 @@ def train_step(model: DDP, optimizer, dataset, step: int, args: argparse.Namespa
     optimizer.zero_grad(set_to_none=False)
     total = 0.0
     for i, chunk in enumerate(chunks):
-        batch = common.load_batch(dataset, chunk)
+        batch = tuple(t.to(args.device, non_blocking=True)
+                      for t in common.load_batch(dataset, chunk))
         if i < len(chunks) - 1:
             with model.no_sync():
                 loss = common.loss_fn(model, batch)
@@ -97,6 +105,8 @@ def train_step(model: DDP, optimizer, dataset, step: int, args: argparse.Namespa
             (loss * scale).backward()  # the one allreduce of the step
         total += float(loss.detach())
     optimizer.step()
+    if args.device == "cuda":
+        torch.cuda.synchronize()  # the step's time includes its GPU work
     return total
 
 

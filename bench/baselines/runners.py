@@ -235,8 +235,11 @@ def run_ddp_steady(
     warmup: int = 3,
     timeout_s: float = 300.0,
     workdir: str | os.PathLike | None = None,
+    device: str = "cpu",
+    backend: str = "gloo",
 ) -> dict[str, Any]:
-    """Plain DDP under torchrun for ``steps`` steps; rank 0's step times.
+    """Plain DDP under torchrun for ``steps`` steps; rank 0's step times (``device`` and
+    ``backend``: ``ddp_train.py``'s ``--device`` and ``--backend``).
 
     Returns ``{"step_ms_median", "step_ms" (steady steps, warm-up left out),
     "nproc", "size", "log"}``.
@@ -253,6 +256,8 @@ def run_ddp_steady(
         f"--threads={threads}",
         f"--warmup={warmup}",
         f"--out={log}",
+        f"--device={device}",
+        f"--backend={backend}",
     ]
     proc = _spawn(cmd, _env(threads, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), wd / "torchrun.log")
     try:

@@ -142,7 +142,11 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
         help="compare the replicas' parameter checksums every N steps",
     )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
-    p.add_argument("--gpu", action="store_true", help="one GPU per worker, NCCL")
+    p.add_argument("--gpu", action="store_true", help="train on GPUs (one per worker, NCCL)")
+    p.add_argument("--gpus-per-worker", type=float, default=1.0,
+                   help="with --gpu: a fraction lets workers share a GPU (over gloo)")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="process group backend (auto: NCCL with whole GPUs, else gloo)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -192,6 +196,8 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             spares=args.spares,
             overlap_reduction=args.overlap_reduction,
             use_gpu=args.gpu,
+            gpus_per_worker=args.gpus_per_worker,
+            backend=args.backend,
             listeners=listeners,
         )
     finally:

@@ -3,6 +3,14 @@
 Each generation gets its own group under the store prefix ``gen<g>/``; groups
 are plain objects (no torch.distributed global state), so a worker can drop a
 broken group and build the next one without tearing anything else down.
+
+Devices: NCCL moves CUDA tensors, gloo host tensors (gloo's all-reduce also
+takes CUDA tensors, staging them itself). A point-to-point transfer or a
+broadcast of a tensor that lives elsewhere (Adam's ``step`` counters stay on the
+host beside CUDA parameters; a restore reads into host memory; workers sharing
+one GPU talk over gloo) is staged chunk by chunk through a bounded pool of
+buffers on the group's device (pinned host memory for gloo), never a whole
+extra copy of the state.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import torch.distributed as dist
 __all__ = ["Collective", "connect_store"]
 
 CHUNK_BYTES = 32 << 20  # big sends in chunks: gloo moves 8 chunks ~10x faster than one cold call
+STAGING_SLOTS = 4  # chunks of another device's tensor in flight at once (4 x 32 MB staged)
 PRESENCE_POLL_S = 0.1  # how often a rank waiting for its peers looks at the abort key
 
 
@@ -45,15 +54,24 @@ class Collective:
         self.gen = gen
         self.rank = rank
         self.world_size = world_size
+        self.backend = backend
+        # Where this group's transfers live: NCCL's on the GPU, gloo's in (pinned) host memory.
         self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
         )
+        self._staging: list[torch.Tensor] = []
         prefixed = dist.PrefixStore(f"gen{gen}/", store)
         _wait_for_peers(store, prefixed, gen, rank, world_size, join_timeout_s)
         self.pg: Any
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timedelta(seconds=timeout_s)
+            # Non-blocking communicators: a hung collective can be aborted from another
+            # thread (close) instead of holding the host thread inside NCCL.
+            with contextlib.suppress(AttributeError):
+                opts.config.blocking = 0
             self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(
@@ -74,31 +92,98 @@ class Collective:
         return self._start(lambda pg: [pg.allreduce([t]) for t in tensors])
 
     def wait_all(self, works: list[Any]) -> None:
-        """Waits for operations :meth:`allreduce_start` started; on an error closes the group."""
+        """Waits for operations :meth:`allreduce_start` started; on an error closes the group.
+
+        On a GPU, ``work.wait()`` only orders the current stream after NCCL's: the host
+        goes on before the reduction has finished. A step must not be reported (and
+        committed) before its gradient is reduced, so the host waits for the stream too.
+        """
         try:
             for work in works:
                 work.wait()
+            if works and torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.current_stream().synchronize()
         except Exception:
             works.clear()  # pending work holds the group's connections too
             self.close()
             raise
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Broadcasts a contiguous tensor from rank ``src`` into every rank's ``tensor``."""
         if self.world_size == 1:
             return
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self._run(lambda pg: [pg.broadcast([c], opts) for c in _chunks(tensor)])
+        self._transfer(
+            tensor, lambda pg, c, i: pg.broadcast([c], opts),
+            stage_in=self.rank == src, stage_out=self.rank != src,
+        )
 
     def send(self, tensors: list[torch.Tensor], dst: int) -> None:
-        """Sends contiguous tensors to ``dst`` in chunks, all in flight at once, then waits."""
-        chunks = [c for t in tensors for c in _chunks(t)]
-        self._run(lambda pg: [pg.send([c], dst, i) for i, c in enumerate(chunks)])
+        """Sends contiguous tensors to ``dst`` in chunks, in flight together, then waits."""
+        self._transfer_all(tensors, lambda pg, c, i: pg.send([c], dst, i), True, False)
 
     def recv(self, tensors: list[torch.Tensor], src: int) -> None:
         """Receives what :meth:`send` sent, into contiguous tensors of the same layout."""
-        chunks = [c for t in tensors for c in _chunks(t)]
-        self._run(lambda pg: [pg.recv([c], src, i) for i, c in enumerate(chunks)])
+        self._transfer_all(tensors, lambda pg, c, i: pg.recv([c], src, i), False, True)
+
+    def _transfer_all(
+        self, tensors: list[torch.Tensor], op: Any, stage_in: bool, stage_out: bool
+    ) -> None:
+        """Tensors on the group's device go all at once; the others are staged (below).
+        Chunk tags count on over the whole call, as the peer's do."""
+        here = [t for t in tensors if self._native(t)]
+        if len(here) == len(tensors):
+            chunks = [c for t in tensors for c in _chunks(t)]
+            self._run(lambda pg: [op(pg, c, i) for i, c in enumerate(chunks)])
+            return
+        tag = 0
+        for t in tensors:
+            tag = self._transfer(t, op, stage_in=stage_in, stage_out=stage_out, tag=tag)
+
+    def _native(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self.device.type
+
+    def _transfer(
+        self, tensor: torch.Tensor, op: Any, *, stage_in: bool, stage_out: bool, tag: int = 0
+    ) -> int:
+        """``op(pg, chunk, tag)`` over ``tensor``'s chunks; returns the next tag.
+
+        A tensor on another device goes through :data:`STAGING_SLOTS` reused staging
+        buffers on the group's device: copied in before the operation where this rank
+        provides the data (``stage_in``), out after it where it receives (``stage_out``).
+        """
+        chunks = _chunks(tensor)
+        if self._native(tensor):
+            self._run(lambda pg: [op(pg, c, tag + i) for i, c in enumerate(chunks)])
+            return tag + len(chunks)
+        for start in range(0, len(chunks), STAGING_SLOTS):
+            window = chunks[start : start + STAGING_SLOTS]
+            staged = [self._stage(slot, c) for slot, c in enumerate(window)]
+            if stage_in:
+                for buf, c in zip(staged, window, strict=True):
+                    buf.copy_(c)
+                _sync_cuda()  # the copies in are done before the group reads the slots
+            first = tag + start
+            self._run(lambda pg, s=staged, f=first: [op(pg, b, f + i) for i, b in enumerate(s)])
+            if stage_out:
+                for buf, c in zip(staged, window, strict=True):
+                    c.copy_(buf)
+                _sync_cuda()  # the slots are reused next: the copies out must be done
+        return tag + len(chunks)
+
+    def _stage(self, slot: int, like: torch.Tensor) -> torch.Tensor:
+        """Slot ``slot`` of the staging pool, viewed as ``like``'s dtype and size."""
+        nbytes = like.numel() * like.element_size()
+        while len(self._staging) <= slot:
+            self._staging.append(torch.empty(0, dtype=torch.uint8))
+        buf = self._staging[slot]
+        if buf.numel() < nbytes:
+            pinned = self.device.type == "cpu" and torch.cuda.is_available()
+            size = max(nbytes, min(CHUNK_BYTES, 1 << 20))
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=pinned)
+            self._staging[slot] = buf
+        return buf[:nbytes].view(like.dtype).view(like.shape)
 
     def _run(self, issue: Any) -> None:
         """Issues the operations and waits for them; on any error the group is closed.
@@ -120,12 +205,20 @@ class Collective:
             raise
 
     def close(self) -> None:
-        """Shuts the group down and drops it, which closes its sockets."""
+        """Shuts the group down and drops it, which closes its sockets.
+
+        An NCCL group is aborted, not shut down: a clean shutdown waits for the
+        collectives in flight, which never end when a peer died mid-ring.
+        """
         pg, self.pg = self.pg, None
+        self._staging = []
         if pg is not None:
             # A group whose peer died may refuse a clean shutdown.
             with contextlib.suppress(Exception):
-                pg.shutdown()
+                if self.backend == "nccl":
+                    pg.abort()
+                else:
+                    pg.shutdown()
             del pg
 
 
@@ -158,6 +251,11 @@ def _wait_for_peers(
             )
         time.sleep(pause)
         pause = min(PRESENCE_POLL_S, pause * 2)
+
+
+def _sync_cuda() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
 
 
 def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:

@@ -67,6 +67,12 @@ class TrainSpec:
     (see :mod:`planaria.compile_cache`)."""
     compile_options: dict[str, Any] | None = None
     """Further keyword arguments for ``torch.compile`` (``mode``, ``backend``, ...)."""
+    precision: str | None = None
+    """Mixed precision for the forward: ``"bf16"`` (autocast to bfloat16), ``"fp16"``
+    (autocast to float16 with a ``GradScaler`` whose state is checkpointed and sent to
+    joining replicas; an overflowing step is skipped on every replica alike and the scale
+    backs off), or None (full precision). Parameters, gradients and optimizer state stay
+    in their own dtype."""
     extra_state: tuple[Callable[[Any, Any], dict[str, Any]],
                        Callable[[Any, Any, dict[str, Any]], None]] | None = None
     """State beyond the model, optimizer and scheduler (a GradScaler's scale, an EMA's
@@ -105,6 +111,8 @@ class TrainSpec:
             "a positive float or None",
         )
         check(isinstance(self.seed, int), "seed", self.seed, "an integer")
+        check(self.precision in (None, "bf16", "fp16"), "precision", self.precision,
+              "None (full precision), 'bf16' or 'fp16'")
         check(
             self.extra_state is None
             or (isinstance(self.extra_state, tuple) and len(self.extra_state) == 2
@@ -148,7 +156,14 @@ class RunConfig:
     threads_per_worker: int | None = None
     """torch threads per worker; None: the CPUs of this machine split over the replicas."""
     use_gpu: bool = False
-    """One GPU per worker and NCCL for the process group."""
+    """Workers train on a GPU (``gpus_per_worker`` of one each)."""
+    gpus_per_worker: float = 1.0
+    """GPUs Ray reserves for each worker with ``use_gpu``: 1 (one device each, the usual), or
+    a fraction to let several workers share one device (functional tests on a single GPU;
+    NCCL cannot put two ranks on one device, so such workers talk over gloo)."""
+    backend: str = "auto"
+    """The process group's backend: ``"auto"`` (NCCL with whole GPUs, gloo on the CPU or
+    when workers share a GPU), ``"nccl"`` or ``"gloo"``."""
     ledger: bool = False
     """Record what every step's datasets served (ids and content digests) and every commit,
     append-only, in ``RUN_DIR/ledger.jsonl`` (see :mod:`planaria.ledger`)."""
@@ -179,6 +194,16 @@ class RunConfig:
             "an integer >= 0 (standby workers kept warm)",
         )
         check(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "a number > 0")
+        check(0 < self.gpus_per_worker <= 1 or float(self.gpus_per_worker).is_integer(),
+              "gpus_per_worker", self.gpus_per_worker,
+              "a fraction of one GPU (0 < x <= 1) or a whole number of GPUs")
+        check(self.backend in ("auto", "nccl", "gloo"), "backend", self.backend,
+              "'auto', 'nccl' or 'gloo'")
+        check(self.backend != "nccl" or self.use_gpu, "backend", self.backend,
+              "'nccl' needs use_gpu=True; on the CPU use 'auto' or 'gloo'")
+        check(self.backend != "nccl" or self.gpus_per_worker >= 1, "backend", self.backend,
+              f"NCCL cannot put two ranks on one GPU (gpus_per_worker={self.gpus_per_worker}): "
+              "give each worker a whole GPU, or use backend='gloo' to share one")
         check(
             self.threads_per_worker is None or self.threads_per_worker >= 1,
             "threads_per_worker",
@@ -195,6 +220,13 @@ class RunConfig:
         for name in ("join_timeout_s", "collective_timeout_s"):
             check(getattr(self, name) > 0, name, getattr(self, name), "a number of seconds > 0")
         object.__setattr__(self, "run_dir", Path(self.run_dir))
+
+    @property
+    def process_group_backend(self) -> str:
+        """The backend workers build their groups with (``backend`` resolved)."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.use_gpu and self.gpus_per_worker >= 1 else "gloo"
 
     @property
     def threads(self) -> int:

@@ -248,6 +248,9 @@ class Job:
         workers = cfg.replicas + cfg.spares + 2  # + replacements starting while others run
         logical_cpus = max(os.cpu_count() or 1, math.ceil(workers * cfg.cpus_per_worker))
         kwargs: dict[str, Any] = {
+            # A new local instance even where another Ray runs on this machine (ray.init
+            # with no address would join the newest one, with other resources).
+            "address": "local",
             "num_cpus": logical_cpus,
             "include_dashboard": False,
             "log_to_driver": True,
@@ -427,7 +430,11 @@ class Job:
             for k, v in r["metric_sums"].items():
                 metrics[k] = metrics.get(k, 0.0) + v / max(1, n)
         grad_norm = max(float(r["grad_norm"]) for r in results.values())
-        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+        if any(r.get("overflow") for r in results.values()) and math.isfinite(loss):
+            # fp16: the loss scale was too high. Not a fault: every replica skips the
+            # update and backs the scale off at apply, as a GradScaler does.
+            self.log.emit("step_overflow", step=step, grad_norm=grad_norm)
+        elif not math.isfinite(loss) or not math.isfinite(grad_norm):
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
             raise NonFiniteLoss(f"{what} at step {step}", step=step)
         self.steps_done = step + 1  # committed: the update rides on the next call to each worker
@@ -788,6 +795,8 @@ def _describe(cfg: RunConfig, policy: RecoveryPolicy) -> dict[str, Any]:
         "cpus_per_worker": cfg.cpus_per_worker,
         "threads_per_worker": cfg.threads,
         "use_gpu": cfg.use_gpu,
+        "gpus_per_worker": cfg.gpus_per_worker if cfg.use_gpu else 0,
+        "backend": cfg.process_group_backend,
         "on_worker_lost": policy.on_worker_lost,
         "min_replicas": policy.min_replicas,
     }

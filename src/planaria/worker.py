@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -92,6 +93,7 @@ class Worker(CheckpointWorkerMixin):
         threads: int,
         heartbeat_s: float,
         use_gpu: bool = False,
+        backend: str | None = None,
         record_digests: bool = False,
         overlap_reduction: bool = False,
     ) -> None:
@@ -104,7 +106,10 @@ class Worker(CheckpointWorkerMixin):
         self.threads = threads
         torch.set_num_threads(threads)
         self.device = torch.device("cuda") if use_gpu else torch.device("cpu")
-        self.backend = "nccl" if use_gpu else "gloo"
+        self.backend = backend or ("nccl" if use_gpu else "gloo")
+        if self.backend == "nccl":
+            _nccl_survives_errors()
+        self.scaler: torch.amp.GradScaler | None = None  # fp16's loss scaler (_build_model)
         self._store_addr = (store_host, store_port)
         self.gen = -1
         self.comm: Collective | None = None
@@ -219,6 +224,8 @@ class Worker(CheckpointWorkerMixin):
             else None
         )
         self.buffer_sync = BufferSync(self.model)
+        self.scaler = (torch.amp.GradScaler(self.device.type)
+                       if spec.precision == "fp16" else None)
         self._bind_grad_buffers()
         self.compiled = (torch.compile(self.model, dynamic=False, **(spec.compile_options or {}))
                          if spec.compile else self.model)
@@ -373,9 +380,13 @@ class Worker(CheckpointWorkerMixin):
                     overlap.arm(self.comm)  # this backward reduces its buckets as they complete
                 # The micro-batch's own random stream: the same at any width, on any rank.
                 torch.manual_seed(micro_batch_seed(self.spec.seed, step, first + j))
-                out = _user("the loss function", self.spec.loss, self.compiled, batch)
+                with self._autocast():
+                    out = _user("the loss function", self.spec.loss, self.compiled, batch)
                 loss, metrics = out if isinstance(out, tuple) else (out, {})
-                _user("backward", (loss * (n / gbs)).backward)
+                scaled = loss * (n / gbs)
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                _user("backward", scaled.backward)
                 loss_sum += float(loss.detach()) * n
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * n
@@ -409,10 +420,16 @@ class Worker(CheckpointWorkerMixin):
         # The reduced gradient is the same on every rank: its norm tells every rank (and the
         # controller) whether the update is finite, and serves the clipping at apply.
         self._grad_norm = _global_norm(self.grad_buffers)
+        overflow = False
+        if self.scaler is not None:  # the buffers hold scaled gradients
+            self._grad_norm /= self.scaler.get_scale()
+            # The same on every replica (the gradient is reduced): all skip it alike at apply.
+            overflow = not math.isfinite(self._grad_norm)
         t2 = time.perf_counter()
         self._set_phase("idle", step)
         return {
             "grad_norm": self._grad_norm,
+            "overflow": overflow,
             "loss_sum": loss_sum,
             "n": int(sum(n for n, _ in loaded.batches)),
             "metric_sums": metric_sums,
@@ -431,6 +448,13 @@ class Worker(CheckpointWorkerMixin):
         self._set_phase("idle", self.steps_done)  # not "apply": the call is over
         return self.steps_done
 
+    def _autocast(self) -> Any:
+        """The forward's mixed precision (``spec.precision``); a no-op in full precision."""
+        if self.spec.precision is None:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.spec.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
     def _settle(self, steps_done: int, skipped: int = -1, *, allow_behind: bool = False) -> None:
         if self.pending is not None:
             if self.pending == steps_done - 1 and self.pending == skipped:
@@ -448,12 +472,19 @@ class Worker(CheckpointWorkerMixin):
     def _apply(self) -> None:
         self._set_phase("apply", self.pending if self.pending is not None else -1)
         clip = self.spec.grad_clip_norm
-        if clip is not None:  # torch's clip_grad_norm_, with the norm computed after the reduce
+        if self.scaler is not None:
+            _user("GradScaler.unscale_", self.scaler.unscale_, self.optimizer)
+        if clip is not None and math.isfinite(self._grad_norm):
+            # torch's clip_grad_norm_, with the norm computed after the reduce
             coef = min(1.0, clip / (self._grad_norm + 1e-6))
             if coef < 1.0:
                 for flat in self.grad_buffers:
                     flat.mul_(coef)
-        _user("optimizer.step", self.optimizer.step)
+        if self.scaler is not None:  # skips the update on an overflow, then backs off the scale
+            _user("optimizer.step", self.scaler.step, self.optimizer)
+            self.scaler.update()
+        else:
+            _user("optimizer.step", self.optimizer.step)
         if self.scheduler is not None:
             _user("lr_scheduler.step", self.scheduler.step)
         self.buffer_sync.commit()
@@ -525,7 +556,8 @@ class Worker(CheckpointWorkerMixin):
         self._check(gen)
         tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
         meta = self._extra_state_get(meta)
-        return {"layout": tensor_layout(tensors), "meta": meta, "steps_done": self.steps_done}
+        return {"layout": tensor_layout(tensors), "meta": meta, "steps_done": self.steps_done,
+                "on_host": sorted(k for k, v in tensors.items() if v.device.type == "cpu")}
 
     def send_state(self, gen: int, dsts: list[int]) -> int:
         """Sends the whole state to ranks ``dsts`` over the generation's group; returns bytes."""
@@ -536,7 +568,11 @@ class Worker(CheckpointWorkerMixin):
         tensors, _ = flatten_state(self.model, self.optimizer, self.scheduler)
         big, small = _transfer_plan(tensors)
         buffers = [tensors[k].contiguous() for k in big]
-        buffers += [torch.cat([tensors[k].reshape(-1) for k in names]) for names in small]
+        # Small tensors coalesced on the group's device (Adam's step counters live on the
+        # host beside CUDA parameters); big ones go as they are, staged if need be.
+        wire = self.comm.device
+        buffers += [torch.cat([tensors[k].reshape(-1).to(wire) for k in names])
+                    for names in small]
         for dst in dsts:
             self.comm.send(buffers, dst)
         self._set_phase("idle", self.steps_done)
@@ -552,6 +588,7 @@ class Worker(CheckpointWorkerMixin):
         assert self.comm is not None
         self._set_phase("recv_state", -1)
         live, _ = flatten_state(self.model, self.optimizer, self.scheduler)
+        on_host = set(source.get("on_host", ()))
         tensors: dict[str, torch.Tensor] = {}
         for name, (shape, dtype) in source["layout"].items():
             target = live.get(name)
@@ -560,14 +597,16 @@ class Worker(CheckpointWorkerMixin):
             if not fits and name.startswith("model/"):
                 raise PlanariaError(f"{name}: the joiner's model does not match the source's")
             if target is None or not fits or not target.is_contiguous():
-                target = torch.empty(shape, dtype=want, device=self.device)
+                # Where the source keeps it (Adam's step counters on the host).
+                where = torch.device("cpu") if name in on_host else self.device
+                target = torch.empty(shape, dtype=want, device=where)
             tensors[name] = target
         big, small = _transfer_plan(tensors)
         flats = [
             torch.empty(
                 sum(tensors[k].numel() for k in names),
                 dtype=tensors[names[0]].dtype,
-                device=self.device,
+                device=self.comm.device,
             )
             for names in small
         ]
@@ -694,6 +733,16 @@ class Worker(CheckpointWorkerMixin):
                 f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
             )
         return "\n".join(parts)
+
+
+def _nccl_survives_errors() -> None:
+    """torch's default NCCL error handling tears the process down when a collective times
+    out or a communicator fails: here a survivor must live on, its group aborted, and
+    rejoin the next generation. Set before the first NCCL group is built; a user's own
+    setting wins."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort comms, keep process
+    os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")  # no kill from the heartbeat
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 
 
 def _global_norm(buffers: list[torch.Tensor]) -> float:

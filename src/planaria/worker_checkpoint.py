@@ -129,6 +129,9 @@ class CheckpointWorkerMixin:
         if hook is not None:
             meta["extra_state"] = _jsonable(_user("extra_state get", hook[0], self.model,
                                                   self.optimizer), "extra_state")
+        scaler = getattr(self, "scaler", None)
+        if scaler is not None:  # fp16: the loss scale and its growth tracker travel too
+            meta["grad_scaler"] = scaler.state_dict()
         return meta
 
     def _extra_state_set(self, meta: Mapping[str, Any]) -> None:
@@ -138,6 +141,9 @@ class CheckpointWorkerMixin:
         hook = self.spec.extra_state
         if hook is not None and isinstance(meta.get("extra_state"), dict):
             _user("extra_state set", hook[1], self.model, self.optimizer, meta["extra_state"])
+        scaler = getattr(self, "scaler", None)
+        if scaler is not None and isinstance(meta.get("grad_scaler"), dict):
+            scaler.load_state_dict(meta["grad_scaler"])
 
     def _refuse_if_dirty(self, what: str) -> None:
         """Raises if a restore left this replica's state half written."""

@@ -107,7 +107,7 @@ class WorkerPool:
         cfg = self.config
         actor = self._actor_cls.options(
             num_cpus=cfg.cpus_per_worker,
-            num_gpus=1 if cfg.use_gpu else 0,
+            num_gpus=cfg.gpus_per_worker if cfg.use_gpu else 0,
             max_restarts=0,
             max_concurrency=1,
         ).remote(
@@ -118,6 +118,7 @@ class WorkerPool:
             threads=cfg.threads,
             heartbeat_s=self.hang.heartbeat_s,
             use_gpu=cfg.use_gpu,
+            backend=cfg.process_group_backend,
             record_digests=cfg.ledger,
             overlap_reduction=cfg.overlap_reduction,
         )
