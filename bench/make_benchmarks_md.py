@@ -33,7 +33,8 @@ sys.path.insert(0, str(_REPO))  # for bench.common, when run as a script
 from bench import common  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
-BENCHES = ("overhead", "recovery", "checkpoint", "spares", "overlap", "warm_join", "campaign")
+BENCHES = ("overhead", "recovery", "checkpoint", "spares", "overlap", "warm_join", "campaign",
+           "gpu")
 
 
 def machine() -> dict[str, Any]:
@@ -67,7 +68,8 @@ def last_json(text: str) -> dict[str, Any]:
 
 
 def save(
-    name: str, result: dict[str, Any], command: str, *, when: float | None = None, **extra: Any
+    name: str, result: dict[str, Any], command: str, *, when: float | None = None,
+    machine_info: dict[str, Any] | None = None, **extra: Any
 ) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.fromtimestamp(time.time() if when is None else when, dt.UTC)
@@ -75,7 +77,7 @@ def save(
         "bench": name,
         "command": command,
         "date": stamp.isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine_info or machine(),
         **extra,
         "result": result,
     }
@@ -361,8 +363,35 @@ def render_campaign(rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def render_gpu(rec: dict[str, Any]) -> list[str]:
+    """``bench/gpu.py``'s figures, from another machine than the rest (its own line)."""
+    r, m = rec["result"], rec["machine"]
+    rc = r.get("recovery", {})
+    out = ["## On a GPU", "", f"Command: `{rec['command']}` — {rec['date']}.", "",
+           f"Machine: {r.get('gpus')} x {r.get('device')}, {m.get('nproc', '?')} CPUs, "
+           f"{m.get('mem_gib', '?')} GiB, torch {r.get('torch')}, ray {m.get('ray', '?')}. "
+           "With fewer GPUs than ranks the ranks share the device and both planaria and DDP "
+           "use gloo (NCCL cannot put two ranks on one GPU): a like-for-like comparison, "
+           "not NCCL's speed. `tests/test_gpu.py` runs there too (`bash bench/gpu_check.sh`; "
+           "the NCCL kill test needs two GPUs and skips on one).", "",
+           "| model | planaria step (ms) | DDP step (ms) | ratio | backend |",
+           "|---|---:|---:|---:|---|"]
+    for size, o in r.get("overhead", {}).items():
+        out.append(f"| {size} | {_f(o.get('planaria_step_ms'))} | {_f(o.get('ddp_step_ms'))} "
+                   f"| {_f(o.get('ratio'), '.3f')} | {o.get('backend')} |")
+    out += ["", f"A worker SIGKILLed mid-run ({rc.get('size')} model, 3 replicas on the GPU, "
+            f"{rc.get('backend')}), resize then hot-join:", "",
+            "| figure | value |", "|---|---:|"]
+    for key in ("recover_s", "back_s", "lost_steps", "detect_s", "replacement_s", "join_s",
+                "transfer_bytes", "transfer_s", "transfer_gb_per_s", "step_ms_median",
+                "final_width"):
+        v = rc.get(key)
+        out.append(f"| {key} | {_f(v, '.4g') if isinstance(v, float) else v} |")
+    return [*out, ""]
+
+
 def render(results: dict[str, dict[str, Any]]) -> str:
-    any_rec = next(iter(results.values()), None)
+    any_rec = next((r for n, r in results.items() if n != "gpu"), None)
     m = any_rec["machine"] if any_rec else machine()
     out = [
         "# Benchmarks",
@@ -374,7 +403,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "",
         f"Machine: {m.get('nproc')} CPUs ({m.get('cpu', 'n/a')}), {m.get('mem_gib', 'n/a')} GiB, "
         f"Python {m.get('python')}, torch {m.get('torch')}, ray {m.get('ray')}, "
-        f"torchft {m.get('torchft')}; no GPU.",
+        f"torchft {m.get('torchft')}; no GPU (the GPU section names its own machine).",
         "",
     ]
     for name in BENCHES:
@@ -393,6 +422,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_spares(rec)
         elif name == "warm_join":
             out += render_warm_join(rec)
+        elif name == "gpu":
+            out += render_gpu(rec)
         else:
             out += render_generic(name, rec)
         if rec.get("table"):
@@ -422,6 +453,8 @@ def main(argv: list[str] | None = None) -> None:
         help="save the last line of a captured output as NAME's result",
     )
     p.add_argument("--command", default=None, help="with --ingest: the command that produced it")
+    p.add_argument("--machine", default=None,
+                   help="with --ingest: JSON describing the machine it ran on (default: this one)")
     p.add_argument("--timeout-s", type=float, default=3600.0)
     p.add_argument("--out", default=str(_REPO / "BENCHMARKS.md"))
     args = p.parse_args(argv)
@@ -433,6 +466,7 @@ def main(argv: list[str] | None = None) -> None:
             last_json(text),
             args.command or f"python bench/{name}.py",
             table=_table_lines(text),
+            machine_info=json.loads(args.machine) if args.machine else None,
         )
     if args.run:
         for name in args.only or BENCHES:

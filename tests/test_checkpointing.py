@@ -339,31 +339,6 @@ def test_whole_job_sigkill_during_saves(tmp_path: Path) -> None:
 # ---- S3 --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def s3_options():
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    import socket
-
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp = pytest.MonkeyPatch()
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        mp.setenv(key, value)  # the workers inherit them
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing"}
-    s3fs.S3FileSystem(**options).mkdir("planaria-ckpt")
-    yield options
-    server.stop()
-    mp.undo()
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")

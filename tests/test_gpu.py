@@ -100,17 +100,23 @@ def test_hot_join_with_adamw_state_on_the_gpu(tmp_path, reference):
     assert of(evs, "step_committed")[-1]["width"] == 3
 
 
-@pytest.mark.parametrize("strategy", ["share", "read_all"])
-def test_restore_of_gpu_state(tmp_path, reference, strategy):
-    """Every replica lost: the checkpoint (host memory on disk) is read back onto the GPU,
-    by every replica (read_all) or a share each broadcast to the others (share, the
-    choice for object stores)."""
-    state, evs = run(
-        tmp_path, "kill:w0@step8,kill:w1@step8,kill:w2@step8",
-        checkpoint=CheckpointConfig(every=3, fsync=False, restore_strategy=strategy),
-    )
+@pytest.mark.parametrize("strategy", ["share", "read_all", "s3"])
+def test_restore_of_gpu_state(tmp_path, reference, strategy, request):
+    """Every replica lost: the checkpoint is read back into host memory and onto the GPU,
+    by every replica (read_all) or a share each, broadcast to the others (share; the
+    automatic choice on an object store: s3, a real S3-compatible server on loopback)."""
+    if strategy == "s3":
+        options = request.getfixturevalue("s3_options")
+        checkpoint = CheckpointConfig(root=f"s3://planaria-ckpt/gpu-{tmp_path.name}", every=3,
+                                      storage_options=options)
+    else:
+        checkpoint = CheckpointConfig(every=3, fsync=False, restore_strategy=strategy)
+    state, evs = run(tmp_path, "kill:w0@step8,kill:w1@step8,kill:w2@step8",
+                     checkpoint=checkpoint)
     assert_same_state(reference, state)
     assert [a["action"] for a in of(evs, "action")][:1] == ["restore"]
+    (restore,) = of(evs, "restore")
+    assert restore["strategy"] == ("share" if strategy == "s3" else strategy)
 
 
 def test_a_hung_worker_in_the_collective_is_cut_off(tmp_path, reference):
