@@ -145,13 +145,17 @@ class WorkerMarker:
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the
-    pid, it names one process (a pid is reused, a (pid, start) pair is not)."""
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when
+    it has exited: with the pid, it names one process (a pid is reused, a (pid, start) pair
+    is not)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]  # fields after "(comm)" start at field 3
+    fields = stat.rsplit(")", 1)[1].split()  # the fields after "(comm)": state is field 3
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped by its parent: gone all the same
+        return None
+    return fields[19]
 
 
 def register_worker(name: str, *, node_id: str | None, gcs_address: str | None) -> Path | None:
@@ -242,15 +246,15 @@ def notify_workers(
     if not markers:
         say("planaria node-drain-hook: no planaria worker on this node")
         return []
-    if ray_drain:
-        marked = _mark_draining(markers, grace_s)
-        if marked:
-            say(f"planaria node-drain-hook: Ray node {', '.join(marked)} marked draining")
-    for m in markers:
+    for m in markers:  # first: the notice never waits on Ray
         with contextlib.suppress(ProcessLookupError):
             os.kill(m.pid, signal.SIGTERM)
     say("planaria node-drain-hook: SIGTERM sent to "
         + ", ".join(f"{m.name} (pid {m.pid})" for m in markers))
+    if ray_drain:  # well before the drained workers' replacements are asked for
+        marked = _mark_draining(markers, grace_s)
+        if marked:
+            say(f"planaria node-drain-hook: Ray node {', '.join(marked)} marked draining")
     end = time.monotonic() + grace_s
     left = markers
     while left and time.monotonic() < end:
