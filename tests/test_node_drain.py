@@ -68,6 +68,13 @@ def _alive(node_id: str) -> bool:
     return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
 
+def _ends(node_id: str, timeout_s: float = 30.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while _alive(node_id) and time.monotonic() < end:
+        time.sleep(0.2)
+    return not _alive(node_id)
+
+
 def _wait_for_cpus(total: float, timeout_s: float = 30.0) -> None:
     end = time.monotonic() + timeout_s
     while ray.cluster_resources().get("CPU", 0) < total:
@@ -131,10 +138,7 @@ def test_workers_on_a_node_ray_drains_leave_at_a_step_boundary(cluster, referenc
     assert of(evs, "drained")[0]["step"] > 5
     # No replacement fits (the other node is full, the drained one takes none): width 2 on.
     assert of(evs, "step_committed")[-1]["width"] == 2
-    end = time.monotonic() + 30  # with its workers gone, Ray ends the drained node
-    while _alive(doomed.node_id) and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not _alive(doomed.node_id), "Ray did not end the drained node"
+    assert _ends(doomed.node_id), "Ray did not end the drained node (its workers left)"
 
 
 def test_a_sigterm_to_the_node_reaches_its_workers_through_the_hook(
@@ -183,4 +187,4 @@ def test_a_sigterm_to_the_node_reaches_its_workers_through_the_hook(
     assert of(evs, "preempt_notice")[0]["source"] == "sigterm"
     assert "every planaria worker on this node has left" in out, out
     assert "marked draining" in out, out  # so no replacement was scheduled there meanwhile
-    assert not _alive(node_id)
+    assert _ends(node_id), "the node's ray start did not end after its workers left"
