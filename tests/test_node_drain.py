@@ -112,21 +112,31 @@ def test_workers_on_a_node_ray_drains_leave_at_a_step_boundary(cluster, referenc
     run_dir = tmp_path / "run"
     job = Job(
         mlp.make_spec(n=N),
-        RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True, drain_poll_s=0.5),
+        RunConfig(steps=STEPS, replicas=3, spares=1, run_dir=run_dir, ledger=True,
+                  drain_poll_s=0.5),
         policy=RecoveryPolicy(on_worker_lost="resize", min_replicas=1),
     )
     on_doomed: list[str] = []
+    spares: list[str] = []
+    nodes: list[str] = []
 
     def drain(job: Job) -> None:
+        # The standby spare waits for a CPU: give it a node of its own, drained too.
+        spare_node = cluster.add_node(num_cpus=1)
+        assert job.wait_for_spares(timeout_s=90) == 1
+        spares.extend(h.name for h in job.pool.standby)
+        assert job.pool.standby[0].info["ray_node"] == spare_node.node_id
         on_doomed.extend(h.name for h in job.members if h.info["ray_node"] == doomed.node_id)
         gcs = ray._raylet.GcsClient(address=cluster.address)  # as `ray drain-node` does
-        accepted, why = gcs.drain_node(
-            doomed.node_id,
-            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-            "spot reclaim in 60 s",
-            int((time.time() + 60) * 1000),
-        )
-        assert accepted, why
+        for node in (doomed, spare_node):
+            nodes.append(node.node_id)
+            accepted, why = gcs.drain_node(
+                node.node_id,
+                autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                "spot reclaim in 60 s",
+                int((time.time() + 60) * 1000),
+            )
+            assert accepted, why
 
     state = _train(job, notice_at=5, notice=drain,
                    until=lambda: bool(of(events(run_dir), "drained")))
@@ -136,9 +146,12 @@ def test_workers_on_a_node_ray_drains_leave_at_a_step_boundary(cluster, referenc
     assert notice["source"] == "node_drain" and notice["node"] == doomed.node_id
     assert notice["deadline_t"] == pytest.approx(time.time() + 60, abs=120)
     assert of(evs, "drained")[0]["step"] > 5
-    # No replacement fits (the other node is full, the drained one takes none): width 2 on.
+    lost = of(evs, "spare_lost")
+    assert [(e["worker"], e["error"]) for e in lost] == [(spares[0], "its Ray node is draining")]
+    # No replacement fits (the other node is full, the drained ones take none): width 2 on.
     assert of(evs, "step_committed")[-1]["width"] == 2
-    assert _ends(doomed.node_id), "Ray did not end the drained node (its workers left)"
+    for node in nodes:  # with their workers gone, Ray ends the drained nodes
+        assert _ends(node), "Ray did not end a drained node (its workers left)"
 
 
 def test_a_sigterm_to_the_node_reaches_its_workers_through_the_hook(
