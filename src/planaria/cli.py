@@ -94,6 +94,32 @@ def _parser() -> argparse.ArgumentParser:
 
     add_campaign_parser(sub)
 
+    hook = sub.add_parser(
+        "node-drain-hook",
+        help="a node's SIGTERM to its planaria workers (a pod's preStop hook or entrypoint)",
+        description="Gives the planaria workers on this machine their preemption notice: marks "
+        "their Ray node draining (no replacement lands there), sends them SIGTERM (they leave "
+        "at the next step boundary) and waits until they have left. Without COMMAND it does "
+        "so now (a preStop hook); with -- COMMAND (e.g. ray start ... --block) it runs "
+        "COMMAND and does so when it gets SIGTERM, then forwards the signal to COMMAND.",
+    )
+    hook.add_argument(
+        "--grace-s", type=float, default=60.0,
+        help="how long to wait for the workers to leave (keep it below the pod's "
+        "terminationGracePeriodSeconds; default 60)",
+    )
+    hook.add_argument(
+        "--worker-dir", type=Path, default=None,
+        help="where the workers leave their markers (default: $PLANARIA_WORKER_DIR, else "
+        "<tmp>/planaria-workers)",
+    )
+    hook.add_argument(
+        "--no-ray-drain", action="store_true",
+        help="only signal the workers; do not mark the Ray node draining",
+    )
+    hook.add_argument("node_command", nargs=argparse.REMAINDER,
+                      help="-- COMMAND ARGS...: the node's entrypoint to run and wrap")
+
     ckpt = sub.add_parser("ckpt", help="list, verify and export checkpoints")
     ck = ckpt.add_subparsers(dest="ckpt_command", required=True)
     ls = ck.add_parser("ls", help="checkpoints of a run: step, size, committed, verified")
@@ -233,6 +259,16 @@ def main(argv: list[str] | None = None) -> int:
             from planaria.sim.cli import plan_main
 
             return plan_main(args)
+        if args.command == "node-drain-hook":
+            from planaria.drain import node_drain_hook
+
+            command = list(args.node_command)
+            if command and command[0] == "--":
+                command = command[1:]
+            return node_drain_hook(
+                command, grace_s=args.grace_s, folder=args.worker_dir,
+                ray_drain=not args.no_ray_drain,
+            )
         if args.command == "campaign":
             from planaria.campaign.cli import campaign_main
 

@@ -174,6 +174,10 @@ class RunConfig:
     """Deadline for building a generation's process group."""
     collective_timeout_s: float = 300.0
     """Deadline for one collective (the hang watchdog usually acts much sooner)."""
+    drain_poll_s: float | None = 2.0
+    """Ask Ray for draining nodes every this many seconds (in the background): the workers
+    on a node Ray drains leave at the next step boundary, as after a preemption notice
+    (see planaria.drain). None: do not ask."""
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for ``ray.init`` (local start only)."""
 
@@ -219,6 +223,13 @@ class RunConfig:
         )
         for name in ("join_timeout_s", "collective_timeout_s"):
             check(getattr(self, name) > 0, name, getattr(self, name), "a number of seconds > 0")
+        check(
+            self.drain_poll_s is None
+            or (isinstance(self.drain_poll_s, (int, float)) and self.drain_poll_s > 0),
+            "drain_poll_s",
+            self.drain_poll_s,
+            "a number of seconds > 0 between queries for Ray's draining nodes, or None",
+        )
         object.__setattr__(self, "run_dir", Path(self.run_dir))
 
     @property

@@ -29,6 +29,7 @@ from planaria.chaos import ChaosPlan, send_signal
 from planaria.compile_cache import CACHE_FILE
 from planaria.config import RunConfig, TrainSpec
 from planaria.data_plan import DataPlan, Ledger, split_micro_batches
+from planaria.drain import NodeDrainWatch
 from planaria.errors import (
     ConfigError,
     DataMismatch,
@@ -128,6 +129,7 @@ class Job:
         self._started_ray = False
         self._t0 = time.time()
         self._draining: set[str] = set()
+        self._drain_watch: NodeDrainWatch | None = None
         self._chaos_at: dict[str, float] = {}
         self._verified_at = 0  # steps_done at the last replica checksum comparison
         self._ledger_last: tuple[int, int] | None = None  # (gen, step) last written as served
@@ -168,6 +170,8 @@ class Job:
             torch_version=torch.__version__,
         )
         self._init_ray()
+        if cfg.drain_poll_s is not None:
+            self._drain_watch = NodeDrainWatch(cfg.drain_poll_s)
         host = "127.0.0.1" if self._started_ray or cfg.address is None else _node_ip()
         self.store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
@@ -291,6 +295,8 @@ class Job:
         if self.closed:
             return
         self.closed = True
+        if self._drain_watch is not None:
+            self._drain_watch.stop()
         if self.checkpointer is not None:
             self.checkpointer.close()
         if hasattr(self, "pool"):
@@ -461,7 +467,7 @@ class Job:
         for name, r in results.items():
             if r["preempting"] and name not in self._draining:
                 self._draining.add(name)
-                self.log.emit("preempt_notice", worker=name, step=step)
+                self.log.emit("preempt_notice", worker=name, step=step, source="sigterm")
         self.recovery.on_commit(step)
         return result
 
@@ -631,6 +637,7 @@ class Job:
         ready = self.pool.poll(timeout_s=0.0)
         if ready:  # first, so that a joiner can take the state from a worker about to drain
             self.recovery.admit(ready)
+        self._notice_draining_nodes()
         if self._draining:
             draining = sorted(self._draining)
             self._draining.clear()
@@ -638,6 +645,25 @@ class Job:
         if self.checkpointer is not None:
             self.checkpointer.maybe_save()
         self._chaos_by_time()
+
+    def _notice_draining_nodes(self) -> None:
+        """The members on nodes Ray drains get their notice now (as if each had got SIGTERM);
+        standby spares there are let go. Reads the watch's last answer: no query here."""
+        if self._drain_watch is None:
+            return
+        nodes = self._drain_watch.draining()
+        if not nodes:
+            return
+        for handle in self.members:
+            node = handle.info.get("ray_node")
+            if node in nodes and handle.name not in self._draining:
+                self._draining.add(handle.name)
+                deadline = nodes[node] / 1000 if nodes[node] else None
+                self.log.emit(
+                    "preempt_notice", worker=handle.name, step=self.steps_done,
+                    source="node_drain", node=node, deadline_t=deadline,
+                )
+        self.pool.drop_spares_on(set(nodes))
 
     def keep_draining(self, name: str) -> None:
         """``name`` got a preemption notice but stays until a later boundary (see drain)."""

@@ -35,6 +35,7 @@ from planaria.buffers import BufferSync
 from planaria.collective import Collective, connect_store
 from planaria.config import TrainSpec
 from planaria.data_plan import micro_batch_range
+from planaria.drain import register_worker
 from planaria.errors import Failure, PlanariaError, StaleGeneration, StepAborted
 from planaria.faults import user_call
 from planaria.integrity import Served, dataset_fingerprint
@@ -128,6 +129,10 @@ class Worker(CheckpointWorkerMixin):
         self._stop = threading.Event()
         # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        # The node's own SIGTERM reaches the node's first process, not this one: a marker lets
+        # `planaria node-drain-hook` find this worker and forward it (see planaria.drain).
+        self.ray_node = _ray_node_id()
+        register_worker(name, node_id=self.ray_node, gcs_address=_gcs_address())
         self._store = connect_store(store_host, store_port, timeout_s=30)
         self._publish_heartbeat()
         threading.Thread(
@@ -178,6 +183,7 @@ class Worker(CheckpointWorkerMixin):
         return {
             "pid": os.getpid(),
             "node": socket.gethostname(),
+            "ray_node": self.ray_node,
             "checksum": param_checksum(self.model),
             "num_samples": int(num_samples),
             "data_fingerprint": fingerprint,
@@ -743,6 +749,20 @@ def _nccl_survives_errors() -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort comms, keep process
     os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")  # no kill from the heartbeat
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+
+
+def _ray_node_id() -> str | None:
+    try:
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # not in a Ray worker (a test calling the class directly)
+        return None
+
+
+def _gcs_address() -> str | None:
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:
+        return None
 
 
 def _global_norm(buffers: list[torch.Tensor]) -> float:

@@ -210,6 +210,7 @@ class WorkerPool:
                 worker=handle.name,
                 pid=handle.pid,
                 node=handle.info.get("node"),
+                ray_node=handle.info.get("ray_node"),
                 ready_s=ready_s,
                 warm=self.compile_cache is not None if self.spec.compile else None,
                 **start,
@@ -251,6 +252,18 @@ class WorkerPool:
             return
         backoff = min(30.0, 0.5 * 2 ** (handle.attempt - 1))
         self._retry_at.append((time.time() + backoff, handle))
+
+    def drop_spares_on(self, nodes: set[str]) -> list[str]:
+        """Releases the standby spares on draining Ray nodes (they would leave with them) and
+        starts others in their place; returns their names."""
+        gone = [h for h in self.standby if h.info.get("ray_node") in nodes]
+        for handle in gone:
+            self.standby.remove(handle)
+            self.log.emit("spare_lost", worker=handle.name, error="its Ray node is draining")
+            self.release(handle)
+        if gone:
+            self.replenish()
+        return [h.name for h in gone]
 
     @property
     def pending_count(self) -> int:
