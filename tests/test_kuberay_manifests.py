@@ -14,12 +14,11 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
+import yaml
 
 from planaria.cli import _parser
-
-yaml = pytest.importorskip("yaml")  # both come with Ray
-jsonschema = pytest.importorskip("jsonschema")
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kuberay"
