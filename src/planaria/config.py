@@ -138,7 +138,9 @@ class RunConfig:
     run_dir: Path
     """Where the event log, ledger and checkpoints go."""
     address: str | None = None
-    """Ray cluster address (``auto``, ``ray://host:10001``); None starts Ray locally."""
+    """Ray cluster address (``auto``, ``ray://host:10001``); None: the one in ``RAY_ADDRESS``
+    if set (as in a RayJob's driver), else a new local Ray (never another one that happens
+    to run on this machine)."""
     spares: int = 0
     """Hot spares: standby workers started and warmed ahead of need (imports, model,
     optimizer and its state built) that take a lost worker's place at once, receiving

@@ -243,8 +243,9 @@ class Job:
         if ray.is_initialized():
             return
         cfg = self.config
-        if cfg.address is not None:
-            ray.init(address=cfg.address, **cfg.ray_init_kwargs)
+        address = cfg.address or os.environ.get("RAY_ADDRESS")  # a RayJob's driver has it set
+        if address:
+            ray.init(address=address, **cfg.ray_init_kwargs)
             return
         from planaria.ray_logs import route_ray_logs
 
@@ -253,7 +254,7 @@ class Job:
         logical_cpus = max(os.cpu_count() or 1, math.ceil(workers * cfg.cpus_per_worker))
         kwargs: dict[str, Any] = {
             # A new local instance even where another Ray runs on this machine (ray.init
-            # with no address would join the newest one, with other resources).
+            # with no address would join the newest one started, with other resources).
             "address": "local",
             "num_cpus": logical_cpus,
             "include_dashboard": False,
