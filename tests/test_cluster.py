@@ -52,7 +52,7 @@ def cluster() -> Iterator[Cluster]:
     # that no other Ray started meanwhile (or after a crash) joins this one. Short: Ray's
     # socket paths live under it.
     temp_dir = tempfile.mkdtemp(prefix="planaria-", dir="/tmp")
-    before = os.environ.get("RAY_TMPDIR")
+    before = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_ADDRESS")}
     os.environ["RAY_TMPDIR"] = temp_dir
     c = None
     try:
@@ -62,16 +62,20 @@ def cluster() -> Iterator[Cluster]:
                 "num_cpus": 0, "include_dashboard": False, "_system_config": NODE_DEATH,
             },
         )
-        ray.init(address=c.address, configure_logging=False, log_to_driver=False)
+        # Joined without an address, as a user's ray.init() finds a cluster: the jobs get
+        # RunConfig(address=None) and must still see that they run on a cluster.
+        os.environ["RAY_ADDRESS"] = c.address
+        ray.init(configure_logging=False, log_to_driver=False)
         yield c
     finally:
         ray.shutdown()
         if c is not None:
             c.shutdown()
-        if before is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         shutil.rmtree(temp_dir, ignore_errors=True)
         if was_up:
             start_local_ray()
@@ -171,7 +175,8 @@ def test_node_lost_then_a_new_node_takes_the_replacements(tmp_path, cluster, nod
         lost["new"] = nodes(2)
 
     with Job(spec, config) as job:
-        assert job.store_host != "127.0.0.1"  # workers on other nodes reach it
+        assert job.config.address is None
+        assert job.store_host == ray.util.get_node_ip_address()  # not 127.0.0.1 here
         result = train(job, {LOSE_AT: lose_a_node}, after_fault=add_a_node)
         new_node = lost["new"].node_id
         joined = [h.name for h in job.members if h.name not in {"w0", "w1", "w2", "w3"}]

@@ -133,8 +133,8 @@ class RunConfig:
     run_dir: Path
     """Where the event log, ledger and checkpoints go."""
     address: str | None = None
-    """Ray cluster address (``auto``, ``ray://host:10001``); None starts Ray locally (or joins
-    the cluster ``ray.init()`` finds: ``RAY_ADDRESS``, or one started with ``ray start``)."""
+    """Ray cluster address (``auto``, ``ray://host:10001``); None starts Ray locally, unless
+    this process is connected already (``ray.init`` called before): then that Ray is used."""
     placement: str | None = None
     """How workers are laid out over the nodes, with a Ray placement group of one bundle per
     worker slot (replicas + spares; ``cpus_per_worker`` CPUs and, with ``use_gpu``, a GPU):
