@@ -7,7 +7,13 @@ import socket
 import pytest
 
 from planaria import ConfigError, RunConfig
-from planaria.network import host_store, interface_address, store_address, worker_env
+from planaria.network import (
+    host_store,
+    interface_address,
+    store_address,
+    warn_if_gloo_would_use_loopback,
+    worker_env,
+)
 
 
 def other_address() -> str | None:
@@ -44,3 +50,14 @@ def test_store_address_and_worker_environment(tmp_path):
     assert worker_env(RunConfig(**base)) == {}
     with pytest.raises(ConfigError, match="network_interface='no-such0'"):
         store_address(RunConfig(**base, network_interface="no-such0"), private=False)
+
+
+def test_warns_when_gloo_would_bind_the_loopback(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")
+    base = {"steps": 1, "replicas": 1, "run_dir": tmp_path}
+    with caplog.at_level("WARNING", logger="planaria.membership"):
+        warn_if_gloo_would_use_loopback(RunConfig(**base), private=True)
+        warn_if_gloo_would_use_loopback(RunConfig(**base, network_interface="lo"), private=False)
+        assert not caplog.records
+        warn_if_gloo_would_use_loopback(RunConfig(**base), private=False)
+    assert "127.0.1.1" in caplog.text and "network_interface" in caplog.text

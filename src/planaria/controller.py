@@ -41,7 +41,13 @@ from planaria.errors import (
 from planaria.events import EventLog
 from planaria.integrity import describe_mismatch, divergent_replicas
 from planaria.liveness import IO_STALL_S, WORK_PHASES, Liveness
-from planaria.network import host_store, ray_is_private, store_address, worker_env
+from planaria.network import (
+    host_store,
+    ray_is_private,
+    store_address,
+    warn_if_gloo_would_use_loopback,
+    worker_env,
+)
 from planaria.placement import Placement
 from planaria.policy import HangConfig, RecoveryPolicy
 from planaria.watchdog import StepDeadline
@@ -169,7 +175,9 @@ class Job:
             torch_version=torch.__version__,
         )
         self._init_ray()
-        host = store_address(cfg, private=ray_is_private())
+        private = ray_is_private()
+        warn_if_gloo_would_use_loopback(cfg, private=private)
+        host = store_address(cfg, private=private)
         self.store = host_store(host, timeout_s=60)  # listens on `host` only
         self.store_host = host
         if cfg.placement is not None:

@@ -15,6 +15,7 @@ Never every interface (``0.0.0.0``) unless asked for by name.
 from __future__ import annotations
 
 import fcntl
+import logging
 import socket
 import struct
 from datetime import timedelta
@@ -25,7 +26,16 @@ import torch.distributed as dist
 from planaria.config import RunConfig
 from planaria.errors import ConfigError
 
-__all__ = ["host_store", "interface_address", "ray_is_private", "store_address", "worker_env"]
+__all__ = [
+    "host_store",
+    "interface_address",
+    "ray_is_private",
+    "store_address",
+    "warn_if_gloo_would_use_loopback",
+    "worker_env",
+]
+
+_log = logging.getLogger("planaria.membership")
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
@@ -88,6 +98,28 @@ def host_store(host: str, *, timeout_s: float = 60.0) -> dist.TCPStore:
         timeout=timedelta(seconds=timeout_s),
         master_listen_fd=fd,
     )
+
+
+def warn_if_gloo_would_use_loopback(config: RunConfig, *, private: bool) -> None:
+    """On a cluster with no ``network_interface``, warns when this machine's hostname resolves
+    to a loopback address: gloo would bind there, and peers on other nodes cannot connect
+    (nodes are usually set up alike, so the workers' machines likely do the same)."""
+    if private or config.network_interface is not None:
+        return
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return
+    if address.startswith("127."):
+        _log.warning(
+            "the hostname %s resolves to %s: gloo binds to the address the hostname resolves "
+            "to, so workers on other nodes may fail to form a process group; set "
+            "RunConfig(network_interface=...) (GLOO_SOCKET_IFNAME) to the interface the nodes "
+            "reach each other by",
+            host,
+            address,
+        )
 
 
 def worker_env(config: RunConfig) -> dict[str, str]:
