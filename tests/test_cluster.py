@@ -2,9 +2,9 @@
 
 The controller runs on the head node, which has no CPUs for workers: every
 worker is on another node and reaches the store over the network. A node is
-removed the way a machine dies (its raylet and workers killed, no notice); the
-final parameters must equal a fault-free run's and every sample must be used
-exactly once.
+removed the way a machine dies (its raylet killed with SIGKILL, no notice; its
+worker processes exit as they notice); the final parameters must equal a
+fault-free run's and every sample must be used exactly once.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.multiprocess, pytest.mark.slow]
 
 N, G, STEPS = 512, 64, 24
 LOSE_AT = 6  # the node dies before this step
-# A dead node is noticed in ~3 s instead of ~15 s (Ray's defaults: 3000 ms x 5); see README.
+# A dead node is marked dead in ~3 s instead of 12-15 s (Ray's defaults); see the README.
 NODE_DEATH = {
     "health_check_period_ms": 500,
     "health_check_timeout_ms": 500,
