@@ -10,8 +10,8 @@ import pytest
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
+def start_local_ray() -> None:
+    """The session's local Ray (tests/test_cluster.py stops it and starts it again)."""
     import ray
 
     if not ray.is_initialized():
@@ -22,6 +22,13 @@ def ray_cluster() -> Iterator[None]:
             configure_logging=False,
             log_to_driver=False,
         )
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    start_local_ray()
     yield
     ray.shutdown()
 

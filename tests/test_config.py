@@ -50,6 +50,9 @@ def test_train_spec_rejects_bad_values(overrides, words):
         ({"steps": 0}, ["steps=0", ">= 1"]),
         ({"cpus_per_worker": 0}, ["cpus_per_worker=0"]),
         ({"join_timeout_s": -1}, ["join_timeout_s=-1", "seconds"]),
+        ({"placement": "SPREAD"}, ["placement='SPREAD'", "'strict_spread'"]),
+        ({"store_host": ""}, ["store_host=''", "non-empty"]),
+        ({"network_interface": " eth0"}, ["network_interface=' eth0'"]),
     ],
 )
 def test_run_config_rejects_bad_values(tmp_path, kwargs, words):

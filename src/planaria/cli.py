@@ -137,6 +137,18 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
     p.add_argument("--steps", type=int, required=steps is None, default=steps)
     p.add_argument("--address", default=None, help="Ray cluster address (default: start Ray here)")
     p.add_argument(
+        "--placement", default=None, choices=["spread", "strict_spread", "pack"],
+        help="lay the workers out over the nodes with a placement group (default: Ray decides)",
+    )
+    p.add_argument(
+        "--store-host", default=None,
+        help="the address the controller's store listens on (default: see the README)",
+    )
+    p.add_argument(
+        "--network-interface", default=None,
+        help="interface (eth0) for the store and the workers' gloo (GLOO_SOCKET_IFNAME)",
+    )
+    p.add_argument(
         "--chaos", default=None, help="faults to inject, e.g. kill:w1@step40,hang:w0@90s"
     )
     p.add_argument(
@@ -214,6 +226,9 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             replicas=args.replicas,
             run_dir=run_dir,
             address=args.address,
+            placement=args.placement,
+            store_host=args.store_host,
+            network_interface=args.network_interface,
             policy=policy,
             chaos=args.chaos,
             checkpoint=checkpoint,

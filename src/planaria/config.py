@@ -123,6 +123,9 @@ class TrainSpec:
         )
 
 
+PLACEMENTS = (None, "spread", "strict_spread", "pack")
+
+
 def _default_threads(replicas: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, replicas))
 
@@ -141,6 +144,24 @@ class RunConfig:
     """Ray cluster address (``auto``, ``ray://host:10001``); None: the one in ``RAY_ADDRESS``
     if set (as in a RayJob's driver), else a new local Ray (never another one that happens
     to run on this machine)."""
+    placement: str | None = None
+    """How workers are laid out over the nodes, with a Ray placement group of one bundle per
+    worker slot (replicas + spares; ``cpus_per_worker`` CPUs and, with ``use_gpu``, a GPU):
+    ``"spread"`` over as many nodes as possible, ``"strict_spread"`` one worker per node,
+    ``"pack"`` on as few nodes as possible; None: wherever Ray's scheduler puts them. A lost
+    node's bundles are placed again on the nodes left (or, where none has room, on a node
+    that joins later) and replacements take them; a worker beyond the slots (a replacement
+    started while the one it replaces still runs) is placed by Ray's scheduler."""
+    store_host: str | None = None
+    """The address of this machine the controller's store listens on and workers connect to;
+    None: ``network_interface``'s address if that is set, else 127.0.0.1 when planaria
+    started a private one-node Ray, else this node's IP as Ray sees it. The store listens on
+    this address only (see planaria.network)."""
+    network_interface: str | None = None
+    """A network interface (``eth0``) that exists on every node: the store listens on its
+    address (unless ``store_host`` is set) and the workers' process groups use it
+    (``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``); None: gloo takes the address the
+    worker's hostname resolves to."""
     spares: int = 0
     """Hot spares: standby workers started and warmed ahead of need (imports, model,
     optimizer and its state built) that take a lost worker's place at once, receiving
@@ -199,6 +220,20 @@ class RunConfig:
             self.spares,
             "an integer >= 0 (standby workers kept warm)",
         )
+        check(
+            self.placement in PLACEMENTS,
+            "placement",
+            self.placement,
+            "None, 'spread', 'strict_spread' or 'pack'",
+        )
+        for name in ("store_host", "network_interface"):
+            value = getattr(self, name)
+            check(
+                value is None or (isinstance(value, str) and value.strip() == value != ""),
+                name,
+                value,
+                "None or a non-empty string",
+            )
         check(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "a number > 0")
         check(0 < self.gpus_per_worker <= 1 or float(self.gpus_per_worker).is_integer(),
               "gpus_per_worker", self.gpus_per_worker,

@@ -16,13 +16,11 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import ray
 import torch
-import torch.distributed as dist
 
 from planaria._version import __version__
 from planaria.chaos import ChaosPlan, send_signal
@@ -44,6 +42,14 @@ from planaria.errors import (
 from planaria.events import EventLog
 from planaria.integrity import describe_mismatch, divergent_replicas
 from planaria.liveness import IO_STALL_S, WORK_PHASES, Liveness
+from planaria.network import (
+    host_store,
+    ray_is_private,
+    store_address,
+    warn_if_gloo_would_use_loopback,
+    worker_env,
+)
+from planaria.placement import Placement
 from planaria.policy import HangConfig, RecoveryPolicy
 from planaria.watchdog import StepDeadline
 from planaria.workers import WorkerHandle, WorkerPool
@@ -127,6 +133,7 @@ class Job:
         self.losses: deque[tuple[int, float]] = deque(maxlen=LOSS_HISTORY)
         self.plan: DataPlan | None = None
         self._started_ray = False
+        self.placement: Placement | None = None
         self._t0 = time.time()
         self._draining: set[str] = set()
         self._drain_watch: NodeDrainWatch | None = None
@@ -172,11 +179,20 @@ class Job:
         self._init_ray()
         if cfg.drain_poll_s is not None:
             self._drain_watch = NodeDrainWatch(cfg.drain_poll_s)
-        host = "127.0.0.1" if self._started_ray or cfg.address is None else _node_ip()
-        self.store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-        )
+        private = ray_is_private()
+        warn_if_gloo_would_use_loopback(cfg, private=private)
+        host = store_address(cfg, private=private)
+        self.store = host_store(host, timeout_s=60)  # listens on `host` only
         self.store_host = host
+        if cfg.placement is not None:
+            self.placement = Placement(cfg, name=f"planaria-{self.run_id}")
+            self.placement.wait_ready(timeout_s=max(120.0, cfg.join_timeout_s))
+            self.log.emit(
+                "placement",
+                strategy=self.placement.strategy,
+                bundle=self.placement.bundle,
+                nodes=self.placement.nodes(),
+            )
         self.liveness = Liveness(self.store, timeout_s=self.hang.heartbeat_timeout_s)
         self.pool = WorkerPool(
             self.spec,
@@ -186,6 +202,8 @@ class Job:
             host,
             self.log,
             max_attempts=self.policy.max_replacement_attempts,
+            placement=self.placement,
+            env=worker_env(cfg),
         )
         cache_file = self.run_dir / CACHE_FILE
         if self.spec.compile and cfg.share_compile_cache and cache_file.exists():
@@ -304,6 +322,8 @@ class Job:
             for handle in self.members:
                 self.pool.release(handle)
             self.pool.shutdown()
+        if self.placement is not None:
+            self.placement.remove()
         self.log.emit(
             "run_end",
             status=status,
@@ -810,15 +830,14 @@ def _is_death(err: BaseException) -> bool:
     return isinstance(err, (ActorDiedError, RayActorError))
 
 
-def _node_ip() -> str:
-    return str(ray.util.get_node_ip_address())
-
-
 def _describe(cfg: RunConfig, policy: RecoveryPolicy) -> dict[str, Any]:
     return {
         "replicas": cfg.replicas,
         "steps": cfg.steps,
         "address": cfg.address,
+        "placement": cfg.placement,
+        "store_host": cfg.store_host,
+        "network_interface": cfg.network_interface,
         "cpus_per_worker": cfg.cpus_per_worker,
         "threads_per_worker": cfg.threads,
         "use_gpu": cfg.use_gpu,

@@ -19,6 +19,7 @@ from planaria.config import RunConfig, TrainSpec
 from planaria.errors import DataMismatch, UserCodeError
 from planaria.events import EventLog
 from planaria.integrity import describe_mismatch
+from planaria.placement import Placement
 from planaria.policy import HangConfig
 from planaria.worker import Worker
 
@@ -66,6 +67,8 @@ class WorkerPool:
         log: EventLog,
         *,
         max_attempts: int,
+        placement: Placement | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.spec = spec
         self.config = config
@@ -74,6 +77,8 @@ class WorkerPool:
         self.store_host = store_host
         self.log = log
         self.max_attempts = max_attempts
+        self.placement = placement
+        self.env = dict(env or {})
         self._next_index = 0
         self.starting: list[WorkerHandle] = []
         self.standby: list[WorkerHandle] = []  # warm spares, ready to take a place
@@ -105,11 +110,17 @@ class WorkerPool:
             name = f"w{self._next_index}"
             self._next_index += 1
         cfg = self.config
+        where: dict[str, Any] = {}
+        if self.placement is not None:
+            where.update(self.placement.options(name))
+        if self.env:
+            where["runtime_env"] = {"env_vars": dict(self.env)}
         actor = self._actor_cls.options(
             num_cpus=cfg.cpus_per_worker,
             num_gpus=cfg.gpus_per_worker if cfg.use_gpu else 0,
             max_restarts=0,
             max_concurrency=1,
+            **where,
         ).remote(
             name,
             self.spec,
@@ -286,6 +297,8 @@ class WorkerPool:
         """Evicts a worker: fences it off, then kills its process."""
         if fence:
             self.fence(handle.name)
+        if self.placement is not None:
+            self.placement.free(handle.name)
         pid = handle.pid
         if pid is not None and handle.info.get("node") == self.local_node:
             with contextlib.suppress(ProcessLookupError):
@@ -294,7 +307,9 @@ class WorkerPool:
             ray.kill(handle.actor, no_restart=True)
 
     def release(self, handle: WorkerHandle) -> None:
-        """Ends a healthy worker at the end of a job."""
+        """Ends a healthy worker (at the end of a job, or one not needed)."""
+        if self.placement is not None:
+            self.placement.free(handle.name)
         with contextlib.suppress(Exception):
             ray.kill(handle.actor, no_restart=True)
 
