@@ -43,6 +43,7 @@ def test_overhead_quick(tmp_path):
     assert out["ratio"] == pytest.approx(out["planaria_step_ms"] / out["ddp_step_ms"])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
@@ -59,6 +60,7 @@ def test_recovery_quick(tmp_path):
     assert "speedup_vs_torchrun" in out and "speedup_vs_torchft" in out
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)

@@ -209,6 +209,7 @@ def slow_writes_model() -> nn.Module:
     return mlp.make_model()
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")

@@ -101,8 +101,11 @@ def saved3(tmp_path_factory, ray_cluster) -> Path:
     return run_dir / "checkpoints"
 
 
-@pytest.mark.parametrize(("width", "strategy"), [(1, "read_all"), (2, "share"), (3, "share"),
-                                                 (2, "read_all")])
+@pytest.mark.parametrize(("width", "strategy"), [
+    (1, "read_all"), (3, "share"),
+    pytest.param(2, "share", marks=pytest.mark.extended),
+    pytest.param(2, "read_all", marks=pytest.mark.extended),
+])
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")

@@ -152,7 +152,10 @@ def check(run_dir: Path, result: planaria.FitResult, reference: dict, lost: set[
     assert len({f["step"] for f in faults}) == 1
     assert {w for f in faults for w in f["worker"].split(",")} == lost
     assert all(r["lost_steps"] == 0 for r in of(evs, "recovered"))
-    assert 2 in {e["width"] for e in of(evs, "step_committed")}  # went on with the survivors
+    # The survivors went on (resize); whether a step commits at width 2 before the
+    # replacements join depends on when the dead node's processes exit (seconds after their
+    # raylet, while millisecond steps run on), so it is not asserted.
+    assert [a["action"] for a in of(evs, "action")][:1] == ["resize"]
     assert of(evs, "step_committed")[-1]["width"] == 4
     return evs
 
@@ -202,6 +205,7 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+@pytest.mark.extended
 def test_node_lost_replacements_on_the_node_left(tmp_path, cluster, nodes, reference):
     a, b = nodes(4), nodes(4)  # two workers on each, room for two more on each
     node_ip = ray.util.get_node_ip_address()

@@ -19,6 +19,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 N, G, STEPS = 512, 64, 10
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")

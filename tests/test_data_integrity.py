@@ -270,6 +270,7 @@ def _spec_with(dataset) -> TrainSpec:
                                dataset=dataset)
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
@@ -281,6 +282,7 @@ def test_a_dataset_from_numpys_global_generator_is_the_same_everywhere(tmp_path)
     assert_same_state(one, three, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")

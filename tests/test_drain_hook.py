@@ -84,6 +84,7 @@ def test_prestop_hook_gives_every_worker_its_notice_and_waits(tmp_path):
             w.kill()
 
 
+@pytest.mark.extended
 def test_prestop_hook_says_which_workers_did_not_leave(tmp_path):
     folder, out = tmp_path / "markers", tmp_path / "out"
     out.mkdir()
@@ -98,6 +99,7 @@ def test_prestop_hook_says_which_workers_did_not_leave(tmp_path):
         stubborn.wait()
 
 
+@pytest.mark.extended
 def test_wrapper_forwards_sigterm_after_the_workers_left(tmp_path):
     """The node's entrypoint under the hook: the workers first, then the entrypoint."""
     folder, out = tmp_path / "markers", tmp_path / "out"

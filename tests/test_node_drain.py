@@ -154,6 +154,7 @@ def test_workers_on_a_node_ray_drains_leave_at_a_step_boundary(cluster, referenc
         assert _ends(node), "Ray did not end a drained node (its workers left)"
 
 
+@pytest.mark.extended
 def test_a_sigterm_to_the_node_reaches_its_workers_through_the_hook(
     cluster, reference, tmp_path
 ):

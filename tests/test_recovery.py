@@ -225,6 +225,7 @@ def test_below_min_replicas_past_pause_timeout_aborts_cleanly(tmp_path):
     assert of(evs, "run_end")[0]["status"] == "aborted"
 
 
+@pytest.mark.extended
 def test_elastic_retry_reinvokes_after_a_kill(tmp_path, reference):
     job = Job(
         mlp.make_spec(n=N),

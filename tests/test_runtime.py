@@ -35,6 +35,7 @@ def test_mlp_loss_falls_and_one_replica_equals_three(tmp_path):
     assert {e["width"] for e in events if e["event"] == "step_committed"} == {3}
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_tiny_gpt_loss_falls(tmp_path):
     spec = tiny_gpt.make_spec(dim=64, layers=2, global_batch_size=24, micro_batch_size=8, lr=1e-2)

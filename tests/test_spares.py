@@ -76,6 +76,7 @@ def test_a_warm_spare_takes_the_place_with_no_step_at_reduced_width(
     assert joined["worker"] == "w3" and joined["step"] == fault["step"]
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
