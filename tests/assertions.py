@@ -78,3 +78,22 @@ def events(run_dir: os.PathLike[str] | str) -> list[dict]:
 def of(evs: list[dict], name: str) -> list[dict]:
     """The records of one event type, in order."""
     return [e for e in evs if e["event"] == name]
+
+
+def drive(job: Any, steps: int, *, wait_width_at: int | None = None, width: int = 3,
+          before: Any = None) -> None:
+    """``fit()``'s loop on an open job: train until ``steps`` steps are committed, recovering
+    from every failure. At ``wait_width_at`` steps done it first waits (bounded) for
+    ``width`` replicas, so that a slow replacement start cannot end the run before it joins;
+    ``before(job)`` runs before every step attempt."""
+    import planaria
+
+    while job.steps_done < steps:
+        try:
+            if wait_width_at is not None and job.steps_done == wait_width_at:
+                job.wait_for_width(width, timeout_s=180)
+            if before is not None:
+                before(job)
+            job.train_step()
+        except planaria.Failure as failure:
+            job.recovery.handle(failure)

@@ -30,6 +30,7 @@ def run_quick(script: str, tmp_path: Path, timeout_s: float) -> dict:
     return json.loads(last)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)

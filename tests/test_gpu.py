@@ -26,7 +26,7 @@ from planaria import HangConfig, Job, RunConfig, fit
 from planaria.checkpointing import CheckpointConfig
 from planaria.examples import mlp
 from planaria.liveness import Heartbeat
-from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -73,13 +73,7 @@ def run(run_dir, chaos: str = "", *, hang=None, checkpoint=None, during=None, sp
     with job:
         if during is not None:
             during(job)
-        while job.steps_done < STEPS:
-            try:
-                if job.steps_done == STEPS - 3:
-                    job.wait_for_width(3, timeout_s=180)
-                job.train_step()
-            except planaria.Failure as failure:
-                job.recovery.handle(failure)
+        drive(job, STEPS, wait_width_at=STEPS - 3)
         state = job.model_state_dict()
     assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
     return state, events(run_dir)
@@ -188,11 +182,7 @@ def test_nccl_group_survives_a_peer_kill(tmp_path):
     job = Job(base, RunConfig(steps=STEPS, replicas=2, run_dir=tmp_path / "run", ledger=True,
                               use_gpu=True), chaos=planaria.ChaosPlan.parse("kill:w1@step5"))
     with job:
-        while job.steps_done < STEPS:
-            try:
-                job.train_step()
-            except planaria.Failure as failure:
-                job.recovery.handle(failure)
+        drive(job, STEPS)
         state = job.model_state_dict()
     assert_same_state(ref.state_dict, state)
     assert of(events(tmp_path / "run"), "run_start")[0]["config"]["backend"] == "nccl"

@@ -14,7 +14,7 @@ import planaria
 from planaria import fit
 from planaria.checkpointing import CheckpointConfig
 from planaria.examples import mlp
-from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -63,8 +63,7 @@ def fp16_reference(tmp_path_factory, ray_cluster):
     run_dir = tmp_path_factory.mktemp("ref16")
     with planaria.Job(_spec("fp16"), planaria.RunConfig(steps=STEPS, replicas=1,
                                                          run_dir=run_dir)) as job:
-        while job.steps_done < STEPS:
-            job.train_step()
+        drive(job, STEPS)
         (scaler,) = _scalers(job)
         state = job.model_state_dict()
     return state, [e["step"] for e in of(events(run_dir), "step_overflow")], scaler
@@ -97,16 +96,16 @@ def test_fp16_overflows_skip_alike_and_the_scale_travels(tmp_path, fp16_referenc
             "kill:w1@step9,kill:w0@step13,kill:w2@step13,kill:w3@step13"),
         checkpoint=CheckpointConfig(every=2, fsync=False),
     )
+    joined: list[dict] = []
+
+    def check_the_joiner_got_the_scale(job) -> None:
+        if job.steps_done == 11 and not joined:
+            joined.extend(_scalers(job))
+            assert len(joined) == 3 and all(s == joined[0] for s in joined), joined
+
     with job:
-        while job.steps_done < STEPS:
-            try:
-                if job.steps_done == 11:
-                    job.wait_for_width(3, timeout_s=180)  # w3 joins before the second kill
-                    joined = _scalers(job)
-                    assert len(joined) == 3 and all(s == joined[0] for s in joined), joined
-                job.train_step()
-            except planaria.Failure as failure:
-                job.recovery.handle(failure)
+        # w3 joins before the second kill (steps 11 and 12 are computed with it)
+        drive(job, STEPS, wait_width_at=11, before=check_the_joiner_got_the_scale)
         state = job.model_state_dict()
         assert _scalers(job) == [final_scaler] * 3  # the restore brought the scale back
     assert_same_state(reference, state, atol=1e-4, rtol=1e-3)

@@ -24,7 +24,7 @@ RUNS = {
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "strategy",
-    [pytest.param(s, marks=pytest.mark.extended) if s == "restore" else s for s in RUNS],
+    [pytest.param(s, marks=pytest.mark.extended) for s in RUNS],
 )
 def test_calibrated_simulator_predicts_the_runs_goodput(ray_cluster, tmp_path, strategy):
     fit(mlp.make_spec(), replicas=3, run_dir=tmp_path, ledger=False, **RUNS[strategy])
