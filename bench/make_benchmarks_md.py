@@ -440,6 +440,12 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", action="store_true", help="run the bench scripts first")
@@ -470,7 +476,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.run:
         for name in args.only or BENCHES:
-            if (_REPO / "bench" / f"{name}.py").exists():
+            if name == "gpu" and not _has_cuda():
+                print("skipping gpu: no CUDA device here (run bash bench/gpu_check.sh on one)")
+            elif (_REPO / "bench" / f"{name}.py").exists():
                 run(name, args.args.split(), args.timeout_s)
             else:
                 print(f"skipping {name}: bench/{name}.py does not exist")
