@@ -41,6 +41,7 @@ from planaria.checkpoint import (
 from planaria.checkpoint.backoff import is_storage_error
 from planaria.checkpoint.checksum import byte_view, crc32c
 from planaria.checkpoint.compat import compare_layouts
+from planaria.checkpoint.device_load import load_to_device
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
 from planaria.checkpoint.storage import Storage
 from planaria.errors import PlanariaError
@@ -289,10 +290,8 @@ class CheckpointWorkerMixin:
             self._ckpt_live = live
             self.ckpt_dirty = True
             try:
-                tensors, meta = load_checkpoint(
-                    path, names=names, storage_options=storage_options, into=live,
-                    on_progress=self._bytes_moved,
-                )
+                tensors, meta = self._load_into_live(path, names, live, manifest.tensors,
+                                                     storage_options)
             except Exception as err:
                 return _read_failure(err)
         finally:
@@ -304,6 +303,34 @@ class CheckpointWorkerMixin:
         if diff:
             out["mismatch"] = "; ".join(diff)
         return out
+
+    def _load_into_live(
+        self,
+        path: str,
+        names: list[str] | None,
+        live: Mapping[str, torch.Tensor],
+        saved: Mapping[str, Any],
+        storage_options: Mapping[str, Any] | None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Reads tensors ``names`` (None: all) into the live ones: host tensors in place, in
+        one pass; tensors on a device (GPU) through a bounded host window, a batch at a time
+        (:mod:`planaria.checkpoint.device_load`), never a whole host copy of the state."""
+        wanted = list(names) if names is not None else list(saved)
+        on_device = [n for n in wanted if n in live and live[n].device.type != "cpu"]
+        if not on_device:
+            return load_checkpoint(path, names=names, storage_options=storage_options,
+                                   into=live, on_progress=self._bytes_moved)
+        device_names = set(on_device)
+        host = [n for n in wanted if n not in device_names]
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict[str, Any] = {}
+        if host:
+            tensors, meta = load_checkpoint(path, names=host, storage_options=storage_options,
+                                            into=live, on_progress=self._bytes_moved)
+        moved, meta = load_to_device(path, on_device, live, storage_options=storage_options,
+                                     on_progress=self._bytes_moved)
+        tensors.update(moved)
+        return tensors, meta
 
     def _bytes_moved(self, n: int) -> None:
         """A chunk was read: the heartbeat's progress moves (see planaria.liveness)."""
