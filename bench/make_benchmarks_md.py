@@ -34,7 +34,7 @@ from bench import common  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
 BENCHES = ("overhead", "recovery", "checkpoint", "spares", "overlap", "warm_join", "campaign",
-           "gpu")
+           "dispatch", "gpu")
 
 
 def machine() -> dict[str, Any]:
@@ -363,6 +363,29 @@ def render_campaign(rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def render_dispatch(rec: dict[str, Any]) -> list[str]:
+    """``bench/dispatch.py``: today's per-step controller cost against the worker count."""
+    r = rec["result"]
+    old = r.get("old_per_step_controller_ms", {})
+    new = r.get("per_step_controller_ms") or {}
+    cores = r.get("oversubscribed_above") or 0
+    out = ["## Controller cost per step", "", *_header(rec), "",
+           "One round of the step protocol's calls (one Ray call per worker, then the wait for "
+           "every answer) to protocol-only workers that answer at once: what the controller "
+           "spends per step, against the number of workers. The baseline for the step-protocol "
+           "work (workers running steps on their own): its column stays empty until it lands. "
+           f"Above {cores} workers the actors share this machine's {cores} cores.", "",
+           "| workers | today's protocol (ms/step) | autonomous loop (ms/step) |",
+           "|---:|---:|---:|"]
+    for n, ms in old.items():
+        over = " (oversubscribed)" if int(n) > cores else ""
+        out.append(f"| {n}{over} | {_f(ms)} | {_f(new.get(n)) if new else '—'} |")
+    out += ["", f"With 3 real workers on the tiny model: {_f(r.get('real_workers_controller_ms'))} "
+            f"ms of a {_f(r.get('real_workers_step_ms'))} ms step is the controller's "
+            f"({_f(r.get('real_workers_transport_ms'))} ms of it Ray transport).", ""]
+    return out
+
+
 def render_gpu(rec: dict[str, Any]) -> list[str]:
     """``bench/gpu.py``'s figures, from another machine than the rest (its own line)."""
     r, m = rec["result"], rec["machine"]
@@ -424,6 +447,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_warm_join(rec)
         elif name == "gpu":
             out += render_gpu(rec)
+        elif name == "dispatch":
+            out += render_dispatch(rec)
         else:
             out += render_generic(name, rec)
         if rec.get("table"):
