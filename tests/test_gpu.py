@@ -11,6 +11,7 @@ fault-free run on the same device, with every sample used exactly once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -52,8 +53,8 @@ def gpu_options() -> dict:
 
 
 def spec(**kw) -> planaria.TrainSpec:
-    base = mlp.make_spec(n=N)  # Adam: its step counters stay on the host, the rest on the GPU
-    return planaria.TrainSpec(**{**base.__dict__, **kw})
+    # Adam: its step counters stay on the host, the rest on the GPU
+    return dataclasses.replace(mlp.make_spec(n=N), **kw)
 
 
 @pytest.fixture(scope="module")

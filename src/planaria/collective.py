@@ -101,8 +101,8 @@ class Collective:
         try:
             for work in works:
                 work.wait()
-            if works and torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.current_stream().synchronize()
+            if works:
+                _sync_cuda()
         except Exception:
             works.clear()  # pending work holds the group's connections too
             self.close()
@@ -132,8 +132,7 @@ class Collective:
     ) -> None:
         """Tensors on the group's device go all at once; the others are staged (below).
         Chunk tags count on over the whole call, as the peer's do."""
-        here = [t for t in tensors if self._native(t)]
-        if len(here) == len(tensors):
+        if all(self._native(t) for t in tensors):
             chunks = [c for t in tensors for c in _chunks(t)]
             self._run(lambda pg: [op(pg, c, i) for i, c in enumerate(chunks)])
             return

@@ -34,6 +34,7 @@ import torch
 from planaria.checkpoint import (
     AsyncShardWriter,
     CheckpointError,
+    Manifest,
     load_checkpoint,
     plan_shards,
     read_manifest,
@@ -290,7 +291,7 @@ class CheckpointWorkerMixin:
             self._ckpt_live = live
             self.ckpt_dirty = True
             try:
-                tensors, meta = self._load_into_live(path, names, live, manifest.tensors,
+                tensors, meta = self._load_into_live(path, names, live, manifest,
                                                      storage_options)
             except Exception as err:
                 return _read_failure(err)
@@ -309,26 +310,27 @@ class CheckpointWorkerMixin:
         path: str,
         names: list[str] | None,
         live: Mapping[str, torch.Tensor],
-        saved: Mapping[str, Any],
+        manifest: Manifest,
         storage_options: Mapping[str, Any] | None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Reads tensors ``names`` (None: all) into the live ones: host tensors in place, in
         one pass; tensors on a device (GPU) through a bounded host window, a batch at a time
-        (:mod:`planaria.checkpoint.device_load`), never a whole host copy of the state."""
-        wanted = list(names) if names is not None else list(saved)
+        (:mod:`planaria.checkpoint.device_load`), never a whole host copy of the state.
+        ``manifest`` is the checkpoint's, already read: not read again."""
+        wanted = list(names) if names is not None else list(manifest.tensors)
         on_device = [n for n in wanted if n in live and live[n].device.type != "cpu"]
         if not on_device:
             return load_checkpoint(path, names=names, storage_options=storage_options,
-                                   into=live, on_progress=self._bytes_moved)
+                                   into=live, on_progress=self._bytes_moved, manifest=manifest)
         device_names = set(on_device)
         host = [n for n in wanted if n not in device_names]
         tensors: dict[str, torch.Tensor] = {}
-        meta: dict[str, Any] = {}
         if host:
-            tensors, meta = load_checkpoint(path, names=host, storage_options=storage_options,
-                                            into=live, on_progress=self._bytes_moved)
+            tensors, _ = load_checkpoint(path, names=host, storage_options=storage_options,
+                                         into=live, on_progress=self._bytes_moved,
+                                         manifest=manifest)
         moved, meta = load_to_device(path, on_device, live, storage_options=storage_options,
-                                     on_progress=self._bytes_moved)
+                                     on_progress=self._bytes_moved, manifest=manifest)
         tensors.update(moved)
         return tensors, meta
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from planaria.checkpoint.restore import load_checkpoint
+from planaria.checkpoint.manifest import Manifest
+from planaria.checkpoint.restore import load_checkpoint, read_manifest
 
 __all__ = ["STAGING_BYTES", "load_to_device", "plan_batches"]
 
@@ -52,16 +53,19 @@ def load_to_device(
     storage_options: Mapping[str, Any] | None = None,
     on_progress: Callable[[int], None] | None = None,
     budget: int = STAGING_BYTES,
+    manifest: Manifest | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Reads tensors ``names`` of the checkpoint at ``path`` into ``targets[name]`` (same
     shape and dtype, on any device) through the staging window; returns ``(the targets
     filled, meta)``. Raises as :func:`load_checkpoint` does; a failure leaves the targets
-    partly written (the caller marks the replica dirty before)."""
+    partly written (the caller marks the replica dirty before). The manifest is read once
+    (or given), not once per batch."""
+    if manifest is None:
+        manifest = read_manifest(path, storage_options=storage_options)
     sizes = {n: targets[n].numel() * targets[n].element_size() for n in names}
     batches = plan_batches(sizes, budget)
     pinned = torch.cuda.is_available()
     window = torch.empty(0, dtype=torch.uint8)
-    meta: dict[str, Any] = {}
     for batch in batches:
         need = sum(_aligned(sizes[n]) for n in batch)
         if window.numel() < need:
@@ -72,11 +76,11 @@ def load_to_device(
             t = targets[name]
             views[name] = window[offset : offset + sizes[name]].view(t.dtype).view(t.shape)
             offset += _aligned(sizes[name])
-        got, meta = load_checkpoint(path, names=batch, storage_options=storage_options,
-                                    into=views, on_progress=on_progress)
+        got, _ = load_checkpoint(path, names=batch, storage_options=storage_options,
+                                 into=views, on_progress=on_progress, manifest=manifest)
         with torch.no_grad():
             for name in batch:
                 targets[name].copy_(got[name], non_blocking=pinned)
         if pinned and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the window is reused next: the copies out are done
-    return {n: targets[n] for n in names}, meta
+    return {n: targets[n] for n in names}, dict(manifest.meta)

@@ -289,6 +289,7 @@ def load_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    manifest: Manifest | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Loads the committed checkpoint at ``path``: ``(tensors by name, meta)``.
 
@@ -300,12 +301,15 @@ def load_checkpoint(
     are read (only their byte ranges; e.g. a replica reading its share), else
     everything. With ``verify`` every byte read is checksummed (overlapped with
     reading); a whole-checkpoint load then covers every byte of every file.
+    ``manifest``: the one :func:`read_manifest` returned for ``path``, when the caller
+    has it already (a load in several parts reads it once).
     Raises :class:`IncompleteCheckpoint`, :class:`ManifestError` or
     :class:`CorruptCheckpoint` (all :class:`CheckpointError`), ``KeyError`` for
     an unknown name; storage errors propagate. ``on_progress(n)`` is called (from
     reading threads) after every read of ``n`` bytes.
     """
-    manifest = read_manifest(path, storage_options=storage_options)
+    if manifest is None:
+        manifest = read_manifest(path, storage_options=storage_options)
     tensors, problems = _read_all(path, manifest, names, keep=True, verify=verify,
                                   storage_options=storage_options, into=into,
                                   on_progress=on_progress)
