@@ -2,15 +2,17 @@
 
 The controller runs on the head node, which has no CPUs for workers: every
 worker is on another node and reaches the store over the network. A node is
-removed the way a machine dies (its raylet killed with SIGKILL, no notice; its
-worker processes exit as they notice); the final parameters must equal a
+removed the way a machine dies (its raylet and the job's workers on it killed
+with SIGKILL at once, no notice); the final parameters must equal a
 fault-free run's and every sample must be used exactly once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -26,6 +28,7 @@ from ray.cluster_utils import Cluster
 import planaria
 from planaria import Job, RunConfig, fit
 from planaria.examples import mlp
+from planaria.fit import _finish as finish
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 from tests.conftest import start_local_ray
 
@@ -113,6 +116,21 @@ def node_of(job: Job, name: str) -> str:
         lambda self: ray.get_runtime_context().get_node_id()), timeout=30))
 
 
+def kill_node(cluster: Cluster, job: Job, node: Any) -> set[str]:
+    """Kills ``node`` as a machine dies: its raylet and the job's workers on it at once (on
+    their own, the workers of a node removed here would outlive their raylet by seconds,
+    answering calls and training on while millisecond steps finish the run). Returns the
+    names of the workers lost."""
+    lost = {n for n in job.names if node_of(job, n) == node.node_id}
+    pids = ray.get([h.actor.__ray_call__.remote(lambda self: os.getpid())
+                    for h in job.members if h.name in lost], timeout=30)
+    cluster.remove_node(node, allow_graceful=False)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return lost
+
+
 def crowded_node(job: Job, nodes: list[Any]) -> Any:
     """The node that runs the most of the job's workers."""
     where = [node_of(job, name) for name in job.names]
@@ -136,7 +154,7 @@ def train(job: Job, at: dict[int, Any], after_fault: Any = None) -> planaria.Fit
                 after_fault()
                 after_fault = None
     run_dir = job.run_dir
-    state = job.model_state_dict()
+    state = finish(job)  # as fit() reads the final state
     return planaria.FitResult(job.steps_done, job.losses, run_dir / "events.jsonl", state, run_dir)
 
 
@@ -147,7 +165,7 @@ def check(run_dir: Path, result: planaria.FitResult, reference: dict, lost: set[
     evs = events(run_dir)
     faults = of(evs, "fault")
     # The node's workers, and only they, are lost in one step: as one fault, or as two when
-    # one process outlives the other by a moment (they exit as each notices its raylet gone).
+    # one's death is noticed a moment after the other's.
     assert {f["kind"] for f in faults} == {"worker_lost"}
     assert len({f["step"] for f in faults}) == 1
     assert {w for f in faults for w in f["worker"].split(",")} == lost
@@ -167,11 +185,9 @@ def test_node_lost_then_a_new_node_takes_the_replacements(tmp_path, cluster, nod
     lost: dict[str, Any] = {}
 
     def lose_a_node() -> None:
-        node = crowded_node(job, [a, b])
-        lost["node"] = node
-        lost["workers"] = {n for n in job.names if node_of(job, n) == node.node_id}
+        lost["node"] = crowded_node(job, [a, b])
         lost["t"] = time.time()
-        cluster.remove_node(node, allow_graceful=False)
+        lost["workers"] = kill_node(cluster, job, lost["node"])
 
     def add_a_node() -> None:  # once the job goes on with the survivors
         assert job.width < 4
@@ -218,8 +234,7 @@ def test_node_lost_replacements_on_the_node_left(tmp_path, cluster, nodes, refer
 
     def lose_a_node() -> None:
         lost["node"] = crowded_node(job, [a, b])
-        lost["workers"] = {n for n in job.names if node_of(job, n) == lost["node"].node_id}
-        cluster.remove_node(lost["node"], allow_graceful=False)
+        lost["workers"] = kill_node(cluster, job, lost["node"])
 
     with Job(mlp.make_spec(n=N), config) as job:
         # The store listens on the node's address only, and every worker (none is on the
