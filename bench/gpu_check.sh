@@ -18,11 +18,15 @@ assert torch.cuda.is_available(), "bench/gpu_check.sh needs a CUDA device: none 
 print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
 PY
 [ $? -eq 0 ] || exit 1
+python3 -c 'import torch; print(f"device: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")' \
+    > "$out/gpu_tests.log"
 
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs --durations=0 \
-    2>&1 | tee "$out/gpu_tests.log"
+    2>&1 | tee -a "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 summary=$(tail -n 1 "$out/gpu_tests.log")
+# The tests' summary as one JSON line, for make_benchmarks_md.py --ingest gpu_tests=...
+python3 bench/gpu_tests_summary.py "$out/gpu_tests.log" > "$out/gpu_tests.json"
 
 python3 bench/gpu.py --quick 2>&1 | tee "$out/gpu_quick.log"
 quick_rc=${PIPESTATUS[0]}

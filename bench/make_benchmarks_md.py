@@ -118,7 +118,7 @@ def load_results() -> dict[str, dict[str, Any]]:
     return {
         p.stem: json.loads(p.read_text())
         for p in sorted(RESULTS.glob("*.json"))
-        if p.stem in BENCHES
+        if p.stem in BENCHES or p.stem == "gpu_tests"
     }
 
 
@@ -386,8 +386,9 @@ def render_dispatch(rec: dict[str, Any]) -> list[str]:
     return out
 
 
-def render_gpu(rec: dict[str, Any]) -> list[str]:
-    """``bench/gpu.py``'s figures, from another machine than the rest (its own line)."""
+def render_gpu(rec: dict[str, Any], tests: dict[str, Any] | None = None) -> list[str]:
+    """``bench/gpu.py``'s figures, from another machine than the rest (its own line), and the
+    last run of the GPU tests (``gpu_tests``: pytest's summary, ingested as one JSON line)."""
     r, m = rec["result"], rec["machine"]
     rc = r.get("recovery", {})
     out = ["## On a GPU", "", f"Command: `{rec['command']}` — {rec['date']}.", "",
@@ -410,11 +411,16 @@ def render_gpu(rec: dict[str, Any]) -> list[str]:
                 "final_width"):
         v = rc.get(key)
         out.append(f"| {key} | {_f(v, '.4g') if isinstance(v, float) else v} |")
+    if tests is not None:
+        t = tests["result"]
+        out += ["", f"The GPU tests, last run {tests['date']} on {t.get('device', 'the GPU')} "
+                f"(`{tests['command']}`): **{t.get('summary')}**."]
+        out += [f"Skipped: {reason}" for reason in t.get("skipped", [])]
     return [*out, ""]
 
 
 def render(results: dict[str, dict[str, Any]]) -> str:
-    any_rec = next((r for n, r in results.items() if n != "gpu"), None)
+    any_rec = next((r for n, r in results.items() if n not in ("gpu", "gpu_tests")), None)
     m = any_rec["machine"] if any_rec else machine()
     out = [
         "# Benchmarks",
@@ -446,7 +452,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         elif name == "warm_join":
             out += render_warm_join(rec)
         elif name == "gpu":
-            out += render_gpu(rec)
+            out += render_gpu(rec, results.get("gpu_tests"))
         elif name == "dispatch":
             out += render_dispatch(rec)
         else:
