@@ -1,12 +1,25 @@
-"""The controller's per-step cost against the number of workers, today's step protocol.
+"""The controller's per-step cost against the number of workers, both step protocols.
 
     python bench/dispatch.py                # 3 real workers; 3-48 protocol-only workers
     python bench/dispatch.py --quick        # smoke run
 
-Today the controller makes one Ray call per worker per step and waits for every
-answer (``Job.train_step``). This measures what that costs the controller, the
-baseline the step-protocol work (workers running steps on their own between
-membership changes) is to be compared against, side by side, when it lands:
+Under the per-step protocol (``Job.train_step``) the controller makes one Ray
+call per worker per step and waits for every answer; under the autonomous loop
+(``Job.run_steps``, what ``fit`` uses: see ``planaria.run_ahead``) it makes one
+call per worker per *run* of steps and records the steps from rank 0's records.
+Measured side by side:
+
+- ``per_step_controller_ms[N]``: the autonomous loop with N protocol-only
+  workers, each "running" ``--run-steps`` steps of ``--step-ms`` (a sleep) and
+  answering with records of the real loop's shape (rank 0 all of them, the
+  others their last): the controller's CPU time (``time.process_time``: its
+  main thread and Ray's threads in its process) over a run (dispatch, the wait
+  loop with its poll, recording every step as an event-log line), divided by
+  the steps. The controller is on no step's critical path here: this is what
+  it spends, not what the workers wait for;
+- ``real_autonomous``: 3 real planaria workers on the tiny model under
+  ``Job.run_steps``: the step period (from the commit times) and the
+  controller's CPU per step, beside the per-step protocol's;
 
 - ``old_per_step_controller_ms[N]``: one round of the step protocol's calls to
   N *protocol-only* workers (Ray actors that import neither torch nor planaria
@@ -17,8 +30,9 @@ membership changes) is to be compared against, side by side, when it lands:
   machine the N actors share its cores (labelled ``oversubscribed`` above the
   core count);
 - ``real_workers_controller_ms``: with 3 real planaria workers on the tiny
-  model, the step period minus the slowest worker's own data + compute +
-  reduce + apply (``bench/overhead.py``'s ``controller_ms``).
+  model under the per-step protocol, the step period minus the slowest
+  worker's own data + compute + reduce + apply (``bench/overhead.py``'s
+  ``controller_ms``).
 
 The last line printed is one JSON object (``"bench": "dispatch"``).
 """
@@ -55,6 +69,23 @@ class ProtocolWorker:
                 "metric_sums": {}, "ids": ids, "digests": None, "data_wait_s": 0.0,
                 "compute_s": 0.0, "reduce_s": 0.0, "preempting": False}
 
+    def run(self, gen: int, run_id: int, start: int, until: int, *, rank: int, step_s: float,
+            ids: Any) -> dict[str, Any]:
+        """The autonomous loop's call: ``until - start`` steps of ``step_s`` each, records of
+        the real loop's shape (rank 0 returns every one, the others their last)."""
+        records = []
+        for step in range(start, until):
+            t0 = time.time()
+            time.sleep(step_s)
+            records.append({"grad_norm": 1.0, "overflow": False, "loss_sum": 0.5, "n": len(ids),
+                            "metric_sums": {}, "ids": ids, "digests": None, "data_wait_s": 0.0,
+                            "compute_s": step_s, "reduce_s": 0.0, "preempting": False,
+                            "step": step, "t0": t0, "t": time.time(), "worker": f"w{rank}",
+                            "global_loss_sum": 32.0, "global_samples": 64, "leaving": False,
+                            "finite": True, "global_metric_sums": {}})
+        return {"steps": records if rank == 0 else records[-1:], "ended": "until",
+                "steps_done": until, "preempting": False}
+
 
 def _gather(refs: list[Any]) -> list[Any]:
     """``Job._gather``'s wait: the first answer, then a sweep of what else is ready."""
@@ -88,28 +119,89 @@ def protocol_rounds(n: int, rounds: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def autonomous_runs(n: int, runs: int, steps: int, step_s: float, log_dir: Path) -> float:
+    """Median over ``runs`` of the controller's CPU ms per step in a run of ``steps`` steps
+    on ``n`` protocol-only workers: dispatch, the wait loop (``Job._gather``'s, with a poll
+    between waits as ``RunAhead`` polls), one event-log line per step from rank 0's records."""
+    from planaria.events import EventLog
+
+    workers = [ProtocolWorker.remote() for _ in range(n)]  # type: ignore[attr-defined]
+    ray.get([w.__ray_ready__.remote() for w in workers])
+    parts = np.array_split(np.arange(common.GLOBAL_BATCH, dtype=np.int64), n)
+    log = EventLog(log_dir / f"events_{n}.jsonl")
+    polls = [0]
+
+    def poll() -> None:  # RunAhead._poll: nothing wanted here, a cheap local check
+        polls[0] += 1
+
+    per_step = []
+    start = 0
+    for _ in range(runs + 1):  # the first run warms up
+        cpu0 = time.process_time()
+        refs = [w.run.remote(0, 1, start, start + steps, rank=r, step_s=step_s, ids=parts[r])
+                for r, w in enumerate(workers)]
+        results = _gather_polling(refs, poll)
+        for rec in results[0]["steps"]:
+            log.emit("step_committed", t=rec["t"], step=rec["step"], gen=0, width=n,
+                     duration_s=rec["t"] - rec["t0"],
+                     loss=rec["global_loss_sum"] / rec["global_samples"],
+                     samples=rec["global_samples"], data_wait_s=rec["data_wait_s"], metrics={})
+        if start:
+            per_step.append((time.process_time() - cpu0) * 1000 / steps)
+        start += steps
+    log.close()
+    for w in workers:
+        ray.kill(w)
+    return statistics.median(per_step)
+
+
+def _gather_polling(refs: list[Any], poll: Any) -> list[Any]:
+    """``_gather`` with the poll between waits; answers in the order of ``refs``."""
+    index = {ref: i for i, ref in enumerate(refs)}
+    pending = list(refs)
+    out: list[Any] = [None] * len(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=0.25)
+        if done and pending:
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            done += more
+        for ref in done:
+            out[index[ref]] = ray.get(ref)
+        if pending:
+            poll()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", default="3,8,16,32,48")
     p.add_argument("--rounds", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--real-steps", type=int, default=40)
+    p.add_argument("--runs", type=int, default=5, help="autonomous runs per worker count")
+    p.add_argument("--run-steps", type=int, default=200, help="steps per autonomous run")
+    p.add_argument("--step-ms", type=float, default=10.0, help="a protocol-only step's time")
     p.add_argument("--quick", action="store_true", help="smoke run: few workers, few rounds")
     args = p.parse_args(argv)
     if args.quick:
         args.workers, args.rounds, args.warmup, args.real_steps = "3,8", 20, 5, 12
+        args.runs, args.run_steps = 2, 20
     counts = [int(x) for x in args.workers.split(",")]
     cores = os.cpu_count() or 1
     load_before = common.loadavg()
     ray.init(address="local", num_cpus=max(8, cores), include_dashboard=False,
              log_to_driver=False, configure_logging=False)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_dispatch_log_"))
     try:
-        old = {}
-        for n in counts:
+        old, new = {}, {}
+        for n in counts:  # side by side, per worker count
             old[str(n)] = protocol_rounds(n, args.rounds, args.warmup)
+            new[str(n)] = autonomous_runs(n, args.runs, args.run_steps, args.step_ms / 1000,
+                                          log_dir)
             label = " (oversubscribed)" if n > cores else ""
-            print(f"  {n:3d} protocol-only workers{label}: {old[str(n)]:.2f} ms a step",
-                  flush=True)
+            print(f"  {n:3d} protocol-only workers{label}: per-step protocol "
+                  f"{old[str(n)]:.2f} ms a step; autonomous loop {new[str(n)]:.3f} ms of "
+                  "controller CPU a step", flush=True)
     finally:
         ray.shutdown()
     from bench.planaria_side import run_planaria_steady
@@ -117,14 +209,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # planaria starts its own Ray (with the bench's modules on the workers' path)
     real = run_planaria_steady(args.real_steps, "tiny", 3, 1,
                                warmup=min(10, args.real_steps // 3),
-                               run_dir=Path(tempfile.mkdtemp(prefix="bench_dispatch_")))
+                               run_dir=Path(tempfile.mkdtemp(prefix="bench_dispatch_")),
+                               step_protocol="per_step")
+    auto = run_planaria_steady(args.real_steps, "tiny", 3, 1,
+                               warmup=min(10, args.real_steps // 3),
+                               run_dir=Path(tempfile.mkdtemp(prefix="bench_dispatch_")),
+                               step_protocol="autonomous")
     first, last = str(counts[0]), str(counts[-1])
     out = {
         "bench": "dispatch",
-        "protocol": "old: one Ray call per worker per step (Job.train_step)",
-        "per_step_controller_ms": None,  # the autonomous loop is not built yet
+        "protocol": "autonomous loop (Job.run_steps) beside the per-step protocol "
+                    "(Job.train_step)",
+        "per_step_controller_ms": new,
+        "growth_last_over_first": new[last] / new[first],
         "old_per_step_controller_ms": old,
         "old_growth_last_over_first": old[last] / old[first],
+        "run_steps": args.run_steps,
+        "step_ms": args.step_ms,
+        "real_autonomous": {k: auto[k] for k in ("step_ms_median", "controller_cpu_ms")},
+        "real_per_step": {k: real[k] for k in ("step_ms_median", "controller_cpu_ms")},
         "real_workers_controller_ms": real["controller_ms_median"],
         "real_workers_transport_ms": real["transport_ms_median"],
         "real_workers_step_ms": real["step_ms_median"],
@@ -132,10 +235,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "oversubscribed_above": cores,
         "loadavg": {"before": load_before, "after": common.loadavg()},
     }
-    print(f"old protocol: {old[first]:.2f} ms a step at {first} workers, {old[last]:.2f} ms at "
-          f"{last} ({out['old_growth_last_over_first']:.1f}x); 3 real workers (tiny model): "
-          f"controller {out['real_workers_controller_ms']:.2f} ms of a "
-          f"{out['real_workers_step_ms']:.2f} ms step")
+    print(f"autonomous loop: {new[first]:.3f} ms of controller CPU a step at {first} workers, "
+          f"{new[last]:.3f} ms at {last} ({out['growth_last_over_first']:.2f}x); per-step "
+          f"protocol: {old[first]:.2f} ms a step at {first}, {old[last]:.2f} ms at {last} "
+          f"({out['old_growth_last_over_first']:.1f}x)")
+    print(f"3 real workers (tiny model): step {auto['step_ms_median']:.2f} ms autonomous, "
+          f"{real['step_ms_median']:.2f} ms per step; controller CPU a step "
+          f"{auto['controller_cpu_ms']:.3f} ms autonomous, {real['controller_cpu_ms']:.3f} ms "
+          "per step")
     print(json.dumps(out), flush=True)
     return out
 

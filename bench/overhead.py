@@ -4,18 +4,23 @@
     python bench/overhead.py --quick         # smoke run: tiny model, few steps
 
 The same model, data, global batch (64) and micro-batch (16), 2 replicas with
-1 torch thread each, two ways: planaria (``planaria.Job`` with a TrainSpec
-built from ``bench.common``) and DDP under ``torchrun --nproc_per_node=2``
-(``bench.baselines.runners.run_ddp_steady``). The runs are interleaved
-(planaria, DDP, planaria, DDP, ...) so that both see the same machine load,
+1 torch thread each, three ways: planaria (``planaria.Job`` with a TrainSpec
+built from ``bench.common``) under each step protocol, and DDP under ``torchrun
+--nproc_per_node=2`` (``bench.baselines.runners.run_ddp_steady``). The runs are
+interleaved (planaria, planaria per step, DDP, ...) so that all see the same load,
 and the figures are medians over the steady steps of every round pooled
 (``--warmup`` steps of each run left out).
 
 Figures:
 
-- ``planaria_step_ms``: the driver loop's wall time per ``Job.train_step``
-  (step boundary + dispatch + waiting for every result + commit bookkeeping);
-  the commit itself rides on the next dispatch, so this is the step period.
+- ``planaria_step_ms``: the step period under the autonomous loop (``fit``'s:
+  ``Job.run_steps``, see ``planaria.run_ahead``): the time between two of rank
+  0's commits, in one run of the steady steps.
+- ``per_step_protocol_step_ms`` (and its ratio): under the per-step protocol,
+  the driver loop's wall time per ``Job.train_step`` (step boundary + dispatch
+  + waiting for every result + commit bookkeeping); the commit itself rides on
+  the next dispatch, so this is the step period. The breakdown below is this
+  protocol's.
 - ``ddp_step_ms``: rank 0's time per step (micro-batches, allreduce, Adam).
 - ``ratio``: planaria ÷ DDP.
 - ``controller_overhead_ms``: per step, planaria's wall time minus the
@@ -90,16 +95,27 @@ BREAKDOWN = (
 
 def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path) -> dict[str, Any]:
     pl_ms: list[float] = []
+    ps_ms: list[float] = []
     ddp_ms: list[float] = []
     per_round = []
     for i in range(rounds):
-        pl = run_planaria_steady(
+        auto = run_planaria_steady(
             args.steps,
             size,
             args.replicas,
             args.threads,
             warmup=args.warmup,
             run_dir=wd / f"planaria_{size}_{i}",
+            step_protocol="autonomous",
+        )
+        pl = run_planaria_steady(  # the per-step protocol: its step's breakdown
+            args.steps,
+            size,
+            args.replicas,
+            args.threads,
+            warmup=args.warmup,
+            run_dir=wd / f"planaria_per_step_{size}_{i}",
+            step_protocol="per_step",
         )
         ddp = run_ddp_steady(
             args.steps,
@@ -110,23 +126,30 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path) -> dict
             timeout_s=args.timeout_s,
             workdir=wd / f"ddp_{size}_{i}",
         )
-        pl_ms += pl["step_ms"]
+        pl_ms += auto["step_ms"]
+        ps_ms += pl["step_ms"]
         ddp_ms += ddp["step_ms"]
-        row = {"planaria_step_ms": pl["step_ms_median"], "ddp_step_ms": ddp["step_ms_median"]}
+        row = {"planaria_step_ms": auto["step_ms_median"], "ddp_step_ms": ddp["step_ms_median"],
+               "per_step_protocol_step_ms": pl["step_ms_median"]}
         row["ratio"] = row["planaria_step_ms"] / row["ddp_step_ms"]
+        row["per_step_protocol_ratio"] = row["per_step_protocol_step_ms"] / row["ddp_step_ms"]
         row.update({k: pl[f"{k}_median"] for k in BREAKDOWN})
         per_round.append(row)
         print(
-            f"  round {i} ({size}): planaria {row['planaria_step_ms']:.1f} ms "
-            f"(slowest worker {row['worker_ms']:.1f} + apply {row['apply_ms']:.1f} ms, "
-            f"controller {row['controller_ms']:.1f} ms), DDP {row['ddp_step_ms']:.1f} ms, "
-            f"ratio {row['ratio']:.3f}; load {common.loadavg()}",
+            f"  round {i} ({size}): planaria {row['planaria_step_ms']:.2f} ms (autonomous "
+            f"loop), {row['per_step_protocol_step_ms']:.2f} ms per step (slowest worker "
+            f"{row['worker_ms']:.1f} + apply {row['apply_ms']:.1f} ms, controller "
+            f"{row['controller_ms']:.1f} ms), DDP {row['ddp_step_ms']:.2f} ms, ratio "
+            f"{row['ratio']:.3f} (per step {row['per_step_protocol_ratio']:.3f}); "
+            f"load {common.loadavg()}",
             flush=True,
         )
     out = {
         "planaria_step_ms": _med(pl_ms),
         "ddp_step_ms": _med(ddp_ms),
         "ratio": _med(pl_ms) / _med(ddp_ms),
+        "per_step_protocol_step_ms": _med(ps_ms),
+        "per_step_protocol_ratio": _med(ps_ms) / _med(ddp_ms),
         "ratio_per_round_median": _med([r["ratio"] for r in per_round]),
         "rounds": per_round,
     }
@@ -164,7 +187,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{tiny['ddp_step_ms']:>9.1f} {tiny['ratio']:>7.3f}"
         )
     print(f"ratio, median of the per-round ratios: {m['ratio_per_round_median']:.3f}")
-    print("planaria's step, per-step medians (median over rounds), ms:")
+    print(f"per-step protocol (Job.train_step): {m['per_step_protocol_step_ms']:.1f} ms, ratio "
+          f"{m['per_step_protocol_ratio']:.3f}")
+    print("the per-step protocol's step, per-step medians (median over rounds), ms:")
     print(f"  slowest worker data wait + compute + reduce  {m['worker_ms']:7.1f}")
     print(f"  its update apply (Adam, outside its timers)  {m['apply_ms']:7.1f}")
     print(f"  rest of its step call                        {m['worker_other_ms']:7.1f}")
@@ -180,11 +205,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ddp_step_ms": m["ddp_step_ms"],
         "ratio": m["ratio"],
         "controller_overhead_ms": m["controller_ms"],
+        "per_step_protocol_step_ms": m["per_step_protocol_step_ms"],
+        "per_step_protocol_ratio": m["per_step_protocol_ratio"],
         "ratio_per_round_median": m["ratio_per_round_median"],
         "breakdown_ms": {k: m[k] for k in BREAKDOWN},
         "tiny": None
         if tiny is None
-        else {k: tiny[k] for k in ("planaria_step_ms", "ddp_step_ms", "ratio", "controller_ms")},
+        else {k: tiny[k] for k in ("planaria_step_ms", "ddp_step_ms", "ratio", "controller_ms",
+                                   "per_step_protocol_step_ms", "per_step_protocol_ratio")},
         "rounds": m["rounds"],
         "size": args.size,
         "replicas": args.replicas,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import statistics
 import sys
@@ -181,18 +182,24 @@ def run_planaria_steady(
         raise ValueError(f"steps={steps} must exceed warmup={warmup}")
     _ensure_worker_path()
     rd = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="planaria_steady_"))
+    run_options.setdefault("step_protocol", "per_step")
     config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads,
                        **run_options)
+    if config.step_protocol == "autonomous":
+        return _run_autonomous(config, size, warmup)
     with _timed_workers():
         job = _timed_job_class()(make_spec(size), config)
         job.start()
     wall: dict[int, float] = {}
     duration: dict[int, float] = {}
+    cpu = 0.0
     try:
         while job.steps_done < steps:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             result = job.train_step()  # no faults here: a Failure is a benchmark error
             wall[result.step] = time.perf_counter() - t0
+            if result.step >= warmup:
+                cpu += time.process_time() - c0
             duration[result.step] = result.duration_s
         job.commit_all()
     finally:
@@ -236,8 +243,41 @@ def run_planaria_steady(
         for k, v in row.items():
             per_step[k].append(v * 1000)
     out: dict[str, Any] = {f"{k}_median": _median(v) for k, v in per_step.items()}
-    out.update(step_ms=per_step["step_ms"], replicas=replicas, size=size, run_dir=str(rd))
+    out.update(step_ms=per_step["step_ms"], replicas=replicas, size=size, run_dir=str(rd),
+               controller_cpu_ms=cpu * 1000 / (steps - warmup), step_protocol="per_step")
     return out
+
+
+def _run_autonomous(config: Any, size: str, warmup: int) -> dict[str, Any]:
+    """``run_planaria_steady`` under the autonomous loop (``Job.run_steps``): the steps
+    after ``warmup`` in one run. ``step_ms``: the periods between rank 0's commits (the
+    workers' clock); ``controller_cpu_ms``: the controller process's CPU over the run
+    (its thread and Ray's) per step. The per-step breakdown needs the per-step protocol."""
+    from planaria import Job
+
+    job = Job(make_spec(size), config)
+    job.start()
+    try:
+        job.run_steps(warmup)  # the first step alone (it names the metrics), then a run
+        while job.steps_done < warmup:
+            job.run_steps(warmup)
+        c0, t0 = time.process_time(), time.perf_counter()
+        while job.steps_done < config.steps:
+            job.run_steps(config.steps)
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        job.commit_all()
+    finally:
+        job.close()
+    events = [json.loads(line) for line in (config.run_dir / "events.jsonl").read_text()
+              .splitlines() if line.strip()]
+    commits = {e["step"]: e["t"] for e in events if e["event"] == "step_committed"}
+    periods = [(commits[s] - commits[s - 1]) * 1000 for s in sorted(commits)
+               if s > warmup and s - 1 in commits]
+    n = config.steps - warmup
+    return {"step_ms_median": _median(periods), "step_ms": periods,
+            "wall_per_step_ms": wall * 1000 / n, "controller_cpu_ms": cpu * 1000 / n,
+            "replicas": config.replicas, "size": size, "run_dir": str(config.run_dir),
+            "step_protocol": "autonomous"}
 
 
 def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -142,7 +142,10 @@ def test_infrastructure_error_under_user_code_replaces_the_worker(tmp_path, refe
             marker.write_text("1")
 
     run_dir = tmp_path / "run"
-    result = fit(spec, steps=STEPS, replicas=3, run_dir=run_dir, ledger=True, on_step=arm)
+    # on_step arms the fault before step 5 runs: one step at a time (under the autonomous
+    # loop the callback comes when a run of steps ends).
+    result = fit(spec, steps=STEPS, replicas=3, run_dir=run_dir, ledger=True, on_step=arm,
+                 step_protocol="per_step")
     assert (tmp_path / "hiccup.claimed").exists()
     assert_same_state(reference, result.state_dict)
     assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)

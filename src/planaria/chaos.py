@@ -116,6 +116,23 @@ class ChaosPlan:
                 out.append(ev)
         return out
 
+    def next_step(self, *, after: int) -> int | None:
+        """The first step after ``after`` that an event not yet fired is planned for."""
+        steps = [ev.step for i, ev in enumerate(self.events)
+                 if ev.step is not None and i not in self._fired and ev.step > after]
+        return min(steps, default=None)
+
+    def time_due(self, elapsed_s: float) -> bool:
+        """An event planned by time is due (without firing it: see :meth:`due`)."""
+        for i, ev in enumerate(self.events):
+            if ev.poisson_mean_s is not None:
+                nxt = self._next_poisson.get(i)
+                if nxt is not None and elapsed_s >= nxt:
+                    return True
+            elif ev.at_s is not None and i not in self._fired and elapsed_s >= ev.at_s:
+                return True
+        return False
+
     def pick(self, target: str, live: list[str]) -> str | None:
         """The worker an event hits: its named target if live, or a seeded random live one."""
         if target == "random":

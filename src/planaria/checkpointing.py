@@ -377,6 +377,16 @@ class Checkpointer:
         self.interval.mark_saved(step, now)
         self._announce()
 
+    def next_due_step(self) -> int | None:
+        """The step count at which the next save falls due by step count (None: by time)."""
+        if self.interval is None:
+            return None
+        return self.interval.next_due_step(self.job.steps_done)
+
+    def due_by_time(self) -> bool:
+        """A save decided by time is due now: a run of steps should end at a boundary."""
+        return self.interval is not None and self.interval.due_by_time(time.monotonic())
+
     def save_now(self, reason: str) -> str | None:
         """Saves the current committed state and waits until it is committed (just in time,
         before a preemption or after a user-code error). Returns its path, or None."""
@@ -793,8 +803,8 @@ class Checkpointer:
         self._seen_failures = failures
         if self._last_boundary is not None:
             steps, t = self._last_boundary
-            if job.steps_done == steps + 1:
-                self.interval.observe_step_time(now - t)
+            if job.steps_done > steps:  # one step, or a run of them (planaria.run_ahead)
+                self.interval.observe_step_time(now - t, job.steps_done - steps)
         self._last_boundary = (job.steps_done, now)
 
     def _announce(self, *, force: bool = False) -> None:

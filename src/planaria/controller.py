@@ -51,6 +51,7 @@ from planaria.network import (
 )
 from planaria.placement import Placement
 from planaria.policy import HangConfig, RecoveryPolicy
+from planaria.run_ahead import RunAhead
 from planaria.watchdog import StepDeadline
 from planaria.workers import WorkerHandle, WorkerPool
 
@@ -125,6 +126,8 @@ class Job:
         self.ledger = Ledger(self.run_dir, run_id=self.run_id) if config.ledger else None
         self.deadline = StepDeadline(self.hang)
         self.recovery = Recovery(self)
+        self.run_ahead = RunAhead(self)
+        self.metric_keys: tuple[str, ...] | None = None  # the loss's metrics, once seen
         self.gen = -1
         self.members: list[WorkerHandle] = []
         self.steps_done = 0
@@ -431,8 +434,24 @@ class Job:
     # ---- the step ----------------------------------------------------------------------------
 
     def train_step(self) -> StepResult:
-        """Runs the next step at the current width and commits it, or raises a Failure."""
+        """Runs the next step at the current width and commits it, or raises a Failure.
+
+        The per-step protocol: one call per worker for this step. :meth:`run_steps` runs
+        many steps with one call per worker (the autonomous loop, what ``fit`` uses).
+        """
         self.boundary()
+        return self.dispatch_step()
+
+    def run_steps(self, until: int) -> list[StepResult]:
+        """Runs steps up to ``until`` (at least one, up to the next boundary where the
+        controller must act) and commits them, or raises a Failure (recover from it as
+        from train_step's). With ``RunConfig(step_protocol="per_step")``, one step."""
+        if self.config.step_protocol == "per_step":
+            return [self.train_step()]
+        return self.run_ahead.run(until)
+
+    def dispatch_step(self) -> StepResult:
+        """The next step under the per-step protocol, without a boundary first."""
         assert self.plan is not None
         step = self.steps_done
         parts = self._split(step, self.width)
@@ -452,27 +471,51 @@ class Job:
         duration = time.time() - t0
         n = sum(r["n"] for r in results.values())
         loss = sum(r["loss_sum"] for r in results.values()) / max(1, n)
+        grad_norm = max(float(r["grad_norm"]) for r in results.values())
+        overflow = any(r.get("overflow") for r in results.values())
+        self._check_finite(step, loss, grad_norm, overflow)
         metrics: dict[str, float] = {}
         for r in results.values():
             for k, v in r["metric_sums"].items():
                 metrics[k] = metrics.get(k, 0.0) + v / max(1, n)
-        grad_norm = max(float(r["grad_norm"]) for r in results.values())
-        if any(r.get("overflow") for r in results.values()) and math.isfinite(loss):
+        if self.metric_keys is None:
+            self.metric_keys = tuple(sorted(metrics))  # what autonomous runs sum on the status
+        for name, r in results.items():
+            self._preempt_notice(name, r["preempting"], step)
+        # Committed: the update rides on the next call to each worker.
+        return self._committed(
+            step, loss=loss, n=n, duration=duration, metrics=metrics,
+            data_wait=max(r["data_wait_s"] for r in results.values()),
+        )
+
+    def _preempt_notice(self, name: str, preempting: bool, step: int) -> None:
+        if preempting and name not in self._draining:
+            self._draining.add(name)
+            self.log.emit("preempt_notice", worker=name, step=step, source="sigterm")
+
+    def _check_finite(self, step: int, loss: float, grad_norm: float, overflow: bool) -> None:
+        if overflow and math.isfinite(loss):
             # fp16: the loss scale was too high. Not a fault: every replica skips the
             # update and backs the scale off at apply, as a GradScaler does.
             self.log.emit("step_overflow", step=step, grad_norm=grad_norm)
         elif not math.isfinite(loss) or not math.isfinite(grad_norm):
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
             raise NonFiniteLoss(f"{what} at step {step}", step=step)
-        self.steps_done = step + 1  # committed: the update rides on the next call to each worker
+
+    def _committed(
+        self, step: int, *, loss: float, n: int, duration: float, metrics: dict[str, float],
+        data_wait: float, t: float | None = None,
+    ) -> StepResult:
+        """Records step ``step`` as committed at ``t`` (events, ledger, open faults)."""
+        self.steps_done = step + 1
         self.deadline.observe(duration)
-        data_wait = max(r["data_wait_s"] for r in results.values())
         result = StepResult(
             step, loss, self.width, duration, n / duration if duration else 0.0, metrics
         )
         self.losses.append((step, loss))
         self.log.emit(
             "step_committed",
+            t=t,
             step=step,
             gen=self.gen,
             width=self.width,
@@ -485,12 +528,39 @@ class Job:
         )
         if self.ledger is not None:
             self.ledger.commit(step, gen=self.gen)
-        for name, r in results.items():
-            if r["preempting"] and name not in self._draining:
-                self._draining.add(name)
-                self.log.emit("preempt_notice", worker=name, step=step, source="sigterm")
-        self.recovery.on_commit(step)
+        self.recovery.on_commit(step, now=t)
         return result
+
+    def record_step(self, rec: dict[str, Any], served: dict[str, Any]) -> StepResult:
+        """Records a step an autonomous run applied (:mod:`planaria.run_ahead`): ``rec`` is
+        one rank's record of it, with the step's totals; ``served`` what each rank was
+        served (with a ledger: their records, or after a failure the store's)."""
+        step = rec["step"]
+        if self.ledger is not None:
+            for name, r in served.items():
+                self.ledger.served(step, gen=self.gen, worker=r.get("worker", name),
+                                   ids=r["ids"], digests=r.get("digests"))
+            self._ledger_last = (self.gen, step)
+        if rec.get("overflow"):
+            self.log.emit("step_overflow", step=step, grad_norm=rec["grad_norm"], t=rec["t"])
+        n = int(rec["global_samples"])
+        metrics = {k: v / max(1, n) for k, v in rec.get("global_metric_sums", {}).items()}
+        return self._committed(
+            step, loss=rec["global_loss_sum"] / n if n else math.nan, n=n,
+            duration=max(1e-9, rec["t"] - rec["t0"]), metrics=metrics,
+            data_wait=rec["data_wait_s"], t=rec["t"],
+        )
+
+    def record_nonfinite(self, rec: dict[str, Any], per_worker: dict[str, Any]) -> None:
+        """An autonomous run stopped at a non-finite step (applied nowhere): the policy
+        decides, as for train_step's. Raises NonFiniteLoss."""
+        step = rec["step"]
+        if self.ledger is not None:
+            self._ledger_served(step, per_worker)
+        n = int(rec["global_samples"])
+        loss = rec["global_loss_sum"] / n if n else math.nan
+        self._check_finite(step, loss, float(rec["grad_norm"]), bool(rec.get("overflow")))
+        raise NonFiniteLoss(f"step {step} is not finite", step=step)  # not reached
 
     def _split(self, step: int, width: int) -> list[np.ndarray]:
         """Step ``step``'s sample ids split over ``width`` ranks in whole micro-batches
@@ -542,7 +612,8 @@ class Job:
             self.ledger.commit(step, gen=self.gen, skipped=True)
 
     def _gather(
-        self, refs: dict[str, Any], *, deadline_s: float, step: int | None
+        self, refs: dict[str, Any], *, deadline_s: float, step: int | None,
+        poll: Callable[[], None] | None = None,
     ) -> dict[str, Any]:
         """Waits for one call per worker; raises the classified Failure if any went wrong.
 
@@ -552,7 +623,8 @@ class Job:
         error on, the generation is aborted (``abort/<gen>``): the others abandon the
         call between micro-batches and answer, so the wait ends in about one
         micro-batch. Past ``deadline_s`` (the last resort), the workers not waiting
-        on a peer are hung, or all of them if every one is.
+        on a peer are hung, or all of them if every one is. ``poll`` is called
+        between waits (at least every 0.25 s) while no call has failed.
         """
         by_ref = {ref: name for name, ref in refs.items()}
         results: dict[str, Any] = {}
@@ -582,6 +654,8 @@ class Job:
                 except Exception as err:
                     errors[name] = err
                     self._abort_generation()
+            if pending and poll is not None and not errors:
+                poll()
             if pending:
                 stale = self.liveness.hung([by_ref[r] for r in pending], self.deadline.seconds)
                 stale = [n for n in stale if n not in hung]
@@ -666,6 +740,22 @@ class Job:
         if self.checkpointer is not None:
             self.checkpointer.maybe_save()
         self._chaos_by_time()
+
+    def boundary_wanted(self) -> str | None:
+        """Why a run of steps should end at the next boundary now, or None: something the
+        controller could not plan for (see :mod:`planaria.run_ahead`). Queries nothing
+        remote but the replacements' readiness."""
+        if self.width < self.config.replicas and self.pool.has_ready():
+            return "join"
+        if self._drain_watch is not None:
+            nodes = self._drain_watch.draining()
+            if nodes and any(h.info.get("ray_node") in nodes for h in self.members):
+                return "drain"
+        if self.chaos is not None and self.chaos.time_due(self.elapsed_s):
+            return "chaos"
+        if self.checkpointer is not None and self.checkpointer.due_by_time():
+            return "checkpoint"
+        return None
 
     def _notice_draining_nodes(self) -> None:
         """The members on nodes Ray drains get their notice now (as if each had got SIGTERM);

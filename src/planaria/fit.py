@@ -73,12 +73,13 @@ def fit(
     ) as job:
         while job.steps_done < steps:
             try:
-                result = job.train_step()
+                results = job.run_steps(steps)
             except Failure as failure:
                 job.recovery.handle(failure)
                 continue
             if on_step is not None:
-                on_step(result)
+                for result in results:
+                    on_step(result)
         state = _finish(job)
         return FitResult(
             final_step=job.steps_done,

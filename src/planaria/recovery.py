@@ -74,10 +74,14 @@ class Recovery:
                 failure = again
         raise ElasticRuntimeError(f"{MAX_CASCADE} failures in a row during recovery") from failure
 
-    def on_commit(self, step: int) -> None:
-        """After each committed step: close open faults and pending joins."""
+    def open_work(self) -> bool:
+        """Faults or joins wait for their first committed step (which closes them)."""
+        return bool(self._open or self._joining)
+
+    def on_commit(self, step: int, now: float | None = None) -> None:
+        """After each committed step (at ``now``): close open faults and pending joins."""
         job = self.job
-        now = time.time()
+        now = time.time() if now is None else now
         for fault in self._open:
             job.log.emit(
                 "recovered",

@@ -44,6 +44,7 @@ from planaria.overlap import OverlappedReduce
 from planaria.randomness import factory_seed, micro_batch_seed, sample_scope, seed_globals
 from planaria.state import flatten_state, load_state, tensor_layout
 from planaria.worker_checkpoint import CheckpointWorkerMixin
+from planaria.worker_loop import WorkerLoopMixin
 
 __all__ = ["Worker", "param_checksum"]
 
@@ -81,7 +82,7 @@ class _Loaded:
     served: Served
 
 
-class Worker(CheckpointWorkerMixin):
+class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     """A replica. Created by the controller as a Ray actor (see ``planaria.workers``)."""
 
     def __init__(
@@ -125,6 +126,12 @@ class Worker(CheckpointWorkerMixin):
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-loader")
         self._prefetched: tuple[bytes, Future[_Loaded]] | None = None
         self._attempt: dict[str, Any] | None = None  # what the last step attempt was served
+        self._run_records: list[dict[str, Any]] = []  # the autonomous loop's (worker_loop)
+        self._ledger_hook: tuple[int, int, int] | None = None
+        self._status_metrics: tuple[str, ...] | None = None
+        # Called as loop_fault(worker, step) in the autonomous loop once a step is reduced,
+        # before it is applied: where tests inject a fault between the two.
+        self.loop_fault: Callable[[Any, int], None] | None = None
         self._heartbeat_s = heartbeat_s
         self._stop = threading.Event()
         # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
@@ -344,6 +351,7 @@ class Worker(CheckpointWorkerMixin):
         next_ids: np.ndarray | None = None,
         *,
         skipped: int = -1,
+        status: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         """Computes step ``step`` on ``ids`` and reduces the gradient; applies nothing yet.
 
@@ -351,6 +359,8 @@ class Worker(CheckpointWorkerMixin):
         worker's pending step is among them it is applied first (the commit rides
         on the next dispatch), otherwise it is dropped; ``skipped`` is the newest
         step whose update the controller dropped (a non-finite one): it counts as done.
+        ``status`` (the autonomous loop's, see :mod:`planaria.worker_loop`) is summed over
+        the ranks in the gradient's own all-reduce, in place.
         """
         self._check(gen)
         self._refuse_if_dirty("step")
@@ -374,6 +384,7 @@ class Worker(CheckpointWorkerMixin):
             loaded = self._take(ids, step)
             served = loaded.served
             self._attempt = {"gen": gen, "step": step, "ids": served.ids, "digests": served.digests}
+            self._record_served(step)  # the autonomous loop's ledger, before the collective
             data_wait_s = time.perf_counter() - t0
             if next_ids is not None and len(next_ids):
                 self._prefetch(next_ids, step + 1)
@@ -415,13 +426,23 @@ class Worker(CheckpointWorkerMixin):
         extra = self.buffer_sync.contributions(
             rank=comm.rank, width=comm.world_size, first=first, count=count, total=total
         )
-        if overlap is not None:
-            if not overlap.armed:  # no micro-batch here: the same buckets, in the same order
-                overlap.arm(comm)
-            overlap.finish()  # the buckets still in flight, and any not started yet
-            comm.allreduce_sum(extra)
-        else:
-            comm.allreduce_sum(self.grad_buffers + extra)
+        if status is not None:  # the step's totals, known to every rank after the reduce
+            status[0] += loss_sum
+            status[1] += sum(n for n, _ in loaded.batches)
+            for i, key in enumerate(self._status_metrics or ()):
+                status[4 + i] += metric_sums.get(key, 0.0)
+            extra = [*extra, status]
+        try:
+            if overlap is not None:
+                if not overlap.armed:  # no micro-batch here: the same buckets, the same order
+                    overlap.arm(comm)
+                overlap.finish()  # the buckets still in flight, and any not started yet
+                comm.allreduce_sum(extra)
+            else:
+                comm.allreduce_sum(self.grad_buffers + extra)
+        except BaseException:
+            self._abort_generation(step)  # no peer waits on this rank in the next collective
+            raise
         self.buffer_sync.reduced(extra)
         # The reduced gradient is the same on every rank: its norm tells every rank (and the
         # controller) whether the update is finite, and serves the clipping at apply.

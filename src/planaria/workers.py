@@ -181,6 +181,14 @@ class WorkerPool:
         self.replenish()  # the lost ones are made up for
         return None
 
+    def has_ready(self) -> bool:
+        """A worker would be handed over by :meth:`poll` now (a replacement finished starting,
+        a spare was taken, or a failed start is due for a retry). Consumes nothing."""
+        if self._handed or any(due <= time.time() for due, _ in self._retry_at):
+            return True
+        refs = [h.setup_ref for h in self.starting if not h.spare]
+        return bool(refs) and bool(ray.wait(refs, num_returns=1, timeout=0.0)[0])
+
     def poll(self, timeout_s: float = 0.0) -> list[WorkerHandle]:
         """Workers that became ready within ``timeout_s``; failed starts are retried with backoff.
 

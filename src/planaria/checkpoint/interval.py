@@ -114,10 +114,11 @@ class CheckpointInterval:
         """The measured time from a save's snapshot to its commit (None before one)."""
         return self._save_s
 
-    def observe_step_time(self, seconds: float) -> None:
-        """A step took ``seconds`` (also counts as time exposed to failures)."""
+    def observe_step_time(self, seconds: float, steps: int = 1) -> None:
+        """``steps`` steps took ``seconds`` (also counts as time exposed to failures)."""
         self._exposure_s += seconds
-        self._step_s = seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * seconds
+        per = seconds / max(1, steps)
+        self._step_s = per if self._step_s is None else 0.8 * self._step_s + 0.2 * per
 
     def mark_saved(self, step: int, now: float) -> None:
         """A save was taken after ``step`` steps, at ``now``."""
@@ -175,6 +176,28 @@ class CheckpointInterval:
         if n is not None:
             return step - self._last_step >= n
         return now - self._last_t >= (self.interval_s() or 0.0)
+
+    def next_due_step(self, step: int) -> int | None:
+        """The step count after ``step`` at which a save falls due by step count; None when
+        saves fall due by time (see :meth:`due_by_time`)."""
+        if self.every_steps is not None:
+            return (step // self.every_steps + 1) * self.every_steps
+        if self.every_s is None:
+            n = self.steps()
+            if n is not None:
+                return max(step + 1, self._last_step + n)
+        return None
+
+    def due_by_time(self, now: float) -> bool:
+        """True if a save decided by time (``every_s``, or auto before a step time is known)
+        is due at ``now``."""
+        if self._last_t is None:
+            return False
+        if self.every_s is not None:
+            return now - self._last_t >= self.every_s
+        if self.auto and self.steps() is None:
+            return now - self._last_t >= (self.interval_s() or 0.0)
+        return False
 
     def describe(self) -> dict[str, Any]:
         """Fields of the ``checkpoint_interval`` event: ``every_steps``, ``reason`` and inputs."""

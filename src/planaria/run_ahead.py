@@ -1,0 +1,233 @@
+"""The controller's side of the autonomous loop: runs of steps, watched instead of dispatched.
+
+Between two *boundaries* (where the controller must act: a checkpoint or a replica
+check due by step count, a chaos event planned for a step, the end of the
+steps) the controller starts one run per worker (:meth:`Worker.run
+<planaria.worker_loop.WorkerLoopMixin.run>`) and waits: its work per step does
+not grow with the number of workers. Events that cannot be planned (a
+replacement ready to join, a node draining, a checkpoint or chaos event due by
+time) end the run early: the controller sets one store key, rank 0 reads it and
+the stop rides on the next step's all-reduce, so every rank stops after the same
+step. Deaths arrive as Ray's errors on the runs, hangs from heartbeats and
+progress, as under the per-step protocol.
+
+When a run fails, a collective may have completed on some survivors and not on
+others (a rank dying mid-ring). The survivors report how far they got
+(:meth:`settle_run`); the furthest one's steps are committed, and the survivors
+behind it receive the state in the next generation, like joiners: no step a
+survivor completed is lost, and every live replica ends up with the same state.
+
+Steps are recorded (events, ledger, losses) when a run ends, from the workers'
+records: the step's loss and sample counts ride on the all-reduce, so any rank's
+record has the step's totals; with a ledger on, each worker also appends what it
+was served to a store key before each step's collective, so the records of a
+worker that died survive it.
+
+The per-step protocol (:meth:`Job.train_step`) stays for callers that drive
+steps one at a time, and a run of one step is dispatched that way: around
+recoveries (open faults and joins are closed at their first committed step, on
+the controller's clock) and when hooks (fault campaigns) need every boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from planaria.errors import Failure, NonFiniteLoss
+from planaria.worker_loop import ledger_key, stop_key
+
+if TYPE_CHECKING:
+    from planaria.controller import Job, StepResult
+
+__all__ = ["RunAhead"]
+
+_log = logging.getLogger("planaria.commits")
+
+MAX_SETTLE_ATTEMPTS = 3
+
+
+class RunAhead:
+    """Runs a job's steps in autonomous runs (see the module doc)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.run_id = 0
+        self.runs = 0  # runs of more than one step, for the record
+        self._stop_sent = False
+        self._why: str | None = None
+
+    # ---- planning ----------------------------------------------------------------------------
+
+    def next_boundary(self, start: int, until: int) -> int:
+        """The step count at which the controller must act next (``> start``)."""
+        job = self.job
+        if job.hooks or job.recovery.open_work() or job.metric_keys is None:
+            return start + 1  # see the module doc; the first step names the loss's metrics
+        stop = until
+        ck = job.checkpointer
+        if ck is not None:
+            due = ck.next_due_step()
+            if due is not None and due > start:
+                stop = min(stop, due)
+        every = job.config.verify_every
+        if every is not None and job.width > 1:
+            stop = min(stop, (start // every + 1) * every)
+        if job.chaos is not None:
+            planned = job.chaos.next_step(after=start)
+            if planned is not None:
+                stop = min(stop, planned)
+        return max(start + 1, stop)
+
+    # ---- a run -------------------------------------------------------------------------------
+
+    def run(self, until: int) -> list[StepResult]:
+        """The next steps up to ``until`` (at least one); raises a Failure as train_step does."""
+        job = self.job
+        job.boundary()
+        start = job.steps_done
+        stop = self.next_boundary(start, until)
+        if stop == start + 1:
+            return [job.dispatch_step()]
+        assert job.plan is not None
+        self.run_id += 1
+        self.runs += 1
+        self._stop_sent, self._why = False, None
+        gen, run_id = job.gen, self.run_id
+        plan = (job.plan.num_samples, job.plan.global_batch_size, job.plan.seed)
+        members = list(job.members)
+        refs = {
+            h.name: h.actor.run.remote(
+                gen, run_id, start, stop, plan=plan, skipped=job.last_skipped,
+                ledger=job.ledger is not None, metric_keys=job.metric_keys,
+            )
+            for h in members
+        }
+        job._chaos_during_step(start)
+        try:
+            results = job._gather(
+                refs, deadline_s=job.hang.ceiling_s * (stop - start), step=None,
+                poll=self._poll,
+            )
+        except Failure as failure:
+            self._reconcile(failure, start, stop, members)
+            raise
+        finally:
+            self._clear(gen, run_id, len(members))
+        head = results[members[0].name]
+        job.log.emit("run_ahead", gen=gen, start=start, until=stop,
+                     steps=head["steps_done"] - start, ended=head["ended"],
+                     why=self._why if head["ended"] == "stop" else None, width=len(members))
+        return self._record(results, members)
+
+    def _poll(self) -> None:
+        """While a run goes on: ends it early when something unplanned needs a boundary."""
+        if self._stop_sent:
+            return
+        job = self.job
+        why = job.boundary_wanted()
+        if why is None:
+            return
+        self._stop_sent = True
+        self._why = why
+        _log.debug("run %d ends early: %s", self.run_id, why)
+        job.store.set(stop_key(job.gen, self.run_id), why)
+
+    def _clear(self, gen: int, run_id: int, width: int) -> None:
+        store = self.job.store
+        try:
+            store.delete_key(stop_key(gen, run_id))
+            if self.job.ledger is not None:
+                for rank in range(width):
+                    store.delete_key(ledger_key(gen, run_id, rank))
+        except Exception:  # the store is ours; a leftover key costs a few bytes
+            _log.debug("could not clear run %d's keys", run_id, exc_info=True)
+
+    # ---- recording ---------------------------------------------------------------------------
+
+    def _record(self, results: dict[str, Any], members: list[Any]) -> list[StepResult]:
+        """Records a run's steps from rank 0's records (O(1) per step; O(workers) per step
+        only with a ledger, whose records come from every rank)."""
+        job = self.job
+        head = results[members[0].name]
+        ledger = job.ledger is not None
+        out: list[StepResult] = []
+        for i, rec in enumerate(head["steps"]):
+            served = {h.name: results[h.name]["steps"][i] for h in members} if ledger else {}
+            if not rec["finite"]:
+                job.record_nonfinite(rec, served)  # raises NonFiniteLoss: the policy decides
+            out.append(job.record_step(rec, served))
+        last = out[-1].step if out else job.steps_done
+        for h in members:
+            job._preempt_notice(h.name, results[h.name]["preempting"], last)
+        return out
+
+    def _reconcile(self, failure: Failure, start: int, stop: int, members: list[Any]) -> None:
+        """After a failed run: commits what the furthest survivor applied, marks the
+        survivors behind it for a state transfer, and dates the failure to the first
+        step not committed."""
+        job = self.job
+        lost = set(failure.workers)
+        answers: dict[str, Any] = {}
+        for _ in range(MAX_SETTLE_ATTEMPTS):
+            survivors = [h for h in job.members if h.name not in lost]
+            if not survivors:
+                break
+            try:
+                answers = job._gather(
+                    {h.name: h.actor.settle_run.remote(job.gen) for h in survivors},
+                    deadline_s=60, step=None,
+                )
+                break
+            except Failure as again:  # a survivor failed too: it is lost with the others
+                lost |= set(again.workers) or {h.name for h in survivors}
+                failure.workers = tuple(dict.fromkeys([*failure.workers, *again.workers]))
+        committed = max((a["steps_done"] for a in answers.values()), default=start)
+        committed = max(committed, start)
+        ahead = next((a for a in answers.values() if a["steps_done"] == committed), None)
+        served = self._served_from_store(members) if job.ledger is not None else {}
+        if ahead is not None:
+            for rec in ahead["steps"]:
+                if rec["step"] < committed:
+                    job.record_step(rec, served.get(rec["step"]) or {})
+        job.steps_done = max(job.steps_done, committed)
+        if job.ledger is not None:
+            for rank_rec in (served.get(committed) or {}).values():
+                job.ledger.served(committed, gen=job.gen, worker=rank_rec["worker"],
+                                  ids=rank_rec["ids"], digests=rank_rec.get("digests"))
+        behind = []
+        for h in job.members:
+            a = answers.get(h.name)
+            if a is not None and a["steps_done"] < committed:
+                h.has_state = False  # its collective did not complete: it gets the state
+                behind.append(h.name)
+                _log.info("%s is a step behind after the failure: it receives the state",
+                          h.name)
+        job.log.emit("run_ahead", gen=job.gen, start=start, until=stop, steps=committed - start,
+                     ended="failed", why=failure.kind, width=len(members),
+                     committed=committed, behind=behind)
+        failure.step = committed
+        if not isinstance(failure, NonFiniteLoss):
+            job.log.emit("step_failed", step=committed, gen=job.gen, kind=failure.kind,
+                         workers=list(failure.workers))
+
+    def _served_from_store(self, members: list[Any]) -> dict[int, dict[str, dict[str, Any]]]:
+        """{step: {worker: record}} from the ledger keys the run's workers appended to."""
+        job = self.job
+        out: dict[int, dict[str, dict[str, Any]]] = {}
+        for rank in range(len(members)):
+            key = ledger_key(job.gen, self.run_id, rank)
+            try:
+                if not job.store.check([key]):
+                    continue
+                raw = job.store.get(key).decode()
+            except Exception:
+                _log.warning("could not read %s: its ledger records are lost", key)
+                continue
+            for line in raw.splitlines():
+                if line:
+                    rec = json.loads(line)
+                    out.setdefault(int(rec["step"]), {})[rec["worker"]] = rec
+        return out
+

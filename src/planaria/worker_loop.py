@@ -1,0 +1,197 @@
+"""The worker's autonomous loop: steps run on their own between the controller's boundaries.
+
+Under the per-step protocol the controller sends every worker one call per step
+and waits for every answer before the next: its work per step grows with the
+number of workers. In the autonomous loop (:meth:`WorkerLoopMixin.run`) the
+controller starts a *run* with one call per worker ("steps ``start`` to ``until``
+at this width") and each worker:
+
+- computes its own share of each step's samples from the deterministic data plan;
+- runs the step; the gradient all-reduce also sums a small **status** vector
+  (the step's loss and sample counts, a "leaving" flag set by a worker that got
+  a preemption notice, and a "stop" flag set by rank 0 when the controller asked
+  for a boundary), so after the collective every rank knows the same things and
+  decides alike, with no round trip to the controller;
+- applies the step at once when its reduced gradient is finite (the collective
+  completing everywhere is the agreement), or stops the run without applying it
+  when it is not (the controller's non-finite policy decides, as before);
+- with a ledger on, writes what its dataset served into the controller's store
+  *before* entering the step's collective, so every committed step's record
+  survives the death of the worker that served it.
+
+A run ends at ``until``, after a step whose status says stop or leaving, or at a
+non-finite step; it returns the per-step records. When it fails (a peer died, the
+generation was aborted), :meth:`WorkerLoopMixin.settle_run` reports how far this
+worker got and drops a step whose collective did not complete here: the
+controller counts the furthest survivor's steps as committed and sends the state
+to any survivor behind (see :mod:`planaria.run_ahead`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import torch
+
+from planaria.data_plan import DataPlan, split_micro_batches
+
+__all__ = ["STATUS", "WorkerLoopMixin", "ledger_key", "stop_key"]
+
+STATUS = ("loss_sum", "samples", "leaving", "stop")
+"""The status vector summed in every step's all-reduce, in this order; the sums of the
+step's metrics (``metric_keys``, in that order) follow."""
+STOP_POLL_S = 0.05
+"""Rank 0 reads the controller's stop request at most this often (one store read)."""
+
+
+def stop_key(gen: int, run: int) -> str:
+    """The store key the controller sets to end run ``run`` of generation ``gen`` early."""
+    return f"stop/{gen}/{run}"
+
+
+def ledger_key(gen: int, run: int, rank: int) -> str:
+    """The store key a rank appends what it was served to, a JSON line per step."""
+    return f"led/{gen}/{run}/{rank}"
+
+
+class WorkerLoopMixin:
+    """The autonomous loop of :class:`planaria.worker.Worker` (which provides the rest)."""
+
+    # provided by Worker
+    name: str
+    comm: Any
+    steps_done: int
+    pending: int | None
+    spec: Any
+    gen: int
+    preempting: bool
+    _store: Any
+    _attempt: dict[str, Any] | None
+    _run_records: list[dict[str, Any]]
+    _ledger_hook: tuple[int, int, int] | None
+    _status_metrics: tuple[str, ...] | None
+    loop_fault: Any
+
+    def run(
+        self,
+        gen: int,
+        run_id: int,
+        start: int,
+        until: int,
+        *,
+        plan: tuple[int, int, int],
+        skipped: int = -1,
+        ledger: bool = False,
+        metric_keys: tuple[str, ...] = (),
+    ) -> dict[str, Any]:
+        """Runs steps ``start`` .. ``until - 1`` (or fewer, see the module doc) on its own.
+
+        ``plan`` is the data plan's (num_samples, global_batch_size, seed); ``skipped``
+        the newest step the controller dropped (settled as in :meth:`Worker.step`);
+        ``metric_keys`` the loss's metrics, summed over the ranks on the status.
+        Returns ``{"steps": [record, ...], "ended": "until" | "stop" | "leaving" |
+        "nonfinite", "steps_done": n, "preempting": bool}``; only rank 0 (every rank
+        with a ledger) returns its records, which hold the step's totals: the
+        controller's work per step does not grow with the number of workers.
+        """
+        self._check(gen)  # type: ignore[attr-defined]
+        comm = self.comm
+        assert comm is not None, "run before join"
+        data_plan = DataPlan(*plan)
+        key = stop_key(gen, run_id)
+        rank = comm.rank
+        self._run_records = []
+        self._ledger_hook = (gen, run_id, rank) if ledger else None
+        self._status_metrics = tuple(metric_keys)
+        try:
+            ended = self._run(gen, start, until, data_plan, key, skipped)
+        except BaseException:
+            # Whatever ended the run here, no peer may wait on this rank in a collective:
+            # tell them to abandon the step, and close the group (see Worker.step).
+            self._abort_generation(self.steps_done)  # type: ignore[attr-defined]
+            raise
+        finally:
+            self._ledger_hook = None
+            self._status_metrics = None
+        records, self._run_records = self._run_records, []
+        self._set_phase("idle", self.steps_done)  # type: ignore[attr-defined]
+        if rank != 0 and not ledger:
+            records = records[-1:]  # its last step only: how far it got
+        return {"steps": records, "ended": ended, "steps_done": self.steps_done,
+                "preempting": self.preempting}
+
+    def _run(
+        self, gen: int, start: int, until: int, data_plan: DataPlan, key: str, skipped: int
+    ) -> str:
+        comm = self.comm
+        width, rank, mbs = comm.world_size, comm.rank, self.spec.micro_batch_size
+        device = getattr(comm, "device", None) or torch.device("cpu")
+        ended, last_poll, stop_seen = "until", 0.0, False
+        done = start  # the steps this run counts as committed (the first step() settles)
+        step = start
+        while step < until:
+            ids = split_micro_batches(data_plan.batch(step), width, mbs)[rank]
+            nxt = (
+                split_micro_batches(data_plan.batch(step + 1), width, mbs)[rank]
+                if step + 1 < until else None
+            )
+            if rank == 0 and not stop_seen and time.monotonic() - last_poll >= STOP_POLL_S:
+                last_poll = time.monotonic()
+                stop_seen = bool(self._store.check([key]))
+            keys = self._status_metrics or ()
+            status = torch.zeros(len(STATUS) + len(keys), dtype=torch.float64, device=device)
+            status[2] = float(self.preempting)
+            status[3] = float(stop_seen)
+            t0 = time.time()
+            r = self.step(  # type: ignore[attr-defined]
+                gen, step, ids, done, nxt, skipped=skipped, status=status
+            )
+            skipped = -1
+            if self.loop_fault is not None:
+                self.loop_fault(self, step)  # a fault injected after the reduction (tests)
+            loss_sum, samples, leaving, stop, *metric_sums = status.tolist()
+            finite = math.isfinite(loss_sum) and (r["overflow"] or math.isfinite(r["grad_norm"]))
+            r.update(step=step, t0=t0, worker=self.name, global_loss_sum=loss_sum,
+                     global_samples=int(samples), leaving=leaving > 0, finite=finite,
+                     global_metric_sums=dict(zip(keys, metric_sums, strict=True)))
+            if not finite:
+                r["t"] = time.time()
+                self._run_records.append(r)
+                ended = "nonfinite"  # not applied: the controller's policy decides
+                break
+            done = step + 1
+            self._settle(done)  # type: ignore[attr-defined]  # applies the step now
+            r["t"] = time.time()
+            self._run_records.append(r)
+            step += 1
+            if leaving > 0:
+                ended = "leaving"
+                break
+            if stop > 0:
+                ended = "stop"
+                break
+        return ended
+
+    def settle_run(self, gen: int) -> dict[str, Any]:
+        """After a failed run: drops a step whose collective did not complete here, and
+        reports how far this worker got and the records of the steps it applied."""
+        self._enter(gen)  # type: ignore[attr-defined]  # a newer generation may be forming
+        if self.pending is not None:
+            self._drop_pending()  # type: ignore[attr-defined]
+        records, self._run_records = self._run_records, []
+        return {"steps_done": self.steps_done, "steps": records}
+
+    def _record_served(self, step: int) -> None:
+        """With a ledger, what this rank was served for ``step``, into the store before the
+        step's collective: a committed step's record outlives the worker."""
+        hook = self._ledger_hook
+        if hook is None or self._attempt is None:
+            return
+        gen, run_id, rank = hook
+        line = json.dumps({"step": step, "worker": self.name,
+                           "ids": [int(i) for i in self._attempt["ids"]],
+                           "digests": self._attempt.get("digests")})
+        self._store.append(ledger_key(gen, run_id, rank), line + "\n")

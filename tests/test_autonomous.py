@@ -1,0 +1,208 @@
+"""The autonomous loop (planaria.run_ahead, planaria.worker_loop): workers run steps on their
+own between boundaries; a run that fails is reconciled so that no step a survivor completed
+is lost and every live replica ends with the same state.
+
+Faults land at a named point of a worker's loop through its ``loop_fault`` hook (called
+after a step's all-reduce, before the step is applied), installed in the live actor: a
+kill, a hang and a preemption after the reduction, and a survivor whose collective failed
+while a peer's completed. Faults inside a step's computation (chaos at a step, which a run
+starts at) are the other recovery tests' (they run under ``fit``, the autonomous loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+import planaria
+from planaria import Job, RunConfig, fit
+from planaria.checkpointing import CheckpointConfig
+from planaria.errors import StepAborted
+from planaria.examples import bn_mlp
+from planaria.fit import _finish as finish
+from tests.assertions import assert_exactly_once, assert_same_state, events, of
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+
+N, G, STEPS = 512, 64, 16
+FAULT_STEP = 6
+
+
+def spec() -> planaria.TrainSpec:
+    return bn_mlp.make_spec(n=N)  # BatchNorm buffers and dropout: replicas must not drift
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, ray_cluster):
+    """The same spec under the per-step protocol, one replica."""
+    return fit(spec(), steps=STEPS, replicas=1, run_dir=tmp_path_factory.mktemp("ref"),
+               step_protocol="per_step").state_dict
+
+
+def test_the_autonomous_loop_equals_the_per_step_protocol(tmp_path, reference):
+    result = fit(spec(), steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True,
+                 verify_every=5)
+    assert_same_state(reference, result.state_dict)
+    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(tmp_path)
+    # Step 0 runs alone (it names the loss's metrics); then runs end at each replica check
+    # (every 5 steps); the last step, alone before the end, is dispatched per step.
+    assert [(r["start"], r["steps"], r["ended"]) for r in of(evs, "run_ahead")] == [
+        (1, 4, "until"), (5, 5, "until"), (10, 5, "until")
+    ]
+    assert [e["step"] for e in of(evs, "replicas_verified")] == [5, 10, 15]
+    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+
+
+def _install(job: Job, name: str, hook: Any) -> None:
+    handle = next(h for h in job.members if h.name == name)
+    ray.get(handle.actor.__ray_call__.remote(lambda self: setattr(self, "loop_fault", hook)))
+
+
+def _pid(job: Job, name: str) -> int:
+    pid = next(h for h in job.members if h.name == name).pid
+    assert pid is not None
+    return pid
+
+
+def _drive(job: Job, steps: int) -> dict:
+    """fit()'s loop, waiting (bounded) for the full width before the last 3 steps."""
+    while job.steps_done < steps:
+        try:
+            if job.steps_done == steps - 3:
+                job.wait_for_width(job.config.replicas, timeout_s=180)
+            job.run_steps(steps - 3 if job.steps_done < steps - 3 else steps)
+        except planaria.Failure as failure:
+            job.recovery.handle(failure)
+    return finish(job)
+
+
+class _SignalSelfAfterReduce:
+    """At ``step``, once the reduction completed here: send this worker ``signum`` (once)."""
+
+    def __init__(self, step: int, signum: int, marker: str) -> None:
+        self.step, self.signum, self.marker = step, signum, marker
+
+    def __call__(self, worker: Any, step: int) -> None:
+        if step == self.step and not os.path.exists(self.marker):
+            Path(self.marker).write_text(worker.name)
+            os.kill(os.getpid(), self.signum)
+
+
+class _KillPeerAndFailHere:
+    """At ``step``, once the reduction completed here: SIGKILL ``peer_pid`` and abandon the
+    step here as if this rank's collective had failed (the case of a rank dying mid-ring,
+    where the reduction completes on some survivors and not on others)."""
+
+    def __init__(self, step: int, peer_pid: int, marker: str) -> None:
+        self.step, self.peer_pid, self.marker = step, peer_pid, marker
+
+    def __call__(self, worker: Any, step: int) -> None:
+        if step == self.step and not os.path.exists(self.marker):
+            Path(self.marker).write_text(worker.name)
+            os.kill(self.peer_pid, signal.SIGKILL)
+            time.sleep(0.2)  # the peers see it gone; this rank's reduction "failed"
+            raise StepAborted(f"{worker.name}: the collective of step {step} failed here")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM],
+                         ids=["kill", "hang", "preempt"])
+def test_a_fault_after_the_reduction_keeps_the_step(tmp_path, reference, signum):
+    """w1 is killed, stopped or preempted once step s is reduced, before applying it: its
+    peers completed the reduction too, so they apply step s, and it stays committed
+    (never re-run, never lost)."""
+    marker = str(tmp_path / "fired")
+    run_dir = tmp_path / "run"
+    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
+    with Job(spec(), config) as job:
+        job.run_steps(1)  # the first step, alone: the metrics are named
+        _install(job, "w1", _SignalSelfAfterReduce(FAULT_STEP, signum, marker))
+        state = _drive(job, STEPS)
+    assert Path(marker).read_text() == "w1"
+    assert_same_state(reference, state)
+    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(run_dir)
+    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+    if signum == signal.SIGTERM:  # planned: w1 applies step s, then leaves at a boundary
+        assert [f["kind"] for f in of(evs, "fault")] == ["preempted"]
+        assert not of(evs, "step_failed")
+        assert [e["worker"] for e in of(evs, "drained")] == ["w1"]
+        return
+    fault = of(evs, "fault")[0]
+    assert fault["worker"] == "w1"
+    assert fault["kind"] == ("worker_lost" if signum == signal.SIGKILL else "worker_hung")
+    assert fault["step"] == FAULT_STEP + 1  # the first step no survivor completed
+    assert all(r["lost_steps"] == 0 for r in of(evs, "recovered"))
+
+
+def test_a_survivor_behind_receives_the_state(tmp_path, reference):
+    """w1's reduction of step s 'fails' while w0's completes and w2 dies: w0 is a step
+    ahead. Step s stays committed; w1 drops its attempt and receives w0's state."""
+    marker = str(tmp_path / "fired")
+    run_dir = tmp_path / "run"
+    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
+    with Job(spec(), config) as job:
+        job.run_steps(1)
+        _install(job, "w1", _KillPeerAndFailHere(FAULT_STEP, _pid(job, "w2"), marker))
+        state = _drive(job, STEPS)
+        sums = job.checksums()
+    assert len(set(sums.values())) == 1, sums  # every live replica holds the same state
+    assert_same_state(reference, state)
+    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(run_dir)
+    failed = [r for r in of(evs, "run_ahead") if r["ended"] == "failed"]
+    assert [(r["committed"], r["behind"]) for r in failed] == [(FAULT_STEP + 1, ["w1"])]
+    assert any("w1" in e["dst"] for e in of(evs, "state_transfer"))
+    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+
+
+class _SlowLoss:
+    """The spec's loss, taking at least ``seconds`` a micro-batch (same math)."""
+
+    def __init__(self, loss: Any, seconds: float) -> None:
+        self.loss, self.seconds = loss, seconds
+
+    def __call__(self, model: Any, batch: Any) -> Any:
+        end = time.monotonic() + self.seconds
+        out = self.loss(model, batch)
+        while time.monotonic() < end:
+            time.sleep(0.005)
+        return out
+
+
+LONG = 48
+
+
+@pytest.fixture(scope="module")
+def reference_long(tmp_path_factory, ray_cluster):
+    return fit(spec(), steps=LONG, replicas=1, run_dir=tmp_path_factory.mktemp("ref_long"),
+               step_protocol="per_step").state_dict
+
+
+def test_a_replacement_ends_a_run_early_and_joins(tmp_path, reference_long):
+    """A kill; the replacement becomes ready while the survivors run ahead: the
+    controller's stop request (one store key, carried on the all-reduce) ends their run
+    and the replacement joins at that boundary, as does a checkpoint due by time."""
+    slow = dataclasses.replace(spec(), loss=_SlowLoss(spec().loss, 0.05))
+    result = fit(slow, steps=LONG, replicas=3, run_dir=tmp_path, ledger=True,
+                 chaos="kill:w2@step3", checkpoint=CheckpointConfig(every="2s"))
+    assert_same_state(reference_long, result.state_dict)
+    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=LONG)
+    evs = events(tmp_path)
+    runs = of(evs, "run_ahead")
+    stopped = [r for r in runs if r["ended"] == "stop"]
+    assert any(r["why"] == "join" for r in stopped), runs
+    assert of(evs, "joined"), "the replacement must have joined"
+    assert of(evs, "step_committed")[-1]["width"] == 3
+    assert any(r["why"] == "checkpoint" for r in stopped), runs
+    assert of(evs, "checkpoint_saved")
