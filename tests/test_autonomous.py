@@ -194,8 +194,14 @@ def test_a_replacement_ends_a_run_early_and_joins(tmp_path, reference_long):
     controller's stop request (one store key, carried on the all-reduce) ends their run
     and the replacement joins at that boundary, as does a checkpoint due by time."""
     slow = dataclasses.replace(spec(), loss=_SlowLoss(spec().loss, 0.05))
+    received: list[tuple[str, Any, float]] = []  # what a progress display would see, when
+
+    def listen(record: dict) -> None:
+        received.append((record["event"], record.get("start", record.get("step")), time.time()))
+
     result = fit(slow, steps=LONG, replicas=3, run_dir=tmp_path, ledger=True,
-                 chaos="kill:w2@step3", checkpoint=CheckpointConfig(every="2s"))
+                 chaos="kill:w2@step3", checkpoint=CheckpointConfig(every="2s"),
+                 listeners=[listen])
     assert_same_state(reference_long, result.state_dict)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=LONG)
     evs = events(tmp_path)
@@ -206,3 +212,11 @@ def test_a_replacement_ends_a_run_early_and_joins(tmp_path, reference_long):
     assert of(evs, "step_committed")[-1]["width"] == 3
     assert any(r["why"] == "checkpoint" for r in stopped), runs
     assert of(evs, "checkpoint_saved")
+    # Steps reach the listeners while their run goes on (rank 0 streams them), not only
+    # when it ends: in the longest run, some step was seen well before the run's end.
+    longest = max(runs, key=lambda r: r["steps"])
+    assert longest["steps"] >= 8, runs
+    end_t = next(t for ev, start, t in received if ev == "run_ahead" and start == longest["start"])
+    seen_t = [t for ev, step, t in received if ev == "step_committed"
+              and longest["start"] <= step < longest["start"] + longest["steps"]]
+    assert min(seen_t) < end_t - 0.5, (min(seen_t), end_t)

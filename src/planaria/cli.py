@@ -185,6 +185,9 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
                    help="with --gpu: a fraction lets workers share a GPU (over gloo)")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="process group backend (auto: NCCL with whole GPUs, else gloo)")
+    p.add_argument("--step-protocol", choices=("autonomous", "per_step"), default="autonomous",
+                   help="workers run steps on their own between boundaries (autonomous), or "
+                        "one controller call per worker per step (per_step)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -239,6 +242,7 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             use_gpu=args.gpu,
             gpus_per_worker=args.gpus_per_worker,
             backend=args.backend,
+            step_protocol=args.step_protocol,
             listeners=listeners,
         )
     finally:

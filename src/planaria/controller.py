@@ -504,7 +504,7 @@ class Job:
 
     def _committed(
         self, step: int, *, loss: float, n: int, duration: float, metrics: dict[str, float],
-        data_wait: float, t: float | None = None,
+        data_wait: float, t: float | None = None, ledger: bool = True,
     ) -> StepResult:
         """Records step ``step`` as committed at ``t`` (events, ledger, open faults)."""
         self.steps_done = step + 1
@@ -526,21 +526,21 @@ class Job:
             data_wait_s=data_wait,
             metrics=metrics,
         )
-        if self.ledger is not None:
+        if ledger and self.ledger is not None:
             self.ledger.commit(step, gen=self.gen)
         self.recovery.on_commit(step, now=t)
         return result
 
-    def record_step(self, rec: dict[str, Any], served: dict[str, Any]) -> StepResult:
+    def record_step(
+        self, rec: dict[str, Any], served: dict[str, Any], *, ledger: bool = True
+    ) -> StepResult:
         """Records a step an autonomous run applied (:mod:`planaria.run_ahead`): ``rec`` is
         one rank's record of it, with the step's totals; ``served`` what each rank was
-        served (with a ledger: their records, or after a failure the store's)."""
+        served (with a ledger); ``ledger=False``: the caller writes the ledger
+        (:meth:`ledger_step`)."""
         step = rec["step"]
-        if self.ledger is not None:
-            for name, r in served.items():
-                self.ledger.served(step, gen=self.gen, worker=r.get("worker", name),
-                                   ids=r["ids"], digests=r.get("digests"))
-            self._ledger_last = (self.gen, step)
+        if ledger and self.ledger is not None:
+            self.ledger_step(step, served)
         if rec.get("overflow"):
             self.log.emit("step_overflow", step=step, grad_norm=rec["grad_norm"], t=rec["t"])
         n = int(rec["global_samples"])
@@ -548,8 +548,19 @@ class Job:
         return self._committed(
             step, loss=rec["global_loss_sum"] / n if n else math.nan, n=n,
             duration=max(1e-9, rec["t"] - rec["t0"]), metrics=metrics,
-            data_wait=rec["data_wait_s"], t=rec["t"],
+            data_wait=rec["data_wait_s"], t=rec["t"], ledger=False,
         )
+
+    def ledger_step(self, step: int, served: dict[str, Any]) -> None:
+        """The ledger's records of a step an autonomous run committed: what each rank was
+        served, then the commit."""
+        if self.ledger is None:
+            return
+        for name, r in served.items():
+            self.ledger.served(step, gen=self.gen, worker=r.get("worker", name),
+                               ids=r["ids"], digests=r.get("digests"))
+        self.ledger.commit(step, gen=self.gen)
+        self._ledger_last = (self.gen, step)
 
     def record_nonfinite(self, rec: dict[str, Any], per_worker: dict[str, Any]) -> None:
         """An autonomous run stopped at a non-finite step (applied nowhere): the policy

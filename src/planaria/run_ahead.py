@@ -17,11 +17,15 @@ others (a rank dying mid-ring). The survivors report how far they got
 behind it receive the state in the next generation, like joiners: no step a
 survivor completed is lost, and every live replica ends up with the same state.
 
-Steps are recorded (events, ledger, losses) when a run ends, from the workers'
-records: the step's loss and sample counts ride on the all-reduce, so any rank's
-record has the step's totals; with a ledger on, each worker also appends what it
-was served to a store key before each step's collective, so the records of a
-worker that died survive it.
+Steps are recorded (events, losses, metrics) from rank 0's records alone: the
+step's loss, sample and metric sums ride on the all-reduce, so its record has the
+step's totals. Rank 0 streams them every 0.25 s (once a later step's reduction
+shows that every rank applied them: a step is never reported before it is
+committed everywhere), and the controller records them while the run goes on
+(progress display, Prometheus, event log); the rest come with the run's result.
+With a ledger on, each worker also appends what it was served to a store key
+before each step's collective, so that the records of a worker that died survive
+it; the ledger is written when the run ends.
 
 The per-step protocol (:meth:`Job.train_step`) stays for callers that drive
 steps one at a time, and a run of one step is dispatched that way: around
@@ -36,7 +40,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from planaria.errors import Failure, NonFiniteLoss
-from planaria.worker_loop import ledger_key, stop_key
+from planaria.worker_loop import ledger_key, stop_key, stream_key
 
 if TYPE_CHECKING:
     from planaria.controller import Job, StepResult
@@ -57,6 +61,8 @@ class RunAhead:
         self.runs = 0  # runs of more than one step, for the record
         self._stop_sent = False
         self._why: str | None = None
+        self._chunks = 0  # stream chunks of the current run read so far
+        self._streamed: list[StepResult] = []  # its steps recorded from the stream
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -94,6 +100,7 @@ class RunAhead:
         self.run_id += 1
         self.runs += 1
         self._stop_sent, self._why = False, None
+        self._chunks, self._streamed = 0, []
         gen, run_id = job.gen, self.run_id
         plan = (job.plan.num_samples, job.plan.global_batch_size, job.plan.seed)
         members = list(job.members)
@@ -122,7 +129,9 @@ class RunAhead:
         return self._record(results, members)
 
     def _poll(self) -> None:
-        """While a run goes on: ends it early when something unplanned needs a boundary."""
+        """While a run goes on: records the steps rank 0 streamed, and ends the run early
+        when something unplanned needs a boundary."""
+        self._read_stream()
         if self._stop_sent:
             return
         job = self.job
@@ -134,9 +143,28 @@ class RunAhead:
         _log.debug("run %d ends early: %s", self.run_id, why)
         job.store.set(stop_key(job.gen, self.run_id), why)
 
+    def _read_stream(self) -> None:
+        job = self.job
+        try:
+            key = stream_key(job.gen, self.run_id)
+            if not job.store.check([key]):
+                return
+            count = int(job.store.get(key))
+            while self._chunks < count:
+                raw = job.store.get(stream_key(job.gen, self.run_id, self._chunks))
+                self._chunks += 1
+                for rec in json.loads(raw):
+                    if rec["step"] >= job.steps_done:
+                        self._streamed.append(job.record_step(rec, {}, ledger=False))
+        except Exception:  # progress only: the run's result brings every record anyway
+            _log.debug("could not read run %d's stream", self.run_id, exc_info=True)
+
     def _clear(self, gen: int, run_id: int, width: int) -> None:
         store = self.job.store
         try:
+            for chunk in range(self._chunks):
+                store.delete_key(stream_key(gen, run_id, chunk))
+            store.delete_key(stream_key(gen, run_id))
             store.delete_key(stop_key(gen, run_id))
             if self.job.ledger is not None:
                 for rank in range(width):
@@ -148,16 +176,20 @@ class RunAhead:
 
     def _record(self, results: dict[str, Any], members: list[Any]) -> list[StepResult]:
         """Records a run's steps from rank 0's records (O(1) per step; O(workers) per step
-        only with a ledger, whose records come from every rank)."""
+        only with a ledger, whose records come from every rank); the steps streamed
+        already are not recorded again (but enter the ledger here)."""
         job = self.job
         head = results[members[0].name]
         ledger = job.ledger is not None
-        out: list[StepResult] = []
+        out: list[StepResult] = list(self._streamed)
         for i, rec in enumerate(head["steps"]):
             served = {h.name: results[h.name]["steps"][i] for h in members} if ledger else {}
             if not rec["finite"]:
                 job.record_nonfinite(rec, served)  # raises NonFiniteLoss: the policy decides
-            out.append(job.record_step(rec, served))
+            if ledger:
+                job.ledger_step(rec["step"], served)
+            if rec["step"] >= job.steps_done:
+                out.append(job.record_step(rec, served, ledger=False))
         last = out[-1].step if out else job.steps_done
         for h in members:
             job._preempt_notice(h.name, results[h.name]["preempting"], last)
@@ -189,8 +221,12 @@ class RunAhead:
         served = self._served_from_store(members) if job.ledger is not None else {}
         if ahead is not None:
             for rec in ahead["steps"]:
-                if rec["step"] < committed:
-                    job.record_step(rec, served.get(rec["step"]) or {})
+                if rec["step"] >= committed:
+                    continue
+                if job.ledger is not None:
+                    job.ledger_step(rec["step"], served.get(rec["step"]) or {})
+                if rec["step"] >= job.steps_done:
+                    job.record_step(rec, {}, ledger=False)
         job.steps_done = max(job.steps_done, committed)
         if job.ledger is not None:
             for rank_rec in (served.get(committed) or {}).values():

@@ -38,18 +38,28 @@ import torch
 
 from planaria.data_plan import DataPlan, split_micro_batches
 
-__all__ = ["STATUS", "WorkerLoopMixin", "ledger_key", "stop_key"]
+__all__ = ["STATUS", "WorkerLoopMixin", "ledger_key", "stop_key", "stream_key"]
 
 STATUS = ("loss_sum", "samples", "leaving", "stop")
 """The status vector summed in every step's all-reduce, in this order; the sums of the
 step's metrics (``metric_keys``, in that order) follow."""
 STOP_POLL_S = 0.05
 """Rank 0 reads the controller's stop request at most this often (one store read)."""
+STREAM_S = 0.25
+"""Rank 0 publishes the records of the steps every rank has applied at most this often."""
+STREAMED = ("step", "t0", "t", "global_loss_sum", "global_samples", "global_metric_sums",
+            "grad_norm", "overflow", "data_wait_s", "finite")
+"""The fields of a streamed step record."""
 
 
 def stop_key(gen: int, run: int) -> str:
     """The store key the controller sets to end run ``run`` of generation ``gen`` early."""
     return f"stop/{gen}/{run}"
+
+
+def stream_key(gen: int, run: int, chunk: int | None = None) -> str:
+    """Rank 0's streamed records of run ``run``: chunk ``chunk``, or (None) the count."""
+    return f"prog/{gen}/{run}/" + ("n" if chunk is None else str(chunk))
 
 
 def ledger_key(gen: int, run: int, rank: int) -> str:
@@ -74,6 +84,7 @@ class WorkerLoopMixin:
     _ledger_hook: tuple[int, int, int] | None
     _status_metrics: tuple[str, ...] | None
     loop_fault: Any
+    _run_id: int
 
     def run(
         self,
@@ -103,6 +114,7 @@ class WorkerLoopMixin:
         data_plan = DataPlan(*plan)
         key = stop_key(gen, run_id)
         rank = comm.rank
+        self._run_id = run_id
         self._run_records = []
         self._ledger_hook = (gen, run_id, rank) if ledger else None
         self._status_metrics = tuple(metric_keys)
@@ -132,6 +144,7 @@ class WorkerLoopMixin:
         ended, last_poll, stop_seen = "until", 0.0, False
         done = start  # the steps this run counts as committed (the first step() settles)
         step = start
+        stream = _Stream(self._store, gen, self._run_id) if rank == 0 else None
         while step < until:
             ids = split_micro_batches(data_plan.batch(step), width, mbs)[rank]
             nxt = (
@@ -166,6 +179,9 @@ class WorkerLoopMixin:
             self._settle(done)  # type: ignore[attr-defined]  # applies the step now
             r["t"] = time.time()
             self._run_records.append(r)
+            if stream is not None:
+                # This step's reduction completed: every rank applied the steps before it.
+                stream.publish(self._run_records[:-1])
             step += 1
             if leaving > 0:
                 ended = "leaving"
@@ -195,3 +211,24 @@ class WorkerLoopMixin:
                            "ids": [int(i) for i in self._attempt["ids"]],
                            "digests": self._attempt.get("digests")})
         self._store.append(ledger_key(gen, run_id, rank), line + "\n")
+
+
+class _Stream:
+    """Rank 0's records, published every :data:`STREAM_S` as chunks under
+    :func:`stream_key` (two store writes a chunk), for the controller's progress
+    display, metrics and event log while the run goes on."""
+
+    def __init__(self, store: Any, gen: int, run_id: int) -> None:
+        self.store, self.gen, self.run_id = store, gen, run_id
+        self.sent = 0  # records published
+        self.chunks = 0
+        self.last = time.monotonic()
+
+    def publish(self, records: list[dict[str, Any]]) -> None:
+        if len(records) <= self.sent or time.monotonic() - self.last < STREAM_S:
+            return
+        chunk = [{k: r[k] for k in STREAMED} for r in records[self.sent:]]
+        self.store.set(stream_key(self.gen, self.run_id, self.chunks), json.dumps(chunk))
+        self.chunks += 1
+        self.store.set(stream_key(self.gen, self.run_id), str(self.chunks))
+        self.sent, self.last = len(records), time.monotonic()
