@@ -2,11 +2,13 @@
 own between boundaries; a run that fails is reconciled so that no step a survivor completed
 is lost and every live replica ends with the same state.
 
-Faults land at a named point of a worker's loop through its ``loop_fault`` hook (called
-after a step's all-reduce, before the step is applied), installed in the live actor: a
-kill, a hang and a preemption after the reduction, and a survivor whose collective failed
-while a peer's completed. Faults inside a step's computation (chaos at a step, which a run
-starts at) are the other recovery tests' (they run under ``fit``, the autonomous loop).
+Faults land at named points of a worker's loop through its ``loop_fault`` hook (called
+once a step's gradient is computed, before its all-reduce, and once it is reduced, before
+it is applied), installed in the live actor: a kill, a hang and a preemption after the
+reduction, a survivor whose collective failed while a peer's completed, a non-finite
+gradient and a user error on one rank. Faults inside a step's computation (chaos at a
+step, which a run starts at) are the other recovery tests' (they run under ``fit``, the
+autonomous loop).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import ray
 import planaria
 from planaria import Job, RunConfig, fit
 from planaria.checkpointing import CheckpointConfig
-from planaria.errors import StepAborted
+from planaria.errors import StepAborted, UserCodeError
 from planaria.examples import bn_mlp
 from planaria.fit import _finish as finish
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
@@ -93,8 +95,8 @@ class _SignalSelfAfterReduce:
     def __init__(self, step: int, signum: int, marker: str) -> None:
         self.step, self.signum, self.marker = step, signum, marker
 
-    def __call__(self, worker: Any, step: int) -> None:
-        if step == self.step and not os.path.exists(self.marker):
+    def __call__(self, worker: Any, step: int, phase: str) -> None:
+        if phase == "reduced" and step == self.step and not os.path.exists(self.marker):
             Path(self.marker).write_text(worker.name)
             os.kill(os.getpid(), self.signum)
 
@@ -107,8 +109,8 @@ class _KillPeerAndFailHere:
     def __init__(self, step: int, peer_pid: int, marker: str) -> None:
         self.step, self.peer_pid, self.marker = step, peer_pid, marker
 
-    def __call__(self, worker: Any, step: int) -> None:
-        if step == self.step and not os.path.exists(self.marker):
+    def __call__(self, worker: Any, step: int, phase: str) -> None:
+        if phase == "reduced" and step == self.step and not os.path.exists(self.marker):
             Path(self.marker).write_text(worker.name)
             os.kill(self.peer_pid, signal.SIGKILL)
             time.sleep(0.2)  # the peers see it gone; this rank's reduction "failed"
@@ -164,6 +166,60 @@ def test_a_survivor_behind_receives_the_state(tmp_path, reference):
     assert [(r["committed"], r["behind"]) for r in failed] == [(FAULT_STEP + 1, ["w1"])]
     assert any("w1" in e["dst"] for e in of(evs, "state_transfer"))
     assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+
+
+class _OnOneRank:
+    """At ``step``, with the gradient computed on this rank (before the reduction): make it
+    non-finite (``"nan"``) or raise an error from the user's code (``"user_error"``)."""
+
+    def __init__(self, step: int, what: str) -> None:
+        self.step, self.what = step, what
+
+    def __call__(self, worker: Any, step: int, phase: str) -> None:
+        if phase != "computed" or step != self.step:
+            return
+        if self.what == "nan":
+            worker.grad_buffers[0].fill_(float("nan"))
+        else:
+            raise UserCodeError(f"the loss function failed on {worker.name} at step {step}")
+
+
+def _with_fault(run_dir: Path, protocol: str, fault: Any) -> tuple[dict, dict]:
+    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True,
+                       step_protocol=protocol)
+    policy = planaria.RecoveryPolicy(on_nonfinite="skip")
+    with Job(spec(), config, policy=policy) as job:
+        job.run_steps(1)
+        _install(job, "w1", fault)
+        state = _drive(job, STEPS)
+        return state, job.checksums()
+
+
+def test_a_nonfinite_gradient_on_one_rank_is_skipped_as_per_step(tmp_path):
+    """NaN in one rank's gradient: the reduced gradient is non-finite on every rank, they all
+    end the run without applying it, the policy skips it; the same as the per-step protocol."""
+    auto, sums = _with_fault(tmp_path / "auto", "autonomous", _OnOneRank(FAULT_STEP, "nan"))
+    per, _ = _with_fault(tmp_path / "per", "per_step", _OnOneRank(FAULT_STEP, "nan"))
+    assert len(set(sums.values())) == 1, sums
+    assert_same_state(per, auto)
+    evs = events(tmp_path / "auto")
+    assert [(r["start"] + r["steps"], r["ended"]) for r in of(evs, "run_ahead")
+            if r["ended"] != "until"] == [(FAULT_STEP, "nonfinite")]
+    assert [e["step"] for e in of(evs, "step_skipped")] == [FAULT_STEP]
+    assert [e["step"] for e in of(events(tmp_path / "per"), "step_skipped")] == [FAULT_STEP]
+
+
+def test_a_user_error_on_one_rank_stops_the_job_without_a_hang(tmp_path):
+    """An error in the user's code on one rank mid-run: its peers do not wait on it in the
+    collective (it closes its group), and the job stops with the error, not a retry."""
+    t0 = time.monotonic()
+    with pytest.raises(UserCodeError, match="failed on w1 at step 6"):
+        _with_fault(tmp_path, "autonomous", _OnOneRank(FAULT_STEP, "user_error"))
+    assert time.monotonic() - t0 < 120
+    evs = events(tmp_path)
+    assert [f["kind"] for f in of(evs, "fault")] == ["user_code_error"]
+    failed = [r for r in of(evs, "run_ahead") if r["ended"] == "failed"]
+    assert [(r["committed"], r["behind"]) for r in failed] == [(FAULT_STEP, [])]
 
 
 class _SlowLoss:

@@ -129,9 +129,10 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._run_records: list[dict[str, Any]] = []  # the autonomous loop's (worker_loop)
         self._ledger_hook: tuple[int, int, int] | None = None
         self._status_metrics: tuple[str, ...] | None = None
-        # Called as loop_fault(worker, step) in the autonomous loop once a step is reduced,
-        # before it is applied: where tests inject a fault between the two.
-        self.loop_fault: Callable[[Any, int], None] | None = None
+        # The fault seam: called as loop_fault(worker, step, phase) once a step's gradient is
+        # computed ("computed", before its reduction) and, in the autonomous loop, once it is
+        # reduced ("reduced", before it is applied): where tests inject faults between them.
+        self.loop_fault: Callable[[Any, int, str], None] | None = None
         self._heartbeat_s = heartbeat_s
         self._stop = threading.Event()
         # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
@@ -418,6 +419,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         except StepAborted:
             self._abort_generation(step)
             raise
+        if self.loop_fault is not None:
+            self.loop_fault(self, step, "computed")  # a fault injected before the reduction
         t1 = time.perf_counter()
         self._set_phase("reduce", step)
         comm = self.comm

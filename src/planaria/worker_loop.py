@@ -164,7 +164,7 @@ class WorkerLoopMixin:
             )
             skipped = -1
             if self.loop_fault is not None:
-                self.loop_fault(self, step)  # a fault injected after the reduction (tests)
+                self.loop_fault(self, step, "reduced")  # a fault injected after the reduction
             loss_sum, samples, leaving, stop, *metric_sums = status.tolist()
             finite = math.isfinite(loss_sum) and (r["overflow"] or math.isfinite(r["grad_norm"]))
             r.update(step=step, t0=t0, worker=self.name, global_loss_sum=loss_sum,
