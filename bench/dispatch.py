@@ -10,13 +10,16 @@ call per worker per *run* of steps and records the steps from rank 0's records.
 Measured side by side:
 
 - ``per_step_controller_ms[N]``: the autonomous loop with N protocol-only
-  workers, each "running" ``--run-steps`` steps of ``--step-ms`` (a sleep) and
-  answering with records of the real loop's shape (rank 0 all of them, the
-  others their last): the controller's CPU time (``time.process_time``: its
-  main thread and Ray's threads in its process) over a run (dispatch, the wait
-  loop with its poll, recording every step as an event-log line), divided by
-  the steps. The controller is on no step's critical path here: this is what
-  it spends, not what the workers wait for;
+  workers, each "running" its steps of ``--step-ms`` (a sleep) and answering
+  with records of the real loop's shape (rank 0 all of them, the others their
+  last). The controller's CPU time (``time.process_time``: its main thread and
+  Ray's threads in its process) over a run (dispatch, the wait loop with its
+  poll, recording every step as an event-log line) is measured for runs of
+  ``--short-run`` and ``--long-run`` steps: the slope between them is the cost
+  of a step, ``per_run_controller_ms[N]`` the rest (one call per worker, paid
+  once per run: at a generation, a checkpoint, a join, the end). The
+  controller is on no step's critical path here: this is what it spends, not
+  what the workers wait for;
 - ``real_autonomous``: 3 real planaria workers on the tiny model under
   ``Job.run_steps``: the step period (from the commit times) and the
   controller's CPU per step, beside the per-step protocol's;
@@ -119,10 +122,15 @@ def protocol_rounds(n: int, rounds: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def autonomous_runs(n: int, runs: int, steps: int, step_s: float, log_dir: Path) -> float:
-    """Median over ``runs`` of the controller's CPU ms per step in a run of ``steps`` steps
-    on ``n`` protocol-only workers: dispatch, the wait loop (``Job._gather``'s, with a poll
-    between waits as ``RunAhead`` polls), one event-log line per step from rank 0's records."""
+def autonomous_runs(n: int, repeats: int, short: int, long: int, step_s: float,
+                    log_dir: Path) -> dict[str, float]:
+    """The controller's CPU cost of the autonomous loop on ``n`` protocol-only workers:
+    runs of ``short`` and of ``long`` steps, alternated, ``repeats`` of each; the CPU time
+    of a run (dispatch, ``Job._gather``'s wait loop with a poll between waits as
+    ``RunAhead`` polls, one event-log line per step from rank 0's records) is
+    ``per_run + steps * per_step``: ``per_step_ms`` is the slope between the two
+    lengths' medians (the cost of one more step), ``per_run_ms`` what is left (the calls
+    to every worker, paid once per run: at a generation, a checkpoint, a join)."""
     from planaria.events import EventLog
 
     workers = [ProtocolWorker.remote() for _ in range(n)]  # type: ignore[attr-defined]
@@ -134,9 +142,10 @@ def autonomous_runs(n: int, runs: int, steps: int, step_s: float, log_dir: Path)
     def poll() -> None:  # RunAhead._poll: nothing wanted here, a cheap local check
         polls[0] += 1
 
-    per_step = []
+    cpu: dict[int, list[float]] = {short: [], long: []}
     start = 0
-    for _ in range(runs + 1):  # the first run warms up
+    for i in range(2 * repeats + 1):  # the first run warms up
+        steps = long if i % 2 else short
         cpu0 = time.process_time()
         refs = [w.run.remote(0, 1, start, start + steps, rank=r, step_s=step_s, ids=parts[r])
                 for r, w in enumerate(workers)]
@@ -146,13 +155,16 @@ def autonomous_runs(n: int, runs: int, steps: int, step_s: float, log_dir: Path)
                      duration_s=rec["t"] - rec["t0"],
                      loss=rec["global_loss_sum"] / rec["global_samples"],
                      samples=rec["global_samples"], data_wait_s=rec["data_wait_s"], metrics={})
-        if start:
-            per_step.append((time.process_time() - cpu0) * 1000 / steps)
+        if i:
+            cpu[steps].append((time.process_time() - cpu0) * 1000)
         start += steps
     log.close()
     for w in workers:
         ray.kill(w)
-    return statistics.median(per_step)
+    c_short, c_long = statistics.median(cpu[short]), statistics.median(cpu[long])
+    per_step = max(0.0, (c_long - c_short) / (long - short))
+    return {"per_step_ms": per_step, "per_run_ms": c_short - short * per_step,
+            "short_run_ms": c_short, "long_run_ms": c_long}
 
 
 def _gather_polling(refs: list[Any], poll: Any) -> list[Any]:
@@ -177,15 +189,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workers", default="3,8,16,32,48")
     p.add_argument("--rounds", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--real-steps", type=int, default=40)
-    p.add_argument("--runs", type=int, default=5, help="autonomous runs per worker count")
-    p.add_argument("--run-steps", type=int, default=200, help="steps per autonomous run")
-    p.add_argument("--step-ms", type=float, default=10.0, help="a protocol-only step's time")
+    p.add_argument("--real-steps", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="autonomous runs of each length per worker count")
+    p.add_argument("--short-run", type=int, default=40, help="steps in a short run")
+    p.add_argument("--long-run", type=int, default=240, help="steps in a long run")
+    p.add_argument("--step-ms", type=float, default=5.0, help="a protocol-only step's time")
     p.add_argument("--quick", action="store_true", help="smoke run: few workers, few rounds")
     args = p.parse_args(argv)
     if args.quick:
         args.workers, args.rounds, args.warmup, args.real_steps = "3,8", 20, 5, 12
-        args.runs, args.run_steps = 2, 20
+        args.repeats, args.short_run, args.long_run = 2, 10, 30
     counts = [int(x) for x in args.workers.split(",")]
     cores = os.cpu_count() or 1
     load_before = common.loadavg()
@@ -193,15 +207,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              log_to_driver=False, configure_logging=False)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_dispatch_log_"))
     try:
-        old, new = {}, {}
+        old, new, per_run = {}, {}, {}
         for n in counts:  # side by side, per worker count
             old[str(n)] = protocol_rounds(n, args.rounds, args.warmup)
-            new[str(n)] = autonomous_runs(n, args.runs, args.run_steps, args.step_ms / 1000,
-                                          log_dir)
+            a = autonomous_runs(n, args.repeats, args.short_run, args.long_run,
+                                args.step_ms / 1000, log_dir)
+            new[str(n)], per_run[str(n)] = a["per_step_ms"], a["per_run_ms"]
             label = " (oversubscribed)" if n > cores else ""
             print(f"  {n:3d} protocol-only workers{label}: per-step protocol "
                   f"{old[str(n)]:.2f} ms a step; autonomous loop {new[str(n)]:.3f} ms of "
-                  "controller CPU a step", flush=True)
+                  f"controller CPU a step and {per_run[str(n)]:.1f} ms a run (runs of "
+                  f"{args.short_run}: {a['short_run_ms']:.1f} ms, of {args.long_run}: "
+                  f"{a['long_run_ms']:.1f} ms)", flush=True)
     finally:
         ray.shutdown()
     from bench.planaria_side import run_planaria_steady
@@ -224,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "growth_last_over_first": new[last] / new[first],
         "old_per_step_controller_ms": old,
         "old_growth_last_over_first": old[last] / old[first],
-        "run_steps": args.run_steps,
+        "per_run_controller_ms": per_run,
+        "run_lengths": [args.short_run, args.long_run],
         "step_ms": args.step_ms,
         "real_autonomous": {k: auto[k] for k in ("step_ms_median", "controller_cpu_ms")},
         "real_per_step": {k: real[k] for k in ("step_ms_median", "controller_cpu_ms")},

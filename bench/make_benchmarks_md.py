@@ -392,16 +392,21 @@ def render_dispatch(rec: dict[str, Any]) -> list[str]:
            "Protocol-only workers (Ray actors that do no training and answer with records of "
            "the real shape), against the number of workers. Per-step protocol: one round of "
            "calls (one per worker, then the wait for every answer), the controller on every "
-           "step's critical path. Autonomous loop (`fit`'s): the controller's CPU time per "
-           f"step over runs of {r.get('run_steps')} steps of {_f(r.get('step_ms'), '.0f')} ms "
-           "(dispatch, its wait loop and poll, one event-log line per step), on no step's "
-           f"critical path. Above {cores} workers the actors share this machine's {cores} "
-           "cores.", "",
-           "| workers | per-step protocol (ms/step) | autonomous loop (controller CPU ms/step) |",
-           "|---:|---:|---:|"]
+           "step's critical path. Autonomous loop (`fit`'s): the controller's CPU time "
+           "(dispatch, its wait loop and poll, one event-log line per step) for runs of two "
+           f"lengths ({r.get('run_lengths')} steps of {_f(r.get('step_ms'), '.0f')} ms): "
+           "the slope is the cost of a step, the rest the cost of a run (one call per "
+           "worker, at a generation, a checkpoint, a join, the end); the controller is on no "
+           f"step's critical path. Above {cores} workers the actors share this machine's "
+           f"{cores} cores.", "",
+           "| workers | per-step protocol (ms/step) | autonomous loop: controller CPU a step "
+           "(ms) | and a run (ms) |",
+           "|---:|---:|---:|---:|"]
+    per_run = r.get("per_run_controller_ms") or {}
     for n, ms in old.items():
         over = " (oversubscribed)" if int(n) > cores else ""
-        out.append(f"| {n}{over} | {_f(ms)} | {_f(new.get(n), '.3f') if new else '—'} |")
+        out.append(f"| {n}{over} | {_f(ms)} | {_f(new.get(n), '.3f') if new else '—'} | "
+                   f"{_f(per_run.get(n), '.1f') if per_run else '—'} |")
     if new and growth is not None:
         out += ["", f"Targets (autonomous loop): ≤ 0.5 ms a step at 3 workers: "
                 f"{_f(first, '.3f')} ms {_ok(first is not None and first <= 0.5)}; at "

@@ -35,7 +35,7 @@ from planaria.buffers import BufferSync
 from planaria.collective import Collective, connect_store
 from planaria.config import TrainSpec
 from planaria.data_plan import micro_batch_range
-from planaria.drain import register_worker
+from planaria.drain import live_workers, register_worker
 from planaria.errors import Failure, PlanariaError, StaleGeneration, StepAborted
 from planaria.faults import user_call
 from planaria.integrity import Served, dataset_fingerprint
@@ -51,6 +51,10 @@ __all__ = ["Worker", "param_checksum"]
 _log = logging.getLogger("planaria.worker")
 T = TypeVar("T")
 SMALL_TENSOR_BYTES = 1 << 20  # tensors below this travel coalesced in one buffer per dtype
+
+
+ABORT_POLL_S = 0.02
+"""A worker reads its generation's abort key at most this often (between micro-batches)."""
 
 
 def param_checksum(model: torch.nn.Module) -> int:
@@ -98,11 +102,14 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         backend: str | None = None,
         record_digests: bool = False,
         overlap_reduction: bool = False,
+        prefetch: bool | None = None,
     ) -> None:
         self._init_t = time.time()  # after the process started and imported planaria
         self.name = name
         self.record_digests = record_digests
         self.overlap_reduction = overlap_reduction
+        self._prefetch_setting = prefetch
+        self._prefetch_on = bool(prefetch)  # decided at each join (see _want_prefetch)
         self._overlap: OverlappedReduce | None = None
         self.spec = spec
         self.threads = threads
@@ -126,6 +133,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-loader")
         self._prefetched: tuple[bytes, Future[_Loaded]] | None = None
         self._attempt: dict[str, Any] | None = None  # what the last step attempt was served
+        self._abort_checked = 0.0  # when _raise_if_aborted last read the store
         self._run_records: list[dict[str, Any]] = []  # the autonomous loop's (worker_loop)
         self._ledger_hook: tuple[int, int, int] | None = None
         self._status_metrics: tuple[str, ...] | None = None
@@ -317,6 +325,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             if attempt and attempt["step"] == pending and self.steps_done <= attempt["step"]
             else None
         )
+        self._prefetch_on = self._want_prefetch()
         if next_ids is not None and len(next_ids):
             self._prefetch(next_ids, steps_done)
         if self.comm is not None:
@@ -566,7 +575,17 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         with sample_scope(self.spec.seed, -1, i):
             return self.dataset[i]
 
+    def _want_prefetch(self) -> bool:
+        """RunConfig.prefetch, or (auto) whether this node has a core to spare for a loader
+        thread: more cores than the planaria workers alive on it use."""
+        if self._prefetch_setting is not None:
+            return self._prefetch_setting
+        workers = max(1, len(live_workers()))
+        return (os.cpu_count() or 1) > workers * self.threads
+
     def _prefetch(self, ids: np.ndarray, step: int) -> None:
+        if not self._prefetch_on:
+            return
         key = ids.tobytes() + step.to_bytes(8, "little")
         self._prefetched = (key, self._loader.submit(self._load, ids, step))
 
@@ -684,9 +703,19 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     # ---- fencing, heartbeat, diagnostics --------------------------------------------------
 
     def _raise_if_aborted(self, step: int) -> None:
-        """A peer failed during this step (the controller or a peer set ``abort/<gen>``)."""
+        """A peer failed during this step (the controller or a peer set ``abort/<gen>``).
+
+        Called between micro-batches; reads the store at most every ``ABORT_POLL_S`` (a
+        round trip to the controller's store costs ~0.1-1 ms, more than a small model's
+        micro-batch): a failure is noticed within that, plus one micro-batch."""
         comm = self.comm
-        if comm is not None and comm.world_size > 1 and self._store.check([f"abort/{self.gen}"]):
+        if comm is None or comm.world_size == 1:
+            return
+        now = time.monotonic()
+        if now - self._abort_checked < ABORT_POLL_S:
+            return
+        self._abort_checked = now
+        if self._store.check([f"abort/{self.gen}"]):
             raise StepAborted(f"{self.name} abandoned step {step}: a peer failed")
 
     def _abort_generation(self, step: int) -> None:

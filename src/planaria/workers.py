@@ -132,6 +132,7 @@ class WorkerPool:
             backend=cfg.process_group_backend,
             record_digests=cfg.ledger,
             overlap_reduction=cfg.overlap_reduction,
+            prefetch=cfg.prefetch,
         )
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt,
                               spare=spare)
