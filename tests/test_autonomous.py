@@ -117,8 +117,10 @@ class _KillPeerAndFailHere:
             raise StepAborted(f"{worker.name}: the collective of step {step} failed here")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM],
-                         ids=["kill", "hang", "preempt"])
+@pytest.mark.parametrize("signum", [
+    signal.SIGKILL, signal.SIGSTOP,
+    pytest.param(signal.SIGTERM, marks=pytest.mark.extended),  # drains: test_recovery's too
+], ids=["kill", "hang", "preempt"])
 def test_a_fault_after_the_reduction_keeps_the_step(tmp_path, reference, signum):
     """w1 is killed, stopped or preempted once step s is reduced, before applying it: its
     peers completed the reduction too, so they apply step s, and it stays committed

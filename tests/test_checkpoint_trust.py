@@ -49,6 +49,7 @@ def old_run(tmp_path_factory, ray_cluster) -> Path:
     return run_dir / "checkpoints"
 
 
+@pytest.mark.extended  # run identity: the other tests of this file
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")

@@ -342,6 +342,7 @@ def test_whole_job_sigkill_during_saves(tmp_path: Path) -> None:
 # ---- S3 --------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended  # S3 saves and restores: tests/test_checkpoint_s3.py
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")

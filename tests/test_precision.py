@@ -80,6 +80,7 @@ def test_bf16_at_two_replicas_equals_one(tmp_path):
     assert_same_state(one, two, atol=1e-3, rtol=1e-3)  # bf16 forwards, summed in float32
 
 
+@pytest.mark.extended  # fp16 also runs in tests/test_gpu.py; -m extended runs it here
 def test_fp16_overflows_skip_alike_and_the_scale_travels(tmp_path, fp16_reference):
     """The marked sample's steps overflow: every replica skips them and halves its scale.
     A kill after the first overflow, whose replacement hot-joins (it receives the scale),

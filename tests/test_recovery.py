@@ -92,6 +92,7 @@ def test_kill_resize_and_hot_join(tmp_path, reference):
     assert of(evs, "detected")[0]["detect_s"] < 5
 
 
+@pytest.mark.extended  # hangs: test_long_steps.py and test_autonomous.py
 def test_hang_is_detected_killed_and_replaced(tmp_path, reference):
     result = run_with_faults(tmp_path, chaos="hang:w0@step8", hang=FAST_HANG)
     evs = check_recovered(tmp_path, result, reference, faults=1, kind="worker_hung")
@@ -113,6 +114,7 @@ def test_two_workers_killed_in_the_same_step(tmp_path, reference):
     assert 1 in {e["width"] for e in of(evs, "step_committed")}
 
 
+@pytest.mark.extended  # deaths at a join: test_compound_faults.py
 def test_fault_during_hot_join(tmp_path, reference, monkeypatch):
     original = Job._send_state
     killed: list[str] = []
