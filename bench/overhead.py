@@ -99,24 +99,15 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path) -> dict
     ddp_ms: list[float] = []
     per_round = []
     for i in range(rounds):
-        auto = run_planaria_steady(
-            args.steps,
-            size,
-            args.replicas,
-            args.threads,
-            warmup=args.warmup,
-            run_dir=wd / f"planaria_{size}_{i}",
-            step_protocol="autonomous",
-        )
-        pl = run_planaria_steady(  # the per-step protocol: its step's breakdown
-            args.steps,
-            size,
-            args.replicas,
-            args.threads,
-            warmup=args.warmup,
-            run_dir=wd / f"planaria_per_step_{size}_{i}",
-            step_protocol="per_step",
-        )
+        # Both step protocols, side by side (the per-step one gives the step's breakdown).
+        runs = {
+            protocol: run_planaria_steady(
+                args.steps, size, args.replicas, args.threads, warmup=args.warmup,
+                run_dir=wd / f"planaria_{protocol}_{size}_{i}", step_protocol=protocol,
+            )
+            for protocol in ("autonomous", "per_step")
+        }
+        auto, pl = runs["autonomous"], runs["per_step"]
         ddp = run_ddp_steady(
             args.steps,
             size,
