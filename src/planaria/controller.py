@@ -467,7 +467,7 @@ class Job:
         # Hangs are judged by heartbeat and progress (see planaria.liveness); the step's own
         # deadline is only the last resort.
         results = self._gather(refs, deadline_s=self.hang.ceiling_s, step=step)
-        self._ledger_served(step, results)
+        self._ledger_served(step, {h.name: results[h.name] for h in self.members})
         duration = time.time() - t0
         n = sum(r["n"] for r in results.values())
         loss = sum(r["loss_sum"] for r in results.values()) / max(1, n)
@@ -531,16 +531,11 @@ class Job:
         self.recovery.on_commit(step, now=t)
         return result
 
-    def record_step(
-        self, rec: dict[str, Any], served: dict[str, Any], *, ledger: bool = True
-    ) -> StepResult:
-        """Records a step an autonomous run applied (:mod:`planaria.run_ahead`): ``rec`` is
-        one rank's record of it, with the step's totals; ``served`` what each rank was
-        served (with a ledger); ``ledger=False``: the caller writes the ledger
-        (:meth:`ledger_step`)."""
+    def record_step(self, rec: dict[str, Any]) -> StepResult:
+        """Records a step an autonomous run applied (:mod:`planaria.run_ahead`) from one
+        rank's record of it, which holds the step's totals. The ledger is the caller's
+        (:meth:`ledger_step`): it is written when the run ends."""
         step = rec["step"]
-        if ledger and self.ledger is not None:
-            self.ledger_step(step, served)
         if rec.get("overflow"):
             self.log.emit("step_overflow", step=step, grad_norm=rec["grad_norm"], t=rec["t"])
         n = int(rec["global_samples"])
@@ -556,18 +551,14 @@ class Job:
         served, then the commit."""
         if self.ledger is None:
             return
-        for name, r in served.items():
-            self.ledger.served(step, gen=self.gen, worker=r.get("worker", name),
-                               ids=r["ids"], digests=r.get("digests"))
+        self._ledger_served(step, served)
         self.ledger.commit(step, gen=self.gen)
-        self._ledger_last = (self.gen, step)
 
     def record_nonfinite(self, rec: dict[str, Any], per_worker: dict[str, Any]) -> None:
         """An autonomous run stopped at a non-finite step (applied nowhere): the policy
         decides, as for train_step's. Raises NonFiniteLoss."""
         step = rec["step"]
-        if self.ledger is not None:
-            self._ledger_served(step, per_worker)
+        self._ledger_served(step, per_worker)
         n = int(rec["global_samples"])
         loss = rec["global_loss_sum"] / n if n else math.nan
         self._check_finite(step, loss, float(rec["grad_norm"]), bool(rec.get("overflow")))
@@ -580,15 +571,14 @@ class Job:
             return [np.empty(0, dtype=np.int64)] * width
         return split_micro_batches(self.plan.batch(step), width, self.spec.micro_batch_size)
 
-    def _ledger_served(self, step: int, results: dict[str, Any]) -> None:
-        """Records what each rank's dataset served in this attempt (before it may commit)."""
+    def _ledger_served(self, step: int, served: dict[str, Any]) -> None:
+        """Records what each rank's dataset served in this attempt (before it may commit):
+        ``served`` maps each worker, in rank order, to its report (``ids``, ``digests``)."""
         if self.ledger is None:
             return
-        for h in self.members:
-            r = results[h.name]
-            self.ledger.served(
-                step, gen=self.gen, worker=h.name, ids=r["ids"], digests=r.get("digests")
-            )
+        for name, r in served.items():
+            self.ledger.served(step, gen=self.gen, worker=r.get("worker", name), ids=r["ids"],
+                               digests=r.get("digests"))
         self._ledger_last = (self.gen, step)
 
     def _ledger_dropped(self, joined: dict[str, Any]) -> None:

@@ -58,7 +58,6 @@ class RunAhead:
     def __init__(self, job: Job) -> None:
         self.job = job
         self.run_id = 0
-        self.runs = 0  # runs of more than one step, for the record
         self._stop_sent = False
         self._why: str | None = None
         self._chunks = 0  # stream chunks of the current run read so far
@@ -98,7 +97,6 @@ class RunAhead:
             return [job.dispatch_step()]
         assert job.plan is not None
         self.run_id += 1
-        self.runs += 1
         self._stop_sent, self._why = False, None
         self._chunks, self._streamed = 0, []
         gen, run_id = job.gen, self.run_id
@@ -155,7 +153,7 @@ class RunAhead:
                 self._chunks += 1
                 for rec in json.loads(raw):
                     if rec["step"] >= job.steps_done:
-                        self._streamed.append(job.record_step(rec, {}, ledger=False))
+                        self._streamed.append(job.record_step(rec))
         except Exception:  # progress only: the run's result brings every record anyway
             _log.debug("could not read run %d's stream", self.run_id, exc_info=True)
 
@@ -189,7 +187,7 @@ class RunAhead:
             if ledger:
                 job.ledger_step(rec["step"], served)
             if rec["step"] >= job.steps_done:
-                out.append(job.record_step(rec, served, ledger=False))
+                out.append(job.record_step(rec))
         last = out[-1].step if out else job.steps_done
         for h in members:
             job._preempt_notice(h.name, results[h.name]["preempting"], last)
@@ -226,12 +224,9 @@ class RunAhead:
                 if job.ledger is not None:
                     job.ledger_step(rec["step"], served.get(rec["step"]) or {})
                 if rec["step"] >= job.steps_done:
-                    job.record_step(rec, {}, ledger=False)
+                    job.record_step(rec)
         job.steps_done = max(job.steps_done, committed)
-        if job.ledger is not None:
-            for rank_rec in (served.get(committed) or {}).values():
-                job.ledger.served(committed, gen=job.gen, worker=rank_rec["worker"],
-                                  ids=rank_rec["ids"], digests=rank_rec.get("digests"))
+        job._ledger_served(committed, served.get(committed) or {})  # the broken attempt
         behind = []
         for h in job.members:
             a = answers.get(h.name)

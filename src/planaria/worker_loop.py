@@ -34,6 +34,7 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from planaria.data_plan import DataPlan, split_micro_batches
@@ -145,12 +146,15 @@ class WorkerLoopMixin:
         done = start  # the steps this run counts as committed (the first step() settles)
         step = start
         stream = _Stream(self._store, gen, self._run_id) if rank == 0 else None
+
+        def share(s: int) -> np.ndarray:  # this rank's ids of step s
+            return split_micro_batches(data_plan.batch(s), width, mbs)[rank]
+
+        nxt: np.ndarray | None = share(start)
         while step < until:
-            ids = split_micro_batches(data_plan.batch(step), width, mbs)[rank]
-            nxt = (
-                split_micro_batches(data_plan.batch(step + 1), width, mbs)[rank]
-                if step + 1 < until else None
-            )
+            ids = nxt
+            assert ids is not None
+            nxt = share(step + 1) if step + 1 < until else None
             if rank == 0 and not stop_seen and time.monotonic() - last_poll >= STOP_POLL_S:
                 last_poll = time.monotonic()
                 stop_seen = bool(self._store.check([key]))
