@@ -39,9 +39,16 @@ from planaria.drain import live_workers, register_worker
 from planaria.errors import Failure, PlanariaError, StaleGeneration, StepAborted
 from planaria.faults import user_call
 from planaria.integrity import Served, dataset_fingerprint
+from planaria.key_watch import KeyWatch
 from planaria.liveness import Heartbeat
 from planaria.overlap import OverlappedReduce
-from planaria.randomness import factory_seed, micro_batch_seed, sample_scope, seed_globals
+from planaria.randomness import (
+    factory_seed,
+    micro_batch_seed,
+    sample_scope,
+    seed_globals,
+    seed_torch,
+)
 from planaria.state import flatten_state, load_state, tensor_layout
 from planaria.worker_checkpoint import CheckpointWorkerMixin
 from planaria.worker_loop import WorkerLoopMixin
@@ -133,7 +140,9 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-loader")
         self._prefetched: tuple[bytes, Future[_Loaded]] | None = None
         self._attempt: dict[str, Any] | None = None  # what the last step attempt was served
-        self._abort_checked = 0.0  # when _raise_if_aborted last read the store
+        # abort/<gen> (and a run's stop key) are polled off the training thread (key_watch)
+        self._keys = KeyWatch(lambda: connect_store(store_host, store_port, timeout_s=30))
+        self._abort_key: str | None = None
         self._run_records: list[dict[str, Any]] = []  # the autonomous loop's (worker_loop)
         self._ledger_hook: tuple[int, int, int] | None = None
         self._status_metrics: tuple[str, ...] | None = None
@@ -346,6 +355,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     def shutdown(self) -> None:
         self._stop.set()
+        self._keys.close()
         if self.comm is not None:
             self.comm.close()
         self._loader.shutdown(wait=False, cancel_futures=True)
@@ -373,6 +383,23 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         the ranks in the gradient's own all-reduce, in place.
         """
         self._check(gen)
+        with self._keys.busy():
+            return self._step(gen, step, ids, steps_done, next_ids, skipped=skipped,
+                              status=status)
+
+    def _step(
+        self,
+        gen: int,
+        step: int,
+        ids: np.ndarray,
+        steps_done: int,
+        next_ids: np.ndarray | None = None,
+        *,
+        skipped: int = -1,
+        status: torch.Tensor | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`step` once the call is checked: the autonomous loop checks its run's call
+        once (the fence is a store read), not each step."""
         self._refuse_if_dirty("step")
         self._settle(steps_done, skipped)
         if step != self.steps_done:
@@ -406,7 +433,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 if overlap is not None and j == len(loaded.batches) - 1:
                     overlap.arm(self.comm)  # this backward reduces its buckets as they complete
                 # The micro-batch's own random stream: the same at any width, on any rank.
-                torch.manual_seed(micro_batch_seed(self.spec.seed, step, first + j))
+                seed_torch(micro_batch_seed(self.spec.seed, step, first + j))
                 with self._autocast():
                     out = _user("the loss function", self.spec.loss, self.compiled, batch)
                 loss, metrics = out if isinstance(out, tuple) else (out, {})
@@ -705,17 +732,18 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     def _raise_if_aborted(self, step: int) -> None:
         """A peer failed during this step (the controller or a peer set ``abort/<gen>``).
 
-        Called between micro-batches; reads the store at most every ``ABORT_POLL_S`` (a
-        round trip to the controller's store costs ~0.1-1 ms, more than a small model's
-        micro-batch): a failure is noticed within that, plus one micro-batch."""
+        Called between micro-batches; reads a flag that a background thread sets (see
+        :mod:`planaria.key_watch`: the store is read every ``ABORT_POLL_S`` while a step
+        runs): a failure is noticed within that, plus one micro-batch."""
         comm = self.comm
         if comm is None or comm.world_size == 1:
             return
-        now = time.monotonic()
-        if now - self._abort_checked < ABORT_POLL_S:
-            return
-        self._abort_checked = now
-        if self._store.check([f"abort/{self.gen}"]):
+        key = f"abort/{self.gen}"
+        if key != self._abort_key:  # a new generation: its own key
+            self._keys.forget("abort/")
+            self._keys.watch(key, ABORT_POLL_S)
+            self._abort_key = key
+        if self._keys.seen(key):
             raise StepAborted(f"{self.name} abandoned step {step}: a peer failed")
 
     def _abort_generation(self, step: int) -> None:

@@ -45,7 +45,8 @@ STATUS = ("loss_sum", "samples", "leaving", "stop")
 """The status vector summed in every step's all-reduce, in this order; the sums of the
 step's metrics (``metric_keys``, in that order) follow."""
 STOP_POLL_S = 0.05
-"""Rank 0 reads the controller's stop request at most this often (one store read)."""
+"""Rank 0 looks for the controller's stop request this often (one store read, made by its
+:class:`planaria.key_watch.KeyWatch` thread)."""
 STREAM_S = 0.25
 """Rank 0 publishes the records of the steps every rank has applied at most this often."""
 STREAMED = ("step", "t0", "t", "global_loss_sum", "global_samples", "global_metric_sums",
@@ -80,6 +81,7 @@ class WorkerLoopMixin:
     gen: int
     preempting: bool
     _store: Any
+    _keys: Any
     _attempt: dict[str, Any] | None
     _run_records: list[dict[str, Any]]
     _ledger_hook: tuple[int, int, int] | None
@@ -119,14 +121,18 @@ class WorkerLoopMixin:
         self._run_records = []
         self._ledger_hook = (gen, run_id, rank) if ledger else None
         self._status_metrics = tuple(metric_keys)
+        if rank == 0:
+            self._keys.watch(key, STOP_POLL_S)
         try:
-            ended = self._run(gen, start, until, data_plan, key, skipped)
+            with self._keys.busy():
+                ended = self._run(gen, start, until, data_plan, key, skipped)
         except BaseException:
             # Whatever ended the run here, no peer may wait on this rank in a collective:
             # tell them to abandon the step, and close the group (see Worker.step).
             self._abort_generation(self.steps_done)  # type: ignore[attr-defined]
             raise
         finally:
+            self._keys.forget(key)
             self._ledger_hook = None
             self._status_metrics = None
         records, self._run_records = self._run_records, []
@@ -142,7 +148,7 @@ class WorkerLoopMixin:
         comm = self.comm
         width, rank, mbs = comm.world_size, comm.rank, self.spec.micro_batch_size
         device = getattr(comm, "device", None) or torch.device("cpu")
-        ended, last_poll, stop_seen = "until", 0.0, False
+        ended = "until"
         done = start  # the steps this run counts as committed (the first step() settles)
         step = start
         stream = _Stream(self._store, gen, self._run_id) if rank == 0 else None
@@ -155,15 +161,13 @@ class WorkerLoopMixin:
             ids = nxt
             assert ids is not None
             nxt = share(step + 1) if step + 1 < until else None
-            if rank == 0 and not stop_seen and time.monotonic() - last_poll >= STOP_POLL_S:
-                last_poll = time.monotonic()
-                stop_seen = bool(self._store.check([key]))
+            stop_seen = rank == 0 and self._keys.seen(key)  # polled off this thread
             keys = self._status_metrics or ()
             status = torch.zeros(len(STATUS) + len(keys), dtype=torch.float64, device=device)
             status[2] = float(self.preempting)
             status[3] = float(stop_seen)
             t0 = time.time()
-            r = self.step(  # type: ignore[attr-defined]
+            r = self._step(  # type: ignore[attr-defined]
                 gen, step, ids, done, nxt, skipped=skipped, status=status
             )
             skipped = -1

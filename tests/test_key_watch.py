@@ -1,0 +1,79 @@
+"""The worker's store flags (abort, stop) read off its training thread, and its seeding."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from planaria.key_watch import KeyWatch
+from planaria.randomness import seed_torch
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=5))
+
+
+def _client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+
+
+def _seen_within(watch: KeyWatch, key: str, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if watch.seen(key):
+            return True
+        time.sleep(0.005)
+    return watch.seen(key)
+
+
+def test_a_key_set_while_busy_is_seen_within_its_period():
+    server = _store()
+    watch = KeyWatch(lambda: _client(server.port))
+    try:
+        watch.watch("abort/3", 0.02)
+        with watch.busy():
+            assert not _seen_within(watch, "abort/3", 0.1)
+            t0 = time.monotonic()
+            server.set("abort/3", "1")
+            assert _seen_within(watch, "abort/3", 1.0)
+            assert time.monotonic() - t0 < 0.5
+        assert not watch.seen("abort/4")  # another generation's key is its own
+    finally:
+        watch.close()
+
+
+def test_keys_are_not_read_between_steps_and_forget_drops_them():
+    server = _store()
+    watch = KeyWatch(lambda: _client(server.port))
+    try:
+        watch.watch("stop/0/1", 0.01)
+        server.set("stop/0/1", "join")
+        assert not _seen_within(watch, "stop/0/1", 0.15)  # not busy: no store traffic
+        with watch.busy():
+            assert _seen_within(watch, "stop/0/1", 1.0)
+        watch.forget("stop/")
+        assert not watch.seen("stop/0/1")
+        with watch.busy():
+            assert not _seen_within(watch, "stop/0/1", 0.1)  # forgotten: not looked for
+    finally:
+        watch.close()
+
+
+def test_seed_torch_draws_torch_manual_seeds_cpu_stream_without_formatting_stacks(
+    monkeypatch,
+):
+    torch.manual_seed(1234)
+    expected = torch.rand(8)
+    formatted = []
+    real = traceback.format_stack
+    monkeypatch.setattr(traceback, "format_stack", lambda *a: formatted.append(1) or real(*a))
+    seed_torch(1234)
+    assert torch.equal(torch.rand(8), expected)
+    # torch.manual_seed formats the caller's stack for a deferred CUDA seeding where CUDA is
+    # not initialized, every call (~0.5 ms a micro-batch in a worker): seed_torch must not
+    assert formatted == [] or torch.cuda.is_initialized()
