@@ -156,7 +156,9 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
         f"Model `{r.get('size')}`, {r.get('replicas')} replicas x {r.get('threads')} torch "
         f"thread, global batch 64 (micro-batch 16), {r.get('steps')} steps per run with "
         f"{r.get('warmup')} warm-up steps left out, {len(r.get('rounds') or [])} interleaved "
-        "rounds (planaria, planaria per step, DDP, ...); medians over every steady step.",
+        "rounds (planaria, planaria per step, DDP, ...); medians over every steady step."
+        + (f" The `tiny` cross-check: {r['tiny_steps']} steps per run, {r['tiny_warmup']} "
+           "warm-up, as many rounds." if r.get("tiny_steps") else ""),
         "",
         "| | planaria | DDP (torchrun) | ratio | target |",
         "|---|---:|---:|---:|---|",

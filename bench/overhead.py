@@ -1,6 +1,6 @@
 """Steady-state step time, planaria vs plain DDP, in one run.
 
-    python bench/overhead.py                 # "small" model, 2 replicas, 2 rounds of 40 steps
+    python bench/overhead.py            # "small" model, 2 replicas, 3 rounds of 60 steps
     python bench/overhead.py --quick         # smoke run: tiny model, few steps
 
 The same model, data, global batch (64) and micro-batch (16), 2 replicas with
@@ -65,8 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="small", choices=sorted(common.SIZES))
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker / rank")
-    p.add_argument("--steps", type=int, default=30, help="steps per run (warm-up included)")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=60, help="steps per run (warm-up included)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--tiny-steps", type=int, default=300,
+                   help="steps per run of the tiny-model cross-check (its steps take ms)")
+    p.add_argument("--tiny-warmup", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3, help="planaria, DDP pairs (interleaved)")
     p.add_argument("--no-tiny", action="store_true", help="skip the tiny-model cross-check")
     p.add_argument("--timeout-s", type=float, default=600.0)
@@ -93,7 +96,8 @@ BREAKDOWN = (
 )
 
 
-def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path) -> dict[str, Any]:
+def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path, *, steps: int,
+             warmup: int) -> dict[str, Any]:
     pl_ms: list[float] = []
     ps_ms: list[float] = []
     ddp_ms: list[float] = []
@@ -102,18 +106,18 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path) -> dict
         # Both step protocols, side by side (the per-step one gives the step's breakdown).
         runs = {
             protocol: run_planaria_steady(
-                args.steps, size, args.replicas, args.threads, warmup=args.warmup,
+                steps, size, args.replicas, args.threads, warmup=warmup,
                 run_dir=wd / f"planaria_{protocol}_{size}_{i}", step_protocol=protocol,
             )
             for protocol in ("autonomous", "per_step")
         }
         auto, pl = runs["autonomous"], runs["per_step"]
         ddp = run_ddp_steady(
-            args.steps,
+            steps,
             size,
             args.replicas,
             args.threads,
-            warmup=args.warmup,
+            warmup=warmup,
             timeout_s=args.timeout_s,
             workdir=wd / f"ddp_{size}_{i}",
         )
@@ -159,10 +163,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.steps} steps ({args.warmup} warm-up), {args.rounds} interleaved rounds",
         flush=True,
     )
-    main_cmp = _compare(args, args.size, args.rounds, wd)
+    main_cmp = _compare(args, args.size, args.rounds, wd, steps=args.steps, warmup=args.warmup)
     tiny = None
     if not args.no_tiny and args.size != "tiny":
-        tiny = _compare(args, "tiny", 1, wd)
+        tiny = _compare(args, "tiny", args.rounds, wd, steps=args.tiny_steps,
+                        warmup=args.tiny_warmup)
     load_after = common.loadavg()
 
     m = main_cmp
@@ -203,13 +208,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tiny": None
         if tiny is None
         else {k: tiny[k] for k in ("planaria_step_ms", "ddp_step_ms", "ratio", "controller_ms",
-                                   "per_step_protocol_step_ms", "per_step_protocol_ratio")},
+                                   "per_step_protocol_step_ms", "per_step_protocol_ratio",
+                                   "rounds")},
         "rounds": m["rounds"],
         "size": args.size,
         "replicas": args.replicas,
         "threads": args.threads,
         "steps": args.steps,
         "warmup": args.warmup,
+        "tiny_steps": None if tiny is None else args.tiny_steps,
+        "tiny_warmup": None if tiny is None else args.tiny_warmup,
         "loadavg": {"before": load_before, "after": load_after},
         "nproc": os.cpu_count(),
     }

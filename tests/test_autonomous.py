@@ -292,3 +292,30 @@ def test_a_checkpoint_due_by_time_ends_a_run(tmp_path, reference_long):
     assert any(r["ended"] == "stop" and r["why"] == "checkpoint" for r in runs), runs
     saved = [e["step"] for e in of(evs, "checkpoint_saved")]
     assert any(0 < s < LONG for s in saved), saved
+
+
+class _ManyMetrics:
+    """The spec's loss, with more metrics than the gradient buffer's status tail holds."""
+
+    def __init__(self, loss: Any, count: int) -> None:
+        self.loss, self.count = loss, count
+
+    def __call__(self, model: Any, batch: Any) -> Any:
+        out = self.loss(model, batch)
+        loss = out[0] if isinstance(out, tuple) else out
+        return loss, {f"m{i}": float(i) + 0.25 for i in range(self.count)}
+
+
+@pytest.mark.parametrize("count", [2, 40])
+def test_the_status_carries_the_metrics_in_the_gradients_reduce_or_beside_it(tmp_path, count):
+    """A few metrics ride in the gradient buffer's tail (one collective a step); more than
+    it holds are reduced on their own: either way every step's means are the loss's."""
+    from planaria.worker import STATUS_TAIL
+
+    assert (4 + count <= STATUS_TAIL) == (count == 2)
+    many = dataclasses.replace(spec(), loss=_ManyMetrics(spec().loss, count))
+    fit(many, steps=6, replicas=2, run_dir=tmp_path)
+    evs = events(tmp_path)
+    assert any(r["steps"] > 1 for r in of(evs, "run_ahead"))
+    for ev in of(evs, "step_committed"):
+        assert ev["metrics"] == {f"m{i}": float(i) + 0.25 for i in range(count)}, ev["step"]

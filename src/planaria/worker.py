@@ -60,6 +60,12 @@ T = TypeVar("T")
 SMALL_TENSOR_BYTES = 1 << 20  # tensors below this travel coalesced in one buffer per dtype
 
 
+STATUS_TAIL = 32
+"""Slots after the first fp32/fp64 gradient buffer that carry the autonomous loop's status
+(:data:`planaria.worker_loop.STATUS` and the metrics' sums) in the gradient's all-reduce; a
+longer status, or a model with no such buffer, is reduced on its own (fp32 sums: loss and
+metric totals to ~1e-7 relative, sample counts exact below 2**24)."""
+_TAIL_DTYPES = (torch.float32, torch.float64)
 ABORT_POLL_S = 0.02
 """A worker reads its generation's abort key at most this often (between micro-batches)."""
 
@@ -293,14 +299,23 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
-        self.grad_buffers: list[torch.Tensor] = []
+        self.grad_buffers: list[torch.Tensor] = []  # the gradients, one flat view per dtype
+        self._reduced: list[torch.Tensor] = []  # what the all-reduce sums: those and the tail
+        self._status_tail: torch.Tensor | None = None
         for dtype, group in by_dtype.items():
-            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=self.device)
+            numel = sum(p.numel() for p in group)
+            # The autonomous loop's status rides on the gradient's own all-reduce in a tail
+            # of the first fp32/fp64 buffer: one collective a step, not two.
+            tail = STATUS_TAIL if self._status_tail is None and dtype in _TAIL_DTYPES else 0
+            flat = torch.zeros(numel + tail, dtype=dtype, device=self.device)
             offset = 0
             for p in group:
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
-            self.grad_buffers.append(flat)
+            self.grad_buffers.append(flat[:numel])
+            self._reduced.append(flat)
+            if tail:
+                self._status_tail = flat[numel:]
         if self._overlap is not None:
             self._overlap.remove()
         self._overlap = (OverlappedReduce(self.grad_buffers, list(by_dtype.values()))
@@ -465,12 +480,20 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         extra = self.buffer_sync.contributions(
             rank=comm.rank, width=comm.world_size, first=first, count=count, total=total
         )
+        tail = self._status_tail
+        in_tail = False
         if status is not None:  # the step's totals, known to every rank after the reduce
             status[0] += loss_sum
             status[1] += sum(n for n, _ in loaded.batches)
             for i, key in enumerate(self._status_metrics or ()):
                 status[4 + i] += metric_sums.get(key, 0.0)
-            extra = [*extra, status]
+            in_tail = overlap is None and tail is not None and len(status) <= len(tail)
+            if in_tail:
+                assert tail is not None
+                tail.zero_()
+                tail[: len(status)].copy_(status)
+            else:
+                extra = [*extra, status]
         try:
             if overlap is not None:
                 if not overlap.armed:  # no micro-batch here: the same buckets, the same order
@@ -478,10 +501,13 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 overlap.finish()  # the buckets still in flight, and any not started yet
                 comm.allreduce_sum(extra)
             else:
-                comm.allreduce_sum(self.grad_buffers + extra)
+                comm.allreduce_sum(self._reduced + extra)
         except BaseException:
             self._abort_generation(step)  # no peer waits on this rank in the next collective
             raise
+        if in_tail:
+            assert status is not None and tail is not None
+            status.copy_(tail[: len(status)])
         self.buffer_sync.reduced(extra)
         # The reduced gradient is the same on every rank: its norm tells every rank (and the
         # controller) whether the update is finite, and serves the clipping at apply.
