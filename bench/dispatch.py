@@ -171,15 +171,17 @@ def autonomous_runs(workers: list[Any], repeats: int, short: int, long: int, ste
 
 
 def _gather_polling(refs: list[Any], poll: Any) -> list[Any]:
-    """``_gather`` with the poll between waits; answers in the order of ``refs``."""
+    """``Job._gather``'s wait for a run (``planaria.controller.wait_calls``: rank 0's call,
+    the others swept every second), with the poll between waits; answers in the order of
+    ``refs``."""
+    from planaria.controller import wait_calls
+
     index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
     out: list[Any] = [None] * len(refs)
+    head, swept = refs[0], time.monotonic()
     while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=0.25)
-        if done and pending:
-            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-            done += more
+        done, pending, swept = wait_calls(pending, head, swept, 0.25)
         for ref in done:
             out[index[ref]] = ray.get(ref)
         if pending:

@@ -101,6 +101,18 @@ class _SignalSelfAfterReduce:
             os.kill(os.getpid(), self.signum)
 
 
+class _SignalSelfAt:
+    """At ``step``, in ``phase`` of this worker's loop: send this worker ``signum`` (once)."""
+
+    def __init__(self, step: int, phase: str, signum: int, marker: str) -> None:
+        self.step, self.phase, self.signum, self.marker = step, phase, signum, marker
+
+    def __call__(self, worker: Any, step: int, phase: str) -> None:
+        if phase == self.phase and step == self.step and not os.path.exists(self.marker):
+            Path(self.marker).write_text(worker.name)
+            os.kill(os.getpid(), self.signum)
+
+
 class _KillPeerAndFailHere:
     """At ``step``, once the reduction completed here: SIGKILL ``peer_pid`` and abandon the
     step here as if this rank's collective had failed (the case of a rank dying mid-ring,
@@ -146,6 +158,37 @@ def test_a_fault_after_the_reduction_keeps_the_step(tmp_path, reference, signum)
     assert fault["worker"] == "w1"
     assert fault["kind"] == ("worker_lost" if signum == signal.SIGKILL else "worker_hung")
     assert fault["step"] == FAULT_STEP + 1  # the first step no survivor completed
+    assert all(r["lost_steps"] == 0 for r in of(evs, "recovered"))
+
+
+@pytest.mark.parametrize(("phase", "signum"), [
+    ("loaded", signal.SIGKILL),
+    pytest.param("computed", signal.SIGKILL, marks=pytest.mark.extended),
+    pytest.param("computed", signal.SIGSTOP, marks=pytest.mark.extended),
+    pytest.param("applied", signal.SIGKILL, marks=pytest.mark.extended),
+    ("applied", signal.SIGSTOP),
+], ids=["kill-loaded", "kill-computed", "hang-computed", "kill-applied", "hang-applied"])
+def test_a_fault_at_each_phase_of_the_loop(tmp_path, reference, phase, signum):
+    """w1 is killed or stopped in a phase of its loop while the others run ahead: before
+    the step's reduction (loaded, computed) no survivor completes step s, and it is run
+    again at the new width; after it (applied) every survivor applied step s, and the
+    failure falls on step s + 1. Either way: the fault-free weights, every sample once."""
+    marker = str(tmp_path / "fired")
+    run_dir = tmp_path / "run"
+    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
+    with Job(spec(), config) as job:
+        job.run_steps(1)
+        _install(job, "w1", _SignalSelfAt(FAULT_STEP, phase, signum, marker))
+        state = _drive(job, STEPS)
+    assert Path(marker).read_text() == "w1"
+    assert_same_state(reference, state)
+    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(run_dir)
+    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+    fault = of(evs, "fault")[0]
+    assert fault["worker"] == "w1"
+    assert fault["kind"] == ("worker_lost" if signum == signal.SIGKILL else "worker_hung")
+    assert fault["step"] == FAULT_STEP + (phase == "applied")
     assert all(r["lost_steps"] == 0 for r in of(evs, "recovered"))
 
 

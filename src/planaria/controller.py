@@ -60,6 +60,9 @@ __all__ = ["Job", "StepResult"]
 _log = logging.getLogger("planaria.commits")
 _mlog = logging.getLogger("planaria.membership")
 
+SWEEP_S = 1.0
+"""While a run goes on, the controller waits on rank 0's call and looks at the others' this
+often (see Job._gather): a death elsewhere reaches rank 0's call within a step anyway."""
 LOSS_HISTORY = 100_000  # committed (step, loss) pairs kept in memory; the event log has all
 
 
@@ -73,6 +76,30 @@ class StepResult:
     duration_s: float
     samples_per_s: float
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def wait_calls(
+    pending: list[Any], head: Any | None, swept: float, timeout: float
+) -> tuple[list[Any], list[Any], float]:
+    """One wait of :meth:`Job._gather`: ``(done, pending, swept)``.
+
+    Wakes on the first call to answer (a death is known the moment Ray reports it) and
+    sweeps whatever else is ready too; with ``head`` (a run's rank 0 call) pending, waits on
+    it alone and sweeps the others every :data:`SWEEP_S` (``swept``: when it last did).
+    """
+    now = time.monotonic()
+    if head is not None and head in pending and now - swept < SWEEP_S:
+        done, _ = ray.wait([head], num_returns=1, timeout=timeout)
+        pending = [r for r in pending if r != head] if done else pending
+    elif head is not None and head in pending:
+        swept = now  # any other call that ended, or whose worker died
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+    else:
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+    if done and pending:
+        more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+        done += more
+    return done, pending, swept
 
 
 class Job:
@@ -633,6 +660,12 @@ class Job:
         hung: list[str] = []
         end = time.monotonic() + deadline_s
         pending = list(by_ref)
+        # A run's calls (``poll`` given) all end within a step of any one failing: a rank
+        # that fails aborts the generation and closes its group, so rank 0's collective
+        # fails too. Waiting on rank 0's call alone between full sweeps keeps the wait
+        # O(1) in the number of workers (a wait on N calls costs O(N) every 0.25 s).
+        head = pending[0] if poll is not None and len(pending) > 1 else None
+        swept = time.monotonic()
         self.liveness.watch(list(refs))
         while pending:
             now = time.monotonic()
@@ -642,12 +675,9 @@ class Job:
                     hung += late
                     break
                 end = now + 1.0  # every one of them still moves checkpoint bytes
-            # Wake on the first answer (a death is known the moment Ray reports it),
-            # then sweep whatever else is ready too.
-            done, pending = ray.wait(pending, num_returns=1, timeout=min(0.25, end - now))
-            if done and pending:
-                more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-                done += more
+            done, pending, swept = wait_calls(
+                pending, None if errors else head, swept, min(0.25, end - now)
+            )
             for ref in done:
                 name = by_ref[ref]
                 try:

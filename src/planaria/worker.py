@@ -152,9 +152,10 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._run_records: list[dict[str, Any]] = []  # the autonomous loop's (worker_loop)
         self._ledger_hook: tuple[int, int, int] | None = None
         self._status_metrics: tuple[str, ...] | None = None
-        # The fault seam: called as loop_fault(worker, step, phase) once a step's gradient is
-        # computed ("computed", before its reduction) and, in the autonomous loop, once it is
-        # reduced ("reduced", before it is applied): where tests inject faults between them.
+        # The fault seam: called as loop_fault(worker, step, phase) once a step's samples are
+        # loaded ("loaded"), once its gradient is computed ("computed", before the reduction)
+        # and, in the autonomous loop, once it is reduced ("reduced", before it is applied)
+        # and applied ("applied"): where tests inject faults between the phases.
         self.loop_fault: Callable[[Any, int, str], None] | None = None
         self._heartbeat_s = heartbeat_s
         self._stop = threading.Event()
@@ -435,6 +436,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             self._set_phase("loading", step)
             loaded = self._take(ids, step)
             served = loaded.served
+            if self.loop_fault is not None:
+                self.loop_fault(self, step, "loaded")  # a fault injected before the compute
             self._attempt = {"gen": gen, "step": step, "ids": served.ids, "digests": served.digests}
             self._record_served(step)  # the autonomous loop's ledger, before the collective
             data_wait_s = time.perf_counter() - t0

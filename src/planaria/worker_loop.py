@@ -185,6 +185,8 @@ class WorkerLoopMixin:
                 break
             done = step + 1
             self._settle(done)  # type: ignore[attr-defined]  # applies the step now
+            if self.loop_fault is not None:
+                self.loop_fault(self, step, "applied")  # a fault injected after the apply
             r["t"] = time.time()
             self._run_records.append(r)
             if stream is not None:
