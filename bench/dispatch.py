@@ -200,11 +200,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--short-run", type=int, default=40, help="steps in a short run")
     p.add_argument("--long-run", type=int, default=1240, help="steps in a long run")
     p.add_argument("--step-ms", type=float, default=5.0, help="a protocol-only step's time")
+    p.add_argument("--overhead-rounds", type=int, default=1,
+                   help="rounds of bench/overhead.py's comparison with DDP (small and tiny "
+                        "models) for overhead_ratio_small/tiny; 0 skips (its own run has 3)")
     p.add_argument("--quick", action="store_true", help="smoke run: few workers, few rounds")
     args = p.parse_args(argv)
     if args.quick:
         args.workers, args.rounds, args.warmup, args.real_steps = "3,8", 20, 5, 12
         args.repeats, args.short_run, args.long_run = 2, 10, 30
+        args.overhead_rounds = 0
     counts = [int(x) for x in args.workers.split(",")]
     cores = os.cpu_count() or 1
     load_before = common.loadavg()
@@ -243,6 +247,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                warmup=min(10, args.real_steps // 3),
                                run_dir=Path(tempfile.mkdtemp(prefix="bench_dispatch_")),
                                step_protocol="autonomous")
+    overhead = None
+    if args.overhead_rounds > 0:
+        from bench import overhead as overhead_bench
+
+        print(f"bench/overhead.py, {args.overhead_rounds} round(s):", flush=True)
+        overhead = overhead_bench.main(["--rounds", str(args.overhead_rounds)])
     first, last = str(counts[0]), str(counts[-1])
     out = {
         "bench": "dispatch",
@@ -260,6 +270,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "real_workers_controller_ms": real["controller_ms_median"],
         "real_workers_transport_ms": real["transport_ms_median"],
         "real_workers_step_ms": real["step_ms_median"],
+        "overhead_ratio_small": None if overhead is None else overhead["ratio"],
+        "overhead_ratio_tiny": None if overhead is None or overhead["tiny"] is None
+        else overhead["tiny"]["ratio"],
+        "overhead_rounds": args.overhead_rounds,
         "cores": cores,
         "oversubscribed_above": cores,
         "loadavg": {"before": load_before, "after": common.loadavg()},
@@ -272,6 +286,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{real['step_ms_median']:.2f} ms per step; controller CPU a step "
           f"{auto['controller_cpu_ms']:.3f} ms autonomous, {real['controller_cpu_ms']:.3f} ms "
           "per step")
+    if overhead is not None:
+        print(f"overhead against DDP ({args.overhead_rounds} round(s)): small "
+              f"{out['overhead_ratio_small']:.3f}, tiny {out['overhead_ratio_tiny']:.3f}")
     print(json.dumps(out), flush=True)
     return out
 

@@ -400,7 +400,10 @@ def render_dispatch(rec: dict[str, Any]) -> list[str]:
            "the slope is the cost of a step, the rest the cost of a run (one call per "
            "worker, at a generation, a checkpoint, a join, the end); the controller is on no "
            f"step's critical path. Above {cores} workers the actors share this machine's "
-           f"{cores} cores.", "",
+           f"{cores} cores; every stand-in is started before the first count and the ones a "
+           "count does not use idle, so the machine carries the same processes at every "
+           "count. While a run goes on the controller waits on rank 0's call and sweeps the "
+           "others every second (`planaria.controller.wait_calls`).", "",
            "| workers | per-step protocol (ms/step) | autonomous loop: controller CPU a step "
            "(ms) | and a run (ms) |",
            "|---:|---:|---:|---:|"]
@@ -421,6 +424,12 @@ def render_dispatch(rec: dict[str, Any]) -> list[str]:
                 f"{_f(per.get('step_ms_median'))} ms per step; the controller's CPU "
                 f"{_f(auto.get('controller_cpu_ms'), '.3f')} ms a step against "
                 f"{_f(per.get('controller_cpu_ms'), '.3f')} ms."]
+    if r.get("overhead_ratio_small") is not None:
+        out += ["", f"`bench/overhead.py` in the same run ({r.get('overhead_rounds')} "
+                "round): step time against DDP "
+                f"{_f(r['overhead_ratio_small'], '.3f')}x on the small model, "
+                f"{_f(r.get('overhead_ratio_tiny'), '.3f')}x on the tiny one (its own "
+                "section has three rounds)."]
     out += ["", "Per-step protocol with 3 real workers on the tiny model: "
             f"{_f(r.get('real_workers_controller_ms'))} ms of a "
             f"{_f(r.get('real_workers_step_ms'))} ms step is the controller's "
