@@ -89,18 +89,6 @@ def _drive(job: Job, steps: int) -> dict:
     return finish(job)
 
 
-class _SignalSelfAfterReduce:
-    """At ``step``, once the reduction completed here: send this worker ``signum`` (once)."""
-
-    def __init__(self, step: int, signum: int, marker: str) -> None:
-        self.step, self.signum, self.marker = step, signum, marker
-
-    def __call__(self, worker: Any, step: int, phase: str) -> None:
-        if phase == "reduced" and step == self.step and not os.path.exists(self.marker):
-            Path(self.marker).write_text(worker.name)
-            os.kill(os.getpid(), self.signum)
-
-
 class _SignalSelfAt:
     """At ``step``, in ``phase`` of this worker's loop: send this worker ``signum`` (once)."""
 
@@ -129,6 +117,25 @@ class _KillPeerAndFailHere:
             raise StepAborted(f"{worker.name}: the collective of step {step} failed here")
 
 
+def _signal_w1_at(tmp_path: Path, reference: dict, phase: str, signum: int) -> list:
+    """A run of STEPS steps at 3 replicas where w1 gets ``signum`` in ``phase`` of step
+    FAULT_STEP; checks the fault-free weights, every sample once, every step committed once.
+    Returns the run's events."""
+    marker = str(tmp_path / "fired")
+    run_dir = tmp_path / "run"
+    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
+    with Job(spec(), config) as job:
+        job.run_steps(1)  # the first step, alone: the metrics are named
+        _install(job, "w1", _SignalSelfAt(FAULT_STEP, phase, signum, marker))
+        state = _drive(job, STEPS)
+    assert Path(marker).read_text() == "w1"
+    assert_same_state(reference, state)
+    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(run_dir)
+    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+    return evs
+
+
 @pytest.mark.parametrize("signum", [
     signal.SIGKILL, signal.SIGSTOP,
     pytest.param(signal.SIGTERM, marks=pytest.mark.extended),  # drains: test_recovery's too
@@ -137,18 +144,7 @@ def test_a_fault_after_the_reduction_keeps_the_step(tmp_path, reference, signum)
     """w1 is killed, stopped or preempted once step s is reduced, before applying it: its
     peers completed the reduction too, so they apply step s, and it stays committed
     (never re-run, never lost)."""
-    marker = str(tmp_path / "fired")
-    run_dir = tmp_path / "run"
-    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
-    with Job(spec(), config) as job:
-        job.run_steps(1)  # the first step, alone: the metrics are named
-        _install(job, "w1", _SignalSelfAfterReduce(FAULT_STEP, signum, marker))
-        state = _drive(job, STEPS)
-    assert Path(marker).read_text() == "w1"
-    assert_same_state(reference, state)
-    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
-    evs = events(run_dir)
-    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+    evs = _signal_w1_at(tmp_path, reference, "reduced", signum)
     if signum == signal.SIGTERM:  # planned: w1 applies step s, then leaves at a boundary
         assert [f["kind"] for f in of(evs, "fault")] == ["preempted"]
         assert not of(evs, "step_failed")
@@ -173,18 +169,7 @@ def test_a_fault_at_each_phase_of_the_loop(tmp_path, reference, phase, signum):
     the step's reduction (loaded, computed) no survivor completes step s, and it is run
     again at the new width; after it (applied) every survivor applied step s, and the
     failure falls on step s + 1. Either way: the fault-free weights, every sample once."""
-    marker = str(tmp_path / "fired")
-    run_dir = tmp_path / "run"
-    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
-    with Job(spec(), config) as job:
-        job.run_steps(1)
-        _install(job, "w1", _SignalSelfAt(FAULT_STEP, phase, signum, marker))
-        state = _drive(job, STEPS)
-    assert Path(marker).read_text() == "w1"
-    assert_same_state(reference, state)
-    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
-    evs = events(run_dir)
-    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+    evs = _signal_w1_at(tmp_path, reference, phase, signum)
     fault = of(evs, "fault")[0]
     assert fault["worker"] == "w1"
     assert fault["kind"] == ("worker_lost" if signum == signal.SIGKILL else "worker_hung")

@@ -378,7 +378,14 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def step(
+    def step(self, gen: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The per-step protocol's call: :meth:`_step` once the generation and the fence
+        are checked, with the store's abort key watched while it runs."""
+        self._check(gen)
+        with self._keys.busy():
+            return self._step(gen, *args, **kwargs)
+
+    def _step(
         self,
         gen: int,
         step: int,
@@ -397,25 +404,10 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         step whose update the controller dropped (a non-finite one): it counts as done.
         ``status`` (the autonomous loop's, see :mod:`planaria.worker_loop`) is summed over
         the ranks in the gradient's own all-reduce, in place.
-        """
-        self._check(gen)
-        with self._keys.busy():
-            return self._step(gen, step, ids, steps_done, next_ids, skipped=skipped,
-                              status=status)
 
-    def _step(
-        self,
-        gen: int,
-        step: int,
-        ids: np.ndarray,
-        steps_done: int,
-        next_ids: np.ndarray | None = None,
-        *,
-        skipped: int = -1,
-        status: torch.Tensor | None = None,
-    ) -> dict[str, Any]:
-        """:meth:`step` once the call is checked: the autonomous loop checks its run's call
-        once (the fence is a store read), not each step."""
+        The autonomous loop calls it directly: it checks its run's call once (the fence is
+        a store read), not each step.
+        """
         self._refuse_if_dirty("step")
         self._settle(steps_done, skipped)
         if step != self.steps_done:
