@@ -67,7 +67,8 @@ longer status, or a model with no such buffer, is reduced on its own (fp32 sums:
 metric totals to ~1e-7 relative, sample counts exact below 2**24)."""
 _TAIL_DTYPES = (torch.float32, torch.float64)
 ABORT_POLL_S = 0.02
-"""A worker reads its generation's abort key at most this often (between micro-batches)."""
+"""While a step runs, a worker's KeyWatch thread reads its generation's abort key this often
+(the training thread looks at the flag between micro-batches)."""
 
 
 def param_checksum(model: torch.nn.Module) -> int:
@@ -476,6 +477,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             rank=comm.rank, width=comm.world_size, first=first, count=count, total=total
         )
         tail = self._status_tail
+        if tail is not None:
+            tail.zero_()  # reduced with the gradient every step: last step's sums must go
         in_tail = False
         if status is not None:  # the step's totals, known to every rank after the reduce
             status[0] += loss_sum
@@ -485,7 +488,6 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             in_tail = overlap is None and tail is not None and len(status) <= len(tail)
             if in_tail:
                 assert tail is not None
-                tail.zero_()
                 tail[: len(status)].copy_(status)
             else:
                 extra = [*extra, status]
