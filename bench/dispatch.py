@@ -100,14 +100,13 @@ class ProtocolWorker:
 
 
 def _gather(refs: list[Any]) -> list[Any]:
-    """``Job._gather``'s wait: the first answer, then a sweep of what else is ready."""
-    pending = list(refs)
-    out = []
+    """``Job._gather``'s wait for a step (``planaria.controller.wait_calls``): the first
+    answer, then a sweep of what else is ready."""
+    from planaria.controller import wait_calls
+
+    pending, out = list(refs), []
     while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=0.25)
-        if done and pending:
-            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-            done += more
+        done, pending, _ = wait_calls(pending, None, 0.0, 0.25)
         out += ray.get(done)
     return out
 

@@ -1,6 +1,6 @@
 """Steady-state step time, planaria vs plain DDP, in one run.
 
-    python bench/overhead.py            # "small" model, 2 replicas, 3 rounds of 60 steps
+    python bench/overhead.py                 # "small" model, 2 replicas, 3 rounds of 60
     python bench/overhead.py --quick         # smoke run: tiny model, few steps
 
 The same model, data, global batch (64) and micro-batch (16), 2 replicas with

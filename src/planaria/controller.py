@@ -88,12 +88,12 @@ def wait_calls(
     it alone and sweeps the others every :data:`SWEEP_S` (``swept``: when it last did).
     """
     now = time.monotonic()
-    if head is not None and head in pending and now - swept < SWEEP_S:
+    if head is not None and head in pending:
+        if now - swept >= SWEEP_S:  # any other call that ended, or whose worker died
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            return done, pending, now
         done, _ = ray.wait([head], num_returns=1, timeout=timeout)
         pending = [r for r in pending if r != head] if done else pending
-    elif head is not None and head in pending:
-        swept = now  # any other call that ended, or whose worker died
-        done, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
     else:
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
     if done and pending:
