@@ -74,6 +74,7 @@ class KeyWatch:
             self._busy.wait()
             with self._lock:
                 due = [(k, p) for k, p in self._periods.items() if k not in self._seen]
+            last = {k: t for k, t in last.items() if k in self._periods}  # forgotten: gone
             now = time.monotonic()
             for key, period in due:
                 if now - last.get(key, 0.0) < period:
