@@ -290,3 +290,20 @@ def test_verdict_catches_what_went_wrong(tmp_path):
     run, refs = _synthetic_run(tmp_path / "d")
     v = check_run(tmp_path / "d", run, refs, error="exit code 1: boom")
     assert not v.completed and not v.faults[0].recovered
+
+
+def test_a_resumed_campaign_keeps_the_verdicts_of_the_runs_it_finished(tmp_path):
+    """`--resume` reads back a finished run's verdict, only for the very run it was made for."""
+    import dataclasses
+
+    from planaria.campaign.runner import _keep_verdict, _kept_verdict, summarize_campaign
+    from planaria.campaign.verdict import check_run
+
+    run, refs = _synthetic_run(tmp_path)
+    v = check_run(tmp_path, run, refs)
+    _keep_verdict(tmp_path, run, v)
+    kept = _kept_verdict(tmp_path, run)
+    assert kept == v and summarize_campaign([kept]) == summarize_campaign([v])
+    assert _kept_verdict(tmp_path, dataclasses.replace(run, steps=5)) is None  # another plan
+    (tmp_path / "verdict.json").write_text("{half a fil")
+    assert _kept_verdict(tmp_path, run) is None  # a torn file is run again, not trusted

@@ -36,6 +36,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=Path("runs/campaign"),
                    help="run dirs go here, kept for post-mortem; the reference is reused")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="runs at a time, each its own job (long steps are mostly sleep)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the verdicts of the runs an earlier campaign in --workdir finished "
+                   "(same seed and options), run the rest")
     p.add_argument("--json-out", type=Path, default=None, help="also write the summary here")
 
 
@@ -58,7 +63,8 @@ def campaign_main(args: argparse.Namespace) -> int:
                     step_lengths=step_s, faults_per_run=per_run, gap=args.gap,
                     checkpoint_every=args.checkpoint_every, tail=args.tail)
     config = CampaignConfig(target=args.target, mix=mix, workdir=args.workdir,
-                            replicas=args.replicas)
+                            replicas=args.replicas, parallel=args.parallel,
+                            resume=args.resume)
     summary = run_campaign(config, out=lambda line: print(line, flush=True))
     text = json.dumps(summary)
     if args.json_out is not None:

@@ -17,8 +17,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from planaria.metrics import percentile
 __all__ = ["CampaignConfig", "run_campaign", "summarize_campaign"]
 
 RUN_MARKER = "PLANARIA_CAMPAIGN_RUN"
+VERDICT_FILE = "verdict.json"
 SUMMARY_KEYS = ("faults_injected", "recovered", "unrecovered", "diverged", "samples_duplicated",
                 "samples_missing", "healthy_evicted", "mttr_p50_s", "mttr_p99_s", "goodput")
 
@@ -51,6 +54,12 @@ class CampaignConfig:
     rtol: float = 1e-4
     job_timeout_s: float = 900.0
     """A job that runs longer than this plus its steps' planned time is killed (unrecovered)."""
+    parallel: int = 1
+    """Runs at a time, each its own job (and Ray instance). Long steps are mostly sleep, so a
+    campaign over long steps finishes sooner with a few at once; the checks do not change."""
+    resume: bool = False
+    """Keep the verdict of every run whose dir holds one for the same planned run (a campaign
+    stopped part-way goes on where it stopped); the rest are run."""
 
     def __post_init__(self) -> None:
         check(isinstance(self.target, str) and bool(self.target), "target", self.target,
@@ -59,6 +68,8 @@ class CampaignConfig:
               "an integer >= 2 (survivors must hold the state)")
         check(self.atol >= 0 and self.rtol >= 0, "atol", (self.atol, self.rtol), "tolerances >= 0")
         check(self.job_timeout_s > 0, "job_timeout_s", self.job_timeout_s, "seconds > 0")
+        check(isinstance(self.parallel, int) and self.parallel >= 1, "parallel", self.parallel,
+              "an integer >= 1 (runs at a time)")
         object.__setattr__(self, "workdir", Path(self.workdir))
 
 
@@ -70,21 +81,51 @@ def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) 
     counts = {r.steps for r in runs} | {f.step for r in runs for f in r.faults}
     counts |= {f.step + k for r in runs for f in r.faults for k in range(1, config.mix.gap)}
     references = _reference(config, sorted(counts), out)
-    verdicts: list[RunVerdict] = []
-    for run in runs:
-        t0 = time.time()
+    lock = threading.Lock()
+
+    def one(run: PlannedRun) -> RunVerdict:
         run_dir = config.workdir / f"run-{run.index:04d}"
-        error = _run(config, run, run_dir)
-        verdict = check_run(run_dir, run, references, error=error, atol=config.atol,
-                            rtol=config.rtol)
-        verdicts.append(verdict)
+        kept = _kept_verdict(run_dir, run) if config.resume else None
+        t0 = time.time()
+        if kept is None:
+            error = _run(config, run, run_dir)
+            verdict = check_run(run_dir, run, references, error=error, atol=config.atol,
+                                rtol=config.rtol)
+            _keep_verdict(run_dir, run, verdict)
+        else:
+            verdict = kept
         kinds = ",".join(f.kind for f in run.faults)
         status = "ok" if verdict.ok else f"FAILED ({len(verdict.reasons)} checks)"
-        out(f"run {run.index + 1}/{len(runs)} step_s={run.step_s:g} steps={run.steps} "
-            f"faults={kinds}: {status} in {time.time() - t0:.0f} s ({run_dir})")
-        for reason in verdict.reasons:
-            out(f"  {reason}")
+        took = "kept from an earlier campaign" if kept else f"in {time.time() - t0:.0f} s"
+        with lock:  # one run's lines together
+            out(f"run {run.index + 1}/{len(runs)} step_s={run.step_s:g} steps={run.steps} "
+                f"faults={kinds}: {status} {took} ({run_dir})")
+            for reason in verdict.reasons:
+                out(f"  {reason}")
+        return verdict
+
+    with ThreadPoolExecutor(max_workers=config.parallel) as pool:
+        verdicts = list(pool.map(one, runs))
     return summarize_campaign(verdicts)
+
+
+def _kept_verdict(run_dir: Path, run: PlannedRun) -> RunVerdict | None:
+    """The verdict an earlier campaign left for this very run, if any."""
+    path = run_dir / VERDICT_FILE
+    if not path.exists():
+        return None
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        data = json.loads(path.read_text())
+        if data["run"] == json.loads(json.dumps(run.to_json())):
+            return RunVerdict.from_json(data["verdict"])
+    return None
+
+
+def _keep_verdict(run_dir: Path, run: PlannedRun, verdict: RunVerdict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f"{VERDICT_FILE}.tmp"
+    tmp.write_text(json.dumps({"run": run.to_json(), "verdict": verdict.to_json()}))
+    os.replace(tmp, run_dir / VERDICT_FILE)
 
 
 def summarize_campaign(verdicts: list[RunVerdict]) -> dict[str, Any]:

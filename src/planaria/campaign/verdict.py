@@ -13,7 +13,7 @@ checks are :mod:`planaria.campaign.oracle`'s.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,16 @@ class RunVerdict:
     @property
     def ok(self) -> bool:
         return not self.reasons
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["run_dir"] = str(self.run_dir)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunVerdict:
+        faults = [FaultVerdict(**f) for f in data.pop("faults")]
+        return cls(**{**data, "run_dir": Path(data["run_dir"]), "faults": faults})
 
 
 def check_run(
