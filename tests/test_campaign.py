@@ -292,18 +292,58 @@ def test_verdict_catches_what_went_wrong(tmp_path):
     assert not v.completed and not v.faults[0].recovered
 
 
-def test_a_resumed_campaign_keeps_the_verdicts_of_the_runs_it_finished(tmp_path):
-    """`--resume` reads back a finished run's verdict, only for the very run it was made for."""
+def test_a_resumed_campaign_judges_again_the_runs_it_finished(tmp_path):
+    """`--resume` finds a finished run (only the very run it was made for) and the error its
+    job ended with, so that the run is judged again from its files, not run again."""
     import dataclasses
 
-    from planaria.campaign.runner import _keep_verdict, _kept_verdict, summarize_campaign
-    from planaria.campaign.verdict import check_run
+    from planaria.campaign.runner import _keep_run, _kept_run
+    from planaria.campaign.verdict import RunVerdict, check_run
 
     run, refs = _synthetic_run(tmp_path)
     v = check_run(tmp_path, run, refs)
-    _keep_verdict(tmp_path, run, v)
-    kept = _kept_verdict(tmp_path, run)
-    assert kept == v and summarize_campaign([kept]) == summarize_campaign([v])
-    assert _kept_verdict(tmp_path, dataclasses.replace(run, steps=5)) is None  # another plan
+    _keep_run(tmp_path, run, None, v)
+    assert _kept_run(tmp_path, run) == (None,)
+    kept = json.loads((tmp_path / "verdict.json").read_text())
+    assert RunVerdict.from_json(kept["verdict"]) == v
+    assert _kept_run(tmp_path, dataclasses.replace(run, steps=5)) is None  # another plan
+    failed = check_run(tmp_path, run, refs, error="exit code 1: boom")
+    _keep_run(tmp_path, run, "exit code 1: boom", failed)
+    assert _kept_run(tmp_path, run) == ("exit code 1: boom",)
     (tmp_path / "verdict.json").write_text("{half a fil")
-    assert _kept_verdict(tmp_path, run) is None  # a torn file is run again, not trusted
+    assert _kept_run(tmp_path, run) is None  # a torn file: the run is run again
+
+
+def test_a_fault_cut_short_by_the_campaigns_job_kill_is_recovered_by_the_resume(tmp_path):
+    """w1 is killed at step 2 and, before a step commits, the whole job is killed; the resumed
+    job restores and finishes: the kill is recovered by the resume, not left open."""
+    from planaria.campaign.verdict import check_run
+
+    run, refs = _synthetic_run(tmp_path)
+    t = 1000.0
+    evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    cut = [e for e in evs if e["event"] not in ("recovered", "step_committed", "run_end")
+           or e.get("step", 0) < 2]
+    resumed = [_ev("run_start", run_id="y", replicas=3, steps=4),
+               _ev("generation", gen=0, workers=["w0", "w2", "w3"], reason="start"),
+               _ev("restore", step=2, reason="resume", lost_steps=0)]
+    resumed += [_ev("step_committed", step=s, width=3, duration_s=0.1, samples=16)
+                for s in (2, 3)]
+    resumed.append(_ev("run_end", status="ok", step=4))
+    for i, e in enumerate(resumed):
+        e["t"] = t + 20 + 0.5 * i
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in cut + resumed))
+    inj = {"fault": 0, "kind": "kill", "role": "primary", "action": "job_kill",
+           "id": "r0f0.job", "worker": None, "pid": 1, "step": 2, "incarnation": 0, "t": t}
+    with (tmp_path / "campaign_faults.jsonl").open("a") as f:
+        f.write(json.dumps(inj) + "\n")
+    with (tmp_path / "control" / "fired.jsonl").open("a") as f:
+        f.write(json.dumps({"id": "r0f0.job", "action": "job_kill", "t": t + 5, "pid": 1}) + "\n")
+    v = check_run(tmp_path, run, refs)
+    # from the kill (t + 1) to the resumed job's first commit (t + 21.5)
+    assert v.faults[0].recovered and v.faults[0].recover_s == [20.5], v.reasons
+
+    (tmp_path / "control" / "fired.jsonl").write_text(  # no whole-job kill: left open
+        (tmp_path / "control" / "fired.jsonl").read_text().splitlines()[0] + "\n")
+    v = check_run(tmp_path, run, refs)
+    assert not v.faults[0].recovered and "never recovered" in v.faults[0].reason

@@ -39,8 +39,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--parallel", type=int, default=1,
                    help="runs at a time, each its own job (long steps are mostly sleep)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the verdicts of the runs an earlier campaign in --workdir finished "
-                   "(same seed and options), run the rest")
+                   help="runs an earlier campaign in --workdir finished (same seed and options) "
+                   "are judged again from their files, not run again; the rest are run")
     p.add_argument("--json-out", type=Path, default=None, help="also write the summary here")
 
 

@@ -58,8 +58,9 @@ class CampaignConfig:
     """Runs at a time, each its own job (and Ray instance). Long steps are mostly sleep, so a
     campaign over long steps finishes sooner with a few at once; the checks do not change."""
     resume: bool = False
-    """Keep the verdict of every run whose dir holds one for the same planned run (a campaign
-    stopped part-way goes on where it stopped); the rest are run."""
+    """Runs that an earlier campaign in the workdir finished (the same planned run, a
+    ``verdict.json`` in its dir) are not run again but judged again from their files; the
+    rest are run: a campaign stopped part-way goes on where it stopped."""
 
     def __post_init__(self) -> None:
         check(isinstance(self.target, str) and bool(self.target), "target", self.target,
@@ -85,18 +86,17 @@ def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) 
 
     def one(run: PlannedRun) -> RunVerdict:
         run_dir = config.workdir / f"run-{run.index:04d}"
-        kept = _kept_verdict(run_dir, run) if config.resume else None
+        kept = _kept_run(run_dir, run) if config.resume else None
         t0 = time.time()
+        error = _run(config, run, run_dir) if kept is None else kept[0]
+        # A kept run is judged again from its files, by this oracle.
+        verdict = check_run(run_dir, run, references, error=error, atol=config.atol,
+                            rtol=config.rtol)
         if kept is None:
-            error = _run(config, run, run_dir)
-            verdict = check_run(run_dir, run, references, error=error, atol=config.atol,
-                                rtol=config.rtol)
-            _keep_verdict(run_dir, run, verdict)
-        else:
-            verdict = kept
+            _keep_run(run_dir, run, error, verdict)
         kinds = ",".join(f.kind for f in run.faults)
         status = "ok" if verdict.ok else f"FAILED ({len(verdict.reasons)} checks)"
-        took = "kept from an earlier campaign" if kept else f"in {time.time() - t0:.0f} s"
+        took = "run by an earlier campaign" if kept else f"in {time.time() - t0:.0f} s"
         with lock:  # one run's lines together
             out(f"run {run.index + 1}/{len(runs)} step_s={run.step_s:g} steps={run.steps} "
                 f"faults={kinds}: {status} {took} ({run_dir})")
@@ -109,22 +109,29 @@ def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) 
     return summarize_campaign(verdicts)
 
 
-def _kept_verdict(run_dir: Path, run: PlannedRun) -> RunVerdict | None:
-    """The verdict an earlier campaign left for this very run, if any."""
+def _kept_run(run_dir: Path, run: PlannedRun) -> tuple[str | None] | None:
+    """``(error,)`` of this very run, if an earlier campaign finished it; else None."""
     path = run_dir / VERDICT_FILE
     if not path.exists():
         return None
-    with contextlib.suppress(ValueError, KeyError, TypeError):
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
         data = json.loads(path.read_text())
-        if data["run"] == json.loads(json.dumps(run.to_json())):
-            return RunVerdict.from_json(data["verdict"])
+        if data["run"] != json.loads(json.dumps(run.to_json())):
+            return None
+        if "error" in data:
+            return (data["error"],)
+        verdict = data["verdict"]  # an older file: the error is in the first reason
+        if verdict["completed"]:
+            return (None,)
+        return (verdict["reasons"][0].split(": the job did not finish: ", 1)[1],)
     return None
 
 
-def _keep_verdict(run_dir: Path, run: PlannedRun, verdict: RunVerdict) -> None:
+def _keep_run(run_dir: Path, run: PlannedRun, error: str | None, verdict: RunVerdict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f"{VERDICT_FILE}.tmp"
-    tmp.write_text(json.dumps({"run": run.to_json(), "verdict": verdict.to_json()}))
+    tmp.write_text(json.dumps({"run": run.to_json(), "error": error,
+                               "verdict": verdict.to_json()}))
     os.replace(tmp, run_dir / VERDICT_FILE)
 
 

@@ -5,8 +5,11 @@ shows in the run's report (:func:`planaria.metrics.summarize`) as a fault
 naming that worker, detected and recovered with ``lost_steps`` known, and the
 run finished. Per kind, beyond that: a ``slow`` straggler recovers when it was
 never evicted (a straggler is healthy: its eviction also counts as a healthy
-worker evicted); ``storage_write`` when a ``checkpoint_failed`` followed;
-``job_kill`` when a later segment resumed from a checkpoint. The run-level
+worker evicted); ``storage_write`` when a ``checkpoint_failed`` followed, or a
+writer's retry saved that checkpoint anyway; ``job_kill`` when a later segment
+resumed from a checkpoint. A fault whose recovery a later whole-job kill of the
+campaign cut short (no step committed between them) is recovered when the
+resumed job is. The run-level
 checks are :mod:`planaria.campaign.oracle`'s.
 """
 
@@ -102,9 +105,12 @@ def check_run(
         v.goodput_s, v.wall_s = summary.goodput_s, summary.wall_s
     segs = oracle.segments(events)
     faulted = _faulted(injections, fired)
+    cuts = {int(i["incarnation"]): float(fired[i["id"]]["t"]) for i in injections
+            if i["action"] == "job_kill" and i["id"] in fired}
     for fault in run.faults:
         mine = [i for i in injections if i["fault"] == fault.index]
-        v.faults.append(_fault(fault, run, mine, fired, reported, segs, faulted, completed))
+        v.faults.append(_fault(fault, run, mine, fired, reported, segs, faulted, completed,
+                               cuts))
     if not completed:
         v.reasons.append(f"{run_dir}: the job did not finish: {error or 'no final weights'}")
     else:
@@ -188,7 +194,7 @@ def _why_left(events: list[dict[str, Any]], seg: int, name: str) -> str:
 def _fault(
     fault: PlannedFault, run: PlannedRun, mine: list[dict[str, Any]], fired: dict[str, Any],
     reported: list[FaultMetrics], segs: list[list[dict[str, Any]]], faulted: dict[int, set[str]],
-    completed: bool,
+    completed: bool, cuts: dict[int, float],
 ) -> FaultVerdict:
     fv = FaultVerdict(run.index, fault.index, fault.kind, run.step_s)
     hits = [i for i in mine if i["id"] in fired]
@@ -200,7 +206,7 @@ def _fault(
     problems: list[str] = []
     for inj in hits:
         if inj["action"] in _WORKER_ACTIONS or inj["action"] == "nan":
-            problems += _reported(fv, inj, fired[inj["id"]], reported)
+            problems += _reported(fv, inj, fired[inj["id"]], reported, segs, cuts)
     kind = fault.kind
     if kind in ("kill_rerun", "kill_join", "kill_restore", "kill_save") and not any(
         i["role"] == "secondary" for i in hits
@@ -218,8 +224,8 @@ def _fault(
         after = [r for s in segs for r in s if r["t"] >= t]
         failed = any(r.get("event") == "checkpoint_failed" for r in after)
         path = str(fired[hits[0]["id"]].get("path", ""))
-        saved = any(r.get("event") == "checkpoint_saved" and str(r.get("path", "")) in path
-                    for r in after)
+        saved = any(r.get("event") == "checkpoint_saved"  # its path is a URL (faulty://...)
+                    and str(r.get("path", "")).split("://", 1)[-1] in path for r in after)
         if not failed and not saved:
             problems.append("the write error left no checkpoint_failed record and no retried save")
     if kind == "job_kill":
@@ -232,7 +238,8 @@ def _fault(
 
 
 def _reported(
-    fv: FaultVerdict, inj: dict[str, Any], fired: dict[str, Any], reported: list[FaultMetrics]
+    fv: FaultVerdict, inj: dict[str, Any], fired: dict[str, Any], reported: list[FaultMetrics],
+    segs: list[list[dict[str, Any]]], cuts: dict[int, float],
 ) -> list[str]:
     seg = int(inj["incarnation"])
     nan = inj["action"] == "nan"
@@ -249,6 +256,16 @@ def _reported(
     if expected is not None and f.kind != expected:
         fv.notes.append(f"{what} reported as {f.kind}, not {expected}")
     if not f.recovered or f.recover_s is None:
+        # Its recovery was cut short by the campaign's own whole-job kill (the next fault,
+        # armed once the job was back at full width, fired before the step that would have
+        # closed this one): recovered when the resumed job was.
+        cut = cuts.get(seg)
+        if cut is not None and cut >= f.detected_t:
+            resumed = FaultVerdict(fv.run, fv.fault, fv.kind, fv.step_s)
+            if not _resumed(resumed, seg, float(fired["t"]), segs) and resumed.recover_s:
+                fv.recover_s += resumed.recover_s
+                fv.lost_steps = (fv.lost_steps or 0) + (resumed.lost_steps or 0)
+                return problems
         return [*problems, f"{what} (fault {f.fault_id}) never recovered"]
     if f.detect_s is None or f.lost_steps is None:
         problems.append(f"{what} (fault {f.fault_id}) has no detect_s or lost_steps")
