@@ -12,9 +12,11 @@ Measured side by side:
 - ``per_step_controller_ms[N]``: the autonomous loop with N protocol-only
   workers, each "running" its steps of ``--step-ms`` (a sleep) and answering
   with records of the real loop's shape (rank 0 all of them, the others their
-  last). The controller's CPU time (``time.process_time``: its main thread and
-  Ray's threads in its process) over a run (dispatch, the wait loop with its
-  poll, recording every step as an event-log line) is measured for runs of
+  last), each loading the controller's store as a real worker does (planaria's
+  heartbeat thread; on rank 0 the stop key's watch and the stream of records).
+  The controller's CPU time (``time.process_time``: its main thread, Ray's
+  threads and the store's in its process) over a run (dispatch, the wait loop
+  with its poll, recording every step as an event-log line) is measured for runs of
   ``--short-run`` and ``--long-run`` steps: the slope between them is the cost
   of a step, ``per_run_controller_ms[N]`` the rest (one call per worker, paid
   once per run: at a generation, a checkpoint, a join, the end). The
@@ -30,8 +32,8 @@ Measured side by side:
   controller's CPU per step, beside the per-step protocol's;
 
 - ``old_per_step_controller_ms[N]``: one round of the step protocol's calls to
-  N *protocol-only* workers (Ray actors that import neither torch nor planaria
-  and answer at once with a step result of planaria's shape): the dispatch of N
+  N *protocol-only* workers (Ray actors that compute nothing and answer at once
+  with a step result of planaria's shape): the dispatch of N
   calls with their arguments (ids of the step's share), and the same wait as
   ``Job._gather`` (``ray.wait`` for the first answer, then a sweep). Worker
   compute is zero, so the round is all controller and transport; on this
@@ -63,13 +65,38 @@ sys.path.insert(0, str(_REPO))
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from bench import common  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
 class ProtocolWorker:
-    """Answers the step protocol's call at once, with a result of the real one's shape."""
+    """Answers the step protocol's call at once, with a result of the real one's shape, and
+    loads the controller's store as a real worker does: its heartbeat thread
+    (``planaria.liveness.beat``), and on rank 0 of a run the stop key's watch
+    (``KeyWatch``) and the stream of step records (``_Stream``), planaria's own code."""
+
+    def __init__(self, name: str, host: str, port: int, heartbeat_s: float) -> None:
+        import threading
+
+        from planaria.collective import connect_store
+        from planaria.key_watch import KeyWatch
+        from planaria.liveness import Heartbeat, beat
+
+        self.name, self.phase, self.step_no, self.progress, self.beats = name, "idle", 0, 0, 0
+        self._store = connect_store(host, port, timeout_s=30)
+        self._keys = KeyWatch(lambda: connect_store(host, port, timeout_s=30))
+        self._stop = threading.Event()
+
+        def record() -> str:
+            self.beats += 1
+            return Heartbeat(self.beats, self.phase, self.step_no, 0, False,
+                             self.progress).format()
+
+        threading.Thread(target=beat, daemon=True,
+                         args=(lambda: connect_store(host, port, timeout_s=30), name, record,
+                               self._stop, heartbeat_s)).start()
 
     def step(self, gen: int, step: int, ids: Any, steps_done: int, next_ids: Any,
              *, skipped: int = -1) -> dict[str, Any]:
@@ -81,33 +108,53 @@ class ProtocolWorker:
             ids: Any) -> dict[str, Any]:
         """The autonomous loop's call: ``until - start`` steps of ``step_s`` each, records of
         the real loop's shape (rank 0 returns every one, the others their last)."""
-        # One sleep for the whole run, not one per step: on a machine of few cores, dozens
-        # of stand-ins waking every few ms would take the CPU from the controller whose
-        # cost is measured (real workers are on other hosts). The records are the same.
+        from planaria.worker_loop import STOP_POLL_S, STREAM_S, _Stream, stop_key
+
+        # No wake-up per step: on a machine of few cores, dozens of stand-ins waking every
+        # few ms would take the CPU from the controller whose cost is measured (real
+        # workers are on other hosts). Rank 0 wakes every STREAM_S to stream, as the
+        # real one does; the records are the same.
         first = time.time()
-        time.sleep(step_s * (until - start))
-        records = []
-        for step in range(start, until):
+
+        def record(step: int) -> dict[str, Any]:
             t0 = first + (step - start) * step_s
-            records.append({"grad_norm": 1.0, "overflow": False, "loss_sum": 0.5, "n": len(ids),
-                            "metric_sums": {}, "ids": ids, "digests": None, "data_wait_s": 0.0,
-                            "compute_s": step_s, "reduce_s": 0.0, "preempting": False,
-                            "step": step, "t0": t0, "t": t0 + step_s, "worker": f"w{rank}",
-                            "global_loss_sum": 32.0, "global_samples": 64, "leaving": False,
-                            "finite": True, "global_metric_sums": {}})
+            return {"grad_norm": 1.0, "overflow": False, "loss_sum": 0.5, "n": len(ids),
+                    "metric_sums": {}, "ids": ids, "digests": None, "data_wait_s": 0.0,
+                    "compute_s": step_s, "reduce_s": 0.0, "preempting": False,
+                    "step": step, "t0": t0, "t": t0 + step_s, "worker": f"w{rank}",
+                    "global_loss_sum": 32.0, "global_samples": 64, "leaving": False,
+                    "finite": True, "global_metric_sums": {}}
+
+        key = stop_key(gen, run_id)
+        if rank == 0:
+            self._keys.watch(key, STOP_POLL_S)
+        self.phase, self.progress = "compute", self.progress + 1
+        records: list[dict[str, Any]] = []
+        stream = _Stream(self._store, gen, run_id) if rank == 0 else None
+        with self._keys.busy():
+            end = first + step_s * (until - start)
+            while (now := time.time()) < end:
+                time.sleep(min(STREAM_S, end - now) if stream else end - now)
+                if stream is not None:
+                    done = min(until, start + int((time.time() - first) / step_s))
+                    records += [record(s) for s in range(start + len(records), done)]
+                    stream.publish(records, len(records))
+                self.progress += 1
+        self._keys.forget(key)
+        records += [record(s) for s in range(start + len(records), until)]
+        self.phase, self.step_no = "idle", until
         return {"steps": records if rank == 0 else records[-1:], "ended": "until",
                 "steps_done": until, "preempting": False}
 
 
 def _gather(refs: list[Any]) -> list[Any]:
-    """``Job._gather``'s wait for a step (``planaria.controller.wait_calls``): the first
-    answer, then a sweep of what else is ready."""
-    from planaria.controller import wait_calls
+    """``Job._gather``'s wait for a step (``planaria.call_watch.CallWatch``): every call's
+    answer as it comes."""
+    from planaria.call_watch import CallWatch
 
-    pending, out = list(refs), []
-    while pending:
-        done, pending, _ = wait_calls(pending, None, 0.0, 0.25)
-        out += ray.get(done)
+    calls, out = CallWatch(refs), []
+    while len(calls):
+        out += ray.get(calls.wait(0.25))
     return out
 
 
@@ -127,38 +174,51 @@ def protocol_rounds(workers: list[Any], rounds: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def autonomous_runs(workers: list[Any], repeats: int, short: int, long: int, step_s: float,
-                    log_dir: Path) -> dict[str, float]:
+def autonomous_runs(workers: list[Any], store: Any, repeats: int, short: int, long: int,
+                    step_s: float, log_dir: Path) -> dict[str, float]:
     """The controller's CPU cost of the autonomous loop on ``n`` protocol-only workers:
     runs of ``short`` and of ``long`` steps, alternated, ``repeats`` of each; the CPU time
     of a run (dispatch, ``Job._gather``'s wait loop with a poll between waits as
-    ``RunAhead`` polls, one event-log line per step from rank 0's records) is
-    ``per_run + steps * per_step``: ``per_step_ms`` is the slope between the two
-    lengths' medians (the cost of one more step), ``per_run_ms`` what is left (the calls
-    to every worker, paid once per run: at a generation, a checkpoint, a join)."""
+    ``RunAhead`` polls: rank 0's stream read and recorded as an event-log line a step,
+    the rest when the run ends; the store serving every worker's heartbeat and rank 0's
+    keys, in this process as in the controller's) is ``per_run + steps * per_step``:
+    ``per_step_ms`` is the slope between the two lengths' medians (the cost of one more
+    step), ``per_run_ms`` what is left (the calls to every worker, paid once per run: at a
+    generation, a checkpoint, a join)."""
     from planaria.events import EventLog
+    from planaria.liveness import Liveness
+    from planaria.worker_loop import stop_key, stream_key
 
     n = len(workers)
+    names = [f"w{r}" for r in range(n)]
+    ranks = frozenset(names)
     parts = np.array_split(np.arange(common.GLOBAL_BATCH, dtype=np.int64), n)
     log = EventLog(log_dir / f"events_{n}.jsonl")
-    polls = [0]
+    liveness = Liveness(store, timeout_s=3.0)
 
-    def poll() -> None:  # RunAhead._poll: nothing wanted here, a cheap local check
-        polls[0] += 1
+    def record(rec: dict[str, Any]) -> None:  # Job.record_step's event-log line
+        log.emit("step_committed", t=rec["t"], step=rec["step"], gen=0, width=n,
+                 duration_s=rec["t"] - rec["t0"],
+                 loss=rec["global_loss_sum"] / rec["global_samples"],
+                 samples=rec["global_samples"], data_wait_s=0.0, metrics={})
 
     cpu: dict[int, list[float]] = {short: [], long: []}
     start = 0
     for i in range(2 * repeats + 1):  # the first run warms up
-        steps = long if i % 2 else short
+        steps, run_id = (long if i % 2 else short), i + 1
+        stream = _StreamReader(store, run_id, start, liveness, ranks, record)
         cpu0 = time.process_time()
-        refs = [w.run.remote(0, 1, start, start + steps, rank=r, step_s=step_s, ids=parts[r])
+        refs = [w.run.remote(0, run_id, start, start + steps, rank=r, step_s=step_s,
+                             ids=parts[r])
                 for r, w in enumerate(workers)]
-        results = _gather_polling(refs, poll)
+        results = _gather_polling(refs, names, stream.poll, liveness)
         for rec in results[0]["steps"]:
-            log.emit("step_committed", t=rec["t"], step=rec["step"], gen=0, width=n,
-                     duration_s=rec["t"] - rec["t0"],
-                     loss=rec["global_loss_sum"] / rec["global_samples"],
-                     samples=rec["global_samples"], data_wait_s=rec["data_wait_s"], metrics={})
+            if rec["step"] >= stream.recorded:
+                record(rec)
+        for chunk in range(stream.chunks):  # RunAhead._clear
+            store.delete_key(stream_key(0, run_id, chunk))
+        store.delete_key(stream_key(0, run_id))
+        store.delete_key(stop_key(0, run_id))
         if i:
             cpu[steps].append((time.process_time() - cpu0) * 1000)
         start += steps
@@ -169,22 +229,53 @@ def autonomous_runs(workers: list[Any], repeats: int, short: int, long: int, ste
             "short_run_ms": c_short, "long_run_ms": c_long}
 
 
-def _gather_polling(refs: list[Any], poll: Any) -> list[Any]:
-    """``Job._gather``'s wait for a run (``planaria.controller.wait_calls``: rank 0's call,
-    the others swept every second), with the poll between waits; answers in the order of
-    ``refs``."""
-    from planaria.controller import wait_calls
+class _StreamReader:
+    """``RunAhead._poll`` for one run: rank 0's stream read, each new step recorded once,
+    the run's ranks vouched for when steps come (``boundary_wanted`` is a local check)."""
+
+    def __init__(self, store: Any, run_id: int, start: int, liveness: Any,
+                 ranks: frozenset[str], record: Any) -> None:
+        self.store, self.run_id, self.recorded = store, run_id, start
+        self.liveness, self.ranks, self.record = liveness, ranks, record
+        self.chunks = 0
+
+    def poll(self) -> None:
+        from planaria.worker_loop import stream_key
+
+        key = stream_key(0, self.run_id)
+        if not self.store.check([key]):
+            return
+        count = int(self.store.get(key))
+        if count > self.chunks:
+            self.liveness.vouch(self.ranks)
+        while self.chunks < count:
+            raw = self.store.get(stream_key(0, self.run_id, self.chunks))
+            self.chunks += 1
+            for rec in json.loads(raw):
+                if rec["step"] >= self.recorded:
+                    self.record(rec)
+                    self.recorded = rec["step"] + 1
+
+
+def _gather_polling(refs: list[Any], names: list[str], poll: Any, liveness: Any) -> list[Any]:
+    """``Job._gather``'s wait for a run: every call's answer as it comes
+    (``CallWatch``), the poll between waits, the heartbeats of the pending read unless the
+    stream vouched for them (``Liveness``); answers in the order of ``refs``."""
+    from planaria.call_watch import CallWatch
 
     index = {ref: i for i, ref in enumerate(refs)}
-    pending = list(refs)
     out: list[Any] = [None] * len(refs)
-    head, swept = refs[0], time.monotonic()
-    while pending:
-        done, pending, swept = wait_calls(pending, head, swept, 0.25)
-        for ref in done:
+    calls = CallWatch(refs)
+    liveness.watch(names)
+    while len(calls):
+        for ref in calls.wait(0.25):
             out[index[ref]] = ray.get(ref)
-        if pending:
-            poll()
+        if not len(calls):
+            break
+        poll()
+        if liveness.vouched_recently():
+            continue
+        liveness.hung([names[index[r]] for r in calls.pending], 600.0)
     return out
 
 
@@ -199,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--short-run", type=int, default=40, help="steps in a short run")
     p.add_argument("--long-run", type=int, default=1240, help="steps in a long run")
     p.add_argument("--step-ms", type=float, default=5.0, help="a protocol-only step's time")
+    p.add_argument("--heartbeat-s", type=float, default=0.25,
+                   help="the stand-ins' heartbeat period (HangConfig.heartbeat_s's default)")
     p.add_argument("--overhead-rounds", type=int, default=1,
                    help="rounds of bench/overhead.py's comparison with DDP (small and tiny "
                         "models) for overhead_ratio_small/tiny; 0 skips (its own run has 3)")
@@ -219,12 +312,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # job does not use it: the machine carries the same processes at every count, so
         # what changes with N is the controller's own work, not how many processes share
         # the cores (48 Ray workers on 2 cores slow the same controller code ~1.7x).
-        pool = [ProtocolWorker.remote() for _ in range(max(counts))]  # type: ignore[attr-defined]
+        # The controller's store, in this process as in the controller's: every stand-in's
+        # heartbeat and rank 0's keys are served here, and that CPU counts.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        pool = [ProtocolWorker.remote(f"w{i}", "127.0.0.1", store.port,  # type: ignore[attr-defined]
+                                      args.heartbeat_s)
+                for i in range(max(counts))]
         ray.get([w.__ray_ready__.remote() for w in pool])
         old, new, per_run = {}, {}, {}
         for n in counts:  # side by side, per worker count
             old[str(n)] = protocol_rounds(pool[:n], args.rounds, args.warmup)
-            a = autonomous_runs(pool[:n], args.repeats, args.short_run, args.long_run,
+            a = autonomous_runs(pool[:n], store, args.repeats, args.short_run, args.long_run,
                                 args.step_ms / 1000, log_dir)
             new[str(n)], per_run[str(n)] = a["per_step_ms"], a["per_run_ms"]
             label = " (oversubscribed)" if n > cores else ""

@@ -402,8 +402,12 @@ def render_dispatch(rec: dict[str, Any]) -> list[str]:
            f"step's critical path. Above {cores} workers the actors share this machine's "
            f"{cores} cores; every stand-in is started before the first count and the ones a "
            "count does not use idle, so the machine carries the same processes at every "
-           "count. While a run goes on the controller waits on rank 0's call and sweeps the "
-           "others every second (`planaria.controller.wait_calls`).", "",
+           "count. Each stand-in loads the controller's store as a real worker does "
+           "(planaria's heartbeat thread every 0.25 s; on rank 0 the stop key's watch and the "
+           "stream of records), served in the measured process as in the controller's. While "
+           "a run goes on the controller waits on every call through one completion callback "
+           "each (`planaria.call_watch.CallWatch`) and reads no heartbeat while rank 0's stream "
+           "vouches for the ranks (`Liveness.vouch`).", "",
            "| workers | per-step protocol (ms/step) | autonomous loop: controller CPU a step "
            "(ms) | and a run (ms) |",
            "|---:|---:|---:|---:|"]

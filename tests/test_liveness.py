@@ -80,3 +80,59 @@ def test_a_read_that_moves_bytes_is_moving_and_one_that_stopped_is_not():
     beat(store, "w2", 1, "compute", 1)  # not an I/O phase: never "moving"
     live.observe(["w2"])
     assert not live.moving("w2", within_s=5.0)
+
+
+def test_a_vouch_stands_for_a_while_and_dates_what_changed_unseen():
+    """While a run's steps commit, the controller reads no heartbeat (a vouch); a worker
+    that stopped right after the last vouch is still found hung about timeout_s after it."""
+    store, live, clock = make()
+    ranks = frozenset({"w0", "w1"})
+    assert live.vouch_s == 1.0 and not live.vouched_recently()
+    beat(store, "w0", 1, "compute", 1)
+    beat(store, "w1", 1, "compute", 1)
+    live.observe(["w0", "w1"])  # t = 1000
+    clock.t += 4.0
+    beat(store, "w0", 2, "compute", 9)  # both beat while nobody read them...
+    beat(store, "w1", 2, "compute", 9)
+    live.vouch(ranks)  # ...and committed a step together at t = 1004; then w1 stops
+    clock.t += 1.0
+    assert live.vouched_recently()
+    clock.t += 0.1
+    assert not live.vouched_recently()  # the steps stopped coming: read them again
+    beat(store, "w0", 3, "compute", 10)  # w0 still beats
+    assert live.hung(["w0", "w1"], deadline_s=600.0) == []  # t = 1005.1
+    clock.t += 1.0
+    beat(store, "w0", 4, "compute", 11)
+    assert live.hung(["w0", "w1"], deadline_s=600.0) == []  # t = 1006.1
+    clock.t += 1.1  # t = 1007.2: 3.1 s after its change is dated (1004.1, vouch_s before
+    beat(store, "w0", 5, "compute", 12)  # the first read; the vouch, w1's last sign, 1004)
+    assert live.hung(["w0", "w1"], deadline_s=600.0) == ["w1"]
+
+
+def test_a_vouch_covers_only_the_runs_ranks():
+    store, live, clock = make()
+    beat(store, "spare", 1, "idle", 1)
+    live.observe(["spare"])
+    clock.t += 2.0
+    beat(store, "spare", 2, "idle", 1)
+    live.vouch(frozenset({"w0"}))  # the spare is in no run: its change is dated when read
+    clock.t += 1.5
+    assert live.hung(["spare"], deadline_s=600.0) == []
+    clock.t += 2.9
+    assert live.hung(["spare"], deadline_s=600.0) == []  # 2.9 s since it was read changed
+
+
+def test_a_read_long_after_a_vouch_finds_no_live_worker_silent():
+    """The next generation's first read comes seconds after the last run's last vouch (a
+    replacement started meanwhile): a record that changed is not dated back to it."""
+    store, live, clock = make()
+    beat(store, "w0", 1, "idle", 1)
+    live.observe(["w0"])
+    clock.t += 10.0
+    live.vouch(frozenset({"w0"}))  # the last run's last step
+    clock.t += 5.0  # waiting for a replacement; nobody reads
+    beat(store, "w0", 2, "rendezvous", 2)
+    assert live.hung(["w0"], deadline_s=600.0) == []
+    clock.t += 1.5
+    beat(store, "w0", 3, "rendezvous", 2)
+    assert live.hung(["w0"], deadline_s=600.0) == []

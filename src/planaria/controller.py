@@ -23,6 +23,7 @@ import ray
 import torch
 
 from planaria._version import __version__
+from planaria.call_watch import CallWatch
 from planaria.chaos import ChaosPlan, send_signal
 from planaria.compile_cache import CACHE_FILE
 from planaria.config import RunConfig, TrainSpec
@@ -60,9 +61,6 @@ __all__ = ["Job", "StepResult"]
 _log = logging.getLogger("planaria.commits")
 _mlog = logging.getLogger("planaria.membership")
 
-SWEEP_S = 1.0
-"""While a run goes on, the controller waits on rank 0's call and looks at the others' this
-often (see Job._gather): a death elsewhere reaches rank 0's call within a step anyway."""
 LOSS_HISTORY = 100_000  # committed (step, loss) pairs kept in memory; the event log has all
 
 
@@ -76,30 +74,6 @@ class StepResult:
     duration_s: float
     samples_per_s: float
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def wait_calls(
-    pending: list[Any], head: Any | None, swept: float, timeout: float
-) -> tuple[list[Any], list[Any], float]:
-    """One wait of :meth:`Job._gather`: ``(done, pending, swept)``.
-
-    Wakes on the first call to answer (a death is known the moment Ray reports it) and
-    sweeps whatever else is ready too; with ``head`` (a run's rank 0 call) pending, waits on
-    it alone and sweeps the others every :data:`SWEEP_S` (``swept``: when it last did).
-    """
-    now = time.monotonic()
-    if head is not None and head in pending:
-        if now - swept >= SWEEP_S:  # any other call that ended, or whose worker died
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-            return done, pending, now
-        done, _ = ray.wait([head], num_returns=1, timeout=timeout)
-        pending = [r for r in pending if r != head] if done else pending
-    else:
-        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-    if done and pending:
-        more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-        done += more
-    return done, pending, swept
 
 
 class Job:
@@ -224,6 +198,7 @@ class Job:
                 nodes=self.placement.nodes(),
             )
         self.liveness = Liveness(self.store, timeout_s=self.hang.heartbeat_timeout_s)
+        self._aborted_gen = -1  # the last generation told to abort (once each)
         self.pool = WorkerPool(
             self.spec,
             cfg,
@@ -659,41 +634,35 @@ class Job:
         errors: dict[str, BaseException] = {}
         hung: list[str] = []
         end = time.monotonic() + deadline_s
-        pending = list(by_ref)
-        # A run's calls (``poll`` given) all end within a step of any one failing: a rank
-        # that fails aborts the generation and closes its group, so rank 0's collective
-        # fails too. Waiting on rank 0's call alone between full sweeps keeps the wait
-        # O(1) in the number of workers (a wait on N calls costs O(N) every 0.25 s).
-        head = pending[0] if poll is not None and len(pending) > 1 else None
-        swept = time.monotonic()
+        calls = CallWatch(by_ref)  # a wait costs O(1) in the number of calls
         self.liveness.watch(list(refs))
-        while pending:
+        while len(calls):
             now = time.monotonic()
             if now >= end:
-                late = self._past_deadline([by_ref[r] for r in pending])
+                late = self._past_deadline([by_ref[r] for r in calls.pending])
                 if late:
                     hung += late
                     break
                 end = now + 1.0  # every one of them still moves checkpoint bytes
-            done, pending, swept = wait_calls(
-                pending, None if errors else head, swept, min(0.25, end - now)
-            )
-            for ref in done:
+            for ref in calls.wait(min(0.25, end - now)):
                 name = by_ref[ref]
                 try:
                     results[name] = ray.get(ref)
                 except Exception as err:
                     errors[name] = err
                     self._abort_generation()
-            if pending and poll is not None and not errors:
+            if not len(calls):
+                break
+            if poll is not None and not errors:
                 poll()
-            if pending:
-                stale = self.liveness.hung([by_ref[r] for r in pending], self.deadline.seconds)
-                stale = [n for n in stale if n not in hung]
-                if stale:
-                    hung += stale
-                    self._abort_generation()
-                    self._evict_hung(stale)  # killed: their calls end with ActorDiedError
+            if poll is not None and not errors and self.liveness.vouched_recently():
+                continue  # steps commit: every rank of the run is alive and moving
+            stale = self.liveness.hung([by_ref[r] for r in calls.pending], self.deadline.seconds)
+            stale = [n for n in stale if n not in hung]
+            if stale:
+                hung += stale
+                self._abort_generation()
+                self._evict_hung(stale)  # killed: their calls end with ActorDiedError
         if not errors and not hung:
             return results
         hung_set = [h for h in dict.fromkeys(hung) if h not in errors or _is_death(errors[h])]
@@ -720,11 +689,18 @@ class Job:
         raise failure
 
     def _abort_generation(self) -> None:
-        """Tells every member of this generation to abandon what it is doing (see Worker)."""
+        """Tells every member of this generation to abandon what it is doing: a call beside
+        the step (:meth:`Worker.abort <planaria.worker.Worker.abort>`, so no worker polls
+        for it), and ``abort/<gen>`` in the store for ranks waiting in a rendezvous."""
+        if self._aborted_gen == self.gen:
+            return
+        self._aborted_gen = self.gen
         try:
             self.store.set(f"abort/{self.gen}", "1")
         except Exception:  # the store is ours; nothing to do if it fails but wait
             _log.debug("could not set abort/%d", self.gen, exc_info=True)
+        for handle in self.members:  # fire and forget: a dead one needs no telling
+            handle.actor.abort.remote(self.gen)
 
     def _past_deadline(self, names: list[str]) -> list[str]:
         """The last resort: past the call's deadline, whoever is not waiting on a peer; none

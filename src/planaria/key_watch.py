@@ -1,12 +1,13 @@
 """Store keys a worker waits to see, polled from a background thread.
 
-A worker learns two things from the controller's store in the middle of its
-steps: that a peer failed (``abort/<gen>``: abandon the step between
-micro-batches) and, on rank 0 of a run, that the controller wants a boundary
-(``stop/<gen>/<run>``). Reading them on the training thread costs a round trip
-each time, and on a machine whose cores the workers keep busy the round trip
-waits for the controller's store thread to be scheduled: milliseconds a step on
-the critical path. :class:`KeyWatch` polls them from its own thread, with its
+Rank 0 of a run learns from the controller's store, in the middle of its steps,
+that the controller wants a boundary (``stop/<gen>/<run>``; one reader, so the
+store's load does not grow with the width; an abort is pushed to every worker
+instead, see :meth:`Worker.abort <planaria.worker.Worker.abort>`). Reading it
+on the training thread costs a round trip each time, and on a machine whose
+cores the workers keep busy the round trip waits for the controller's store
+thread to be scheduled: milliseconds a step on the critical path.
+:class:`KeyWatch` polls it from its own thread, with its
 own store connection, only while a step is in progress (:meth:`busy`); the
 training thread reads a flag.
 

@@ -20,19 +20,39 @@ in the controller's store (``hb/<name>``, written by a thread in the worker):
   the read's deadline (which grows with the bytes) it is hung only if its bytes
   stopped moving: a slow read that moves is never killed.
 
-A peer's death never makes the survivors suspects: they abandon the step
-(``abort/<gen>`` in the store, polled between micro-batches) and answer.
+A peer's death never makes the survivors suspects: the controller tells them
+(:meth:`Worker.abort <planaria.worker.Worker.abort>`, a call that runs beside the
+step), they abandon the step between micro-batches and answer.
+
+- **vouched**: while a run of steps commits (rank 0's stream brings new steps,
+  each reduced by every rank of the run), every rank is alive and moving, so the
+  controller reads no heartbeat (reading N records is O(N)): :meth:`Liveness.vouch`.
+  When the steps stop coming for :meth:`Liveness.vouch_s`, it reads them again,
+  and a record that changed while it was not looking is dated at the last vouch
+  (or ``vouch_s`` ago, if later): a hang is found about as soon as if it had
+  looked all along, and a live worker is never found silent.
+
+The worker's side is :func:`beat`: one store write per beat, a look at its
+fence about once a second.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["IO_PHASES", "IO_STALL_S", "WORK_PHASES", "Heartbeat", "Liveness"]
+__all__ = ["IO_PHASES", "IO_STALL_S", "WORK_PHASES", "Heartbeat", "Liveness", "beat"]
+
+_log = logging.getLogger("planaria.liveness")
+
+FENCE_CHECK_S = 1.0
+"""How often a worker's heartbeat thread looks at its fence (an evicted worker exits)."""
 
 WORK_PHASES = frozenset({"loading", "compute", "apply"})
 """Phases in which a worker does its own work, so that no progress means stuck."""
@@ -70,6 +90,7 @@ class _Seen:
     record: Heartbeat
     changed_t: float  # controller's monotonic clock: when the record last changed
     progress_t: float  # ... when the progress counter (or the phase) last changed
+    observed_t: float  # ... when it was last read
 
 
 class Liveness:
@@ -86,6 +107,22 @@ class Liveness:
         self.timeout_s = timeout_s
         self._clock = clock
         self._seen: dict[str, _Seen] = {}
+        self._vouched: frozenset[str] = frozenset()
+        self._vouch_t = -float("inf")
+
+    @property
+    def vouch_s(self) -> float:
+        """How long a vouch stands: well inside the heartbeat timeout."""
+        return min(1.0, self.timeout_s / 3)
+
+    def vouch(self, names: frozenset[str]) -> None:
+        """``names`` (a run's ranks) just committed a step together: all alive and moving.
+        O(1): pass the same frozenset for the whole run."""
+        self._vouched, self._vouch_t = names, self._clock()
+
+    def vouched_recently(self) -> bool:
+        """A vouch stands: reading the heartbeats can wait."""
+        return self._clock() - self._vouch_t <= self.vouch_s
 
     def observe(self, names: list[str]) -> None:
         """Reads the heartbeats of ``names`` (one store round trip) and notes what changed."""
@@ -108,13 +145,20 @@ class Liveness:
                 continue
             seen = self._seen.get(name)
             if seen is None:
-                self._seen[name] = _Seen(record, now, now)
+                self._seen[name] = _Seen(record, now, now, now)
                 continue
             if record != seen.record:
                 moved = (record.progress, record.phase) != (seen.record.progress, seen.record.phase)
-                seen.record, seen.changed_t = record, now
+                # Not read while a vouch stood: it changed by the vouch, maybe not since. Dated
+                # no earlier than vouch_s ago (well inside the timeout): a read long after
+                # the vouch (the next generation's) must not find a live worker silent.
+                at = now
+                if name in self._vouched and seen.observed_t < self._vouch_t:
+                    at = max(self._vouch_t, now - self.vouch_s)
+                seen.record, seen.changed_t = record, at
                 if moved:
-                    seen.progress_t = now
+                    seen.progress_t = at
+            seen.observed_t = now
 
     def watch(self, names: list[str]) -> None:
         """A call was just sent to ``names``: their progress clocks start now (a worker that
@@ -167,3 +211,31 @@ class Liveness:
 
     def forget(self, name: str) -> None:
         self._seen.pop(name, None)
+
+
+def beat(
+    connect: Callable[[], dist.Store],
+    name: str,
+    record: Callable[[], str],
+    stop: threading.Event,
+    period_s: float,
+) -> None:
+    """A worker's heartbeat thread: writes ``record()`` to ``hb/<name>`` every ``period_s``
+    (one store write a beat) and looks at ``fence/<name>`` every :data:`FENCE_CHECK_S`; a
+    fenced worker (evicted while stopped or cut off: its state is no one's now) exits.
+    Returns when ``stop`` is set."""
+    store = connect()
+    fence_key, hb_key = f"fence/{name}", f"hb/{name}"
+    every = max(1, round(FENCE_CHECK_S / period_s))
+    beats = 0
+    while not stop.wait(period_s):
+        try:
+            if beats % every == 0 and store.check([fence_key]):
+                _log.warning("%s was fenced off by the controller; exiting", name)
+                os._exit(0)
+            store.set(hb_key, record())
+            beats += 1
+        except Exception:  # the controller is gone: nothing to report to
+            if stop.is_set():
+                return
+            time.sleep(period_s)

@@ -23,6 +23,9 @@ step's totals. Rank 0 streams them every 0.25 s (once a later step's reduction
 shows that every rank applied them: a step is never reported before it is
 committed everywhere), and the controller records them while the run goes on
 (progress display, Prometheus, event log); the rest come with the run's result.
+New steps on the stream also vouch for every rank of the run
+(:meth:`Liveness.vouch <planaria.liveness.Liveness.vouch>`): while they come, the
+controller reads no heartbeat, so its work per step stays O(1).
 With a ledger on, each worker also appends what it was served to a store key
 before each step's collective, so that the records of a worker that died survive
 it; the ledger is written when the run ends.
@@ -62,6 +65,7 @@ class RunAhead:
         self._why: str | None = None
         self._chunks = 0  # stream chunks of the current run read so far
         self._streamed: list[StepResult] = []  # its steps recorded from the stream
+        self._ranks: frozenset[str] = frozenset()  # the current run's members
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -102,6 +106,7 @@ class RunAhead:
         gen, run_id = job.gen, self.run_id
         plan = (job.plan.num_samples, job.plan.global_batch_size, job.plan.seed)
         members = list(job.members)
+        self._ranks = frozenset(h.name for h in members)
         refs = {
             h.name: h.actor.run.remote(
                 gen, run_id, start, stop, plan=plan, skipped=job.last_skipped,
@@ -148,6 +153,8 @@ class RunAhead:
             if not job.store.check([key]):
                 return
             count = int(job.store.get(key))
+            if count > self._chunks:  # steps every rank reduced: all alive and moving
+                job.liveness.vouch(self._ranks)
             while self._chunks < count:
                 raw = job.store.get(stream_key(job.gen, self.run_id, self._chunks))
                 self._chunks += 1

@@ -40,7 +40,7 @@ from planaria.errors import Failure, PlanariaError, StaleGeneration, StepAborted
 from planaria.faults import user_call
 from planaria.integrity import Served, dataset_fingerprint
 from planaria.key_watch import KeyWatch
-from planaria.liveness import Heartbeat
+from planaria.liveness import Heartbeat, beat
 from planaria.overlap import OverlappedReduce
 from planaria.randomness import (
     factory_seed,
@@ -66,9 +66,6 @@ STATUS_TAIL = 32
 longer status, or a model with no such buffer, is reduced on its own (fp32 sums: loss and
 metric totals to ~1e-7 relative, sample counts exact below 2**24)."""
 _TAIL_DTYPES = (torch.float32, torch.float64)
-ABORT_POLL_S = 0.02
-"""While a step runs, a worker's KeyWatch thread reads its generation's abort key this often
-(the training thread looks at the flag between micro-batches)."""
 
 
 def param_checksum(model: torch.nn.Module) -> int:
@@ -147,9 +144,9 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-loader")
         self._prefetched: tuple[bytes, Future[_Loaded]] | None = None
         self._attempt: dict[str, Any] | None = None  # what the last step attempt was served
-        # abort/<gen> (and a run's stop key) are polled off the training thread (key_watch)
+        # A run's stop key is polled off the training thread, by rank 0 alone (key_watch).
         self._keys = KeyWatch(lambda: connect_store(store_host, store_port, timeout_s=30))
-        self._abort_key: str | None = None
+        self._aborted_gen = -1  # the last generation the controller told to abort (abort())
         self._run_records: list[dict[str, Any]] = []  # the autonomous loop's (worker_loop)
         self._ledger_hook: tuple[int, int, int] | None = None
         self._status_metrics: tuple[str, ...] | None = None
@@ -169,7 +166,9 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._store = connect_store(store_host, store_port, timeout_s=30)
         self._publish_heartbeat()
         threading.Thread(
-            target=self._heartbeat_loop, name="planaria-heartbeat", daemon=True
+            target=beat, name="planaria-heartbeat", daemon=True,
+            args=(lambda: connect_store(store_host, store_port, timeout_s=30), name,
+                  self._heartbeat_record, self._stop, heartbeat_s),
         ).start()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -381,10 +380,9 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     def step(self, gen: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The per-step protocol's call: :meth:`_step` once the generation and the fence
-        are checked, with the store's abort key watched while it runs."""
+        are checked."""
         self._check(gen)
-        with self._keys.busy():
-            return self._step(gen, *args, **kwargs)
+        return self._step(gen, *args, **kwargs)
 
     def _step(
         self,
@@ -752,21 +750,20 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     # ---- fencing, heartbeat, diagnostics --------------------------------------------------
 
-    def _raise_if_aborted(self, step: int) -> None:
-        """A peer failed during this step (the controller or a peer set ``abort/<gen>``).
+    @ray.method(concurrency_group="control")
+    def abort(self, gen: int) -> None:
+        """A peer of generation ``gen`` failed: abandon its step between micro-batches.
 
-        Called between micro-batches; reads a flag that a background thread sets (see
-        :mod:`planaria.key_watch`: the store is read every ``ABORT_POLL_S`` while a step
-        runs): a failure is noticed within that, plus one micro-batch."""
+        The controller's call, run beside the step (the control concurrency group), so
+        no worker polls for it: nothing per step, nothing per second."""
+        self._aborted_gen = max(self._aborted_gen, gen)
+
+    def _raise_if_aborted(self, step: int) -> None:
+        """Called between micro-batches: a peer failed during this step (see :meth:`abort`)."""
         comm = self.comm
         if comm is None or comm.world_size == 1:
             return
-        key = f"abort/{self.gen}"
-        if key != self._abort_key:  # a new generation: its own key
-            self._keys.forget("abort/")
-            self._keys.watch(key, ABORT_POLL_S)
-            self._abort_key = key
-        if self._keys.seen(key):
+        if self._aborted_gen >= self.gen:
             raise StepAborted(f"{self.name} abandoned step {step}: a peer failed")
 
     def _abort_generation(self, step: int) -> None:
@@ -812,21 +809,6 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     def _publish_heartbeat(self) -> None:
         record = self._heartbeat_record()
         self._store.set(f"hb/{self.name}", record)
-
-    def _heartbeat_loop(self) -> None:
-        store = connect_store(*self._store_addr, timeout_s=30)
-        fence_key = f"fence/{self.name}"
-        while not self._stop.wait(self._heartbeat_s):
-            try:
-                if store.check([fence_key]):
-                    # Evicted while stopped or cut off: this replica's state is no one's now.
-                    _log.warning("%s was fenced off by the controller; exiting", self.name)
-                    os._exit(0)
-                store.set(f"hb/{self.name}", self._heartbeat_record())
-            except Exception:  # the controller is gone: nothing to report to
-                if self._stop.is_set():
-                    return
-                time.sleep(self._heartbeat_s)
 
     def ping(self) -> bool:
         """Answers at once: the controller's check that an idle standby spare still lives."""

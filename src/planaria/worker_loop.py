@@ -191,7 +191,7 @@ class WorkerLoopMixin:
             self._run_records.append(r)
             if stream is not None:
                 # This step's reduction completed: every rank applied the steps before it.
-                stream.publish(self._run_records[:-1])
+                stream.publish(self._run_records, len(self._run_records) - 1)
             step += 1
             if leaving > 0:
                 ended = "leaving"
@@ -234,11 +234,12 @@ class _Stream:
         self.chunks = 0
         self.last = time.monotonic()
 
-    def publish(self, records: list[dict[str, Any]]) -> None:
-        if len(records) <= self.sent or time.monotonic() - self.last < STREAM_S:
+    def publish(self, records: list[dict[str, Any]], upto: int) -> None:
+        """``records[:upto]`` that were not published yet, if ``STREAM_S`` has passed."""
+        if upto <= self.sent or time.monotonic() - self.last < STREAM_S:
             return
-        chunk = [{k: r[k] for k in STREAMED} for r in records[self.sent:]]
+        chunk = [{k: r[k] for k in STREAMED} for r in records[self.sent:upto]]
         self.store.set(stream_key(self.gen, self.run_id, self.chunks), json.dumps(chunk))
         self.chunks += 1
         self.store.set(stream_key(self.gen, self.run_id), str(self.chunks))
-        self.sent, self.last = len(records), time.monotonic()
+        self.sent, self.last = upto, time.monotonic()
