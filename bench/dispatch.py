@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "per_run_controller_ms": per_run,
         "run_lengths": [args.short_run, args.long_run],
         "step_ms": args.step_ms,
+        "heartbeat_s": args.heartbeat_s,
         "real_autonomous": {k: auto[k] for k in ("step_ms_median", "controller_cpu_ms")},
         "real_per_step": {k: real[k] for k in ("step_ms_median", "controller_cpu_ms")},
         "real_workers_controller_ms": real["controller_ms_median"],

@@ -147,6 +147,10 @@ def _header(rec: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ci(pair: list[float] | None, fmt: str) -> str:
+    return "" if not pair else f" ({_f(pair[0], fmt)} to {_f(pair[1], fmt)})"
+
+
 def render_overhead(rec: dict[str, Any]) -> list[str]:
     r = rec["result"]
     b = r.get("breakdown_ms") or {}
@@ -156,34 +160,41 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
         f"Model `{r.get('size')}`, {r.get('replicas')} replicas x {r.get('threads')} torch "
         f"thread, global batch 64 (micro-batch 16), {r.get('steps')} steps per run with "
         f"{r.get('warmup')} warm-up steps left out, {len(r.get('rounds') or [])} interleaved "
-        "rounds (planaria, planaria per step, DDP, ...); medians over every steady step."
+        + ("rounds (planaria, DDP, ...; the per-step protocol too in the first "
+           f"{r['per_step_rounds']}); medians over every steady step, 95% intervals "
+           "bootstrapped over the rounds." if "per_step_rounds" in r else
+           "rounds (planaria, planaria per step, DDP, ...); medians over every steady step.")
         + (f" The `tiny` cross-check: {r['tiny_steps']} steps per run, {r['tiny_warmup']} "
            "warm-up, as many rounds." if r.get("tiny_steps") else ""),
         "",
-        "| | planaria | DDP (torchrun) | ratio | target |",
-        "|---|---:|---:|---:|---|",
+        "| | planaria | DDP (torchrun) | ratio (95% interval) | fixed ms a step | target |",
+        "|---|---:|---:|---:|---:|---|",
         f"| median step time (ms), `{r.get('size')}` model | {_f(r['planaria_step_ms'], '.2f')} "
-        f"| {_f(r['ddp_step_ms'], '.2f')} | {_f(ratio, '.3f')} | ≤ 1.03: "
+        f"| {_f(r['ddp_step_ms'], '.2f')} | {_f(ratio, '.3f')}{_ci(r.get('ratio_ci95'), '.3f')} "
+        f"| {_f(r.get('fixed_ms'), '+.2f')}{_ci(r.get('fixed_ms_ci95'), '+.2f')} | ≤ 1.03: "
         f"{_ok(None if ratio is None else ratio <= 1.03)} |",
     ]
     if r.get("per_step_protocol_step_ms") is not None:
         out.append(
             f"| the same, per-step protocol | {_f(r['per_step_protocol_step_ms'], '.2f')} | "
-            f"{_f(r['ddp_step_ms'], '.2f')} | {_f(r.get('per_step_protocol_ratio'), '.3f')} | — |"
+            f"{_f(r['ddp_step_ms'], '.2f')} | {_f(r.get('per_step_protocol_ratio'), '.3f')} | — "
+            "| — |"
         )
     tiny = r.get("tiny")
     if tiny:
         tr = tiny.get("ratio")
         out.append(
             f"| `tiny` model (ms) | {_f(tiny['planaria_step_ms'], '.2f')} | "
-            f"{_f(tiny['ddp_step_ms'], '.2f')} | {_f(tr, '.3f')} | ≤ 1.15: "
+            f"{_f(tiny['ddp_step_ms'], '.2f')} | {_f(tr, '.3f')}"
+            f"{_ci(tiny.get('ratio_ci95'), '.3f')} | {_f(tiny.get('fixed_ms'), '+.2f')}"
+            f"{_ci(tiny.get('fixed_ms_ci95'), '+.2f')} | ≤ 1.15: "
             f"{_ok(None if tr is None else tr <= 1.15)} |"
         )
         if tiny.get("per_step_protocol_step_ms") is not None:
             out.append(
                 f"| the same, per-step protocol | {_f(tiny['per_step_protocol_step_ms'], '.2f')}"
                 f" | {_f(tiny['ddp_step_ms'], '.2f')} | "
-                f"{_f(tiny.get('per_step_protocol_ratio'), '.3f')} | — |"
+                f"{_f(tiny.get('per_step_protocol_ratio'), '.3f')} | — | — |"
             )
     out += ["", "planaria's step time is the autonomous loop's (`fit`'s): the period between "
             "rank 0's commits in a run of the steady steps. The breakdown below is the "
@@ -212,7 +223,7 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
         for i, rr in enumerate(rounds):
             out.append(
                 f"| {i} | {_f(rr['planaria_step_ms'], '.1f')} | {_f(rr['ddp_step_ms'], '.1f')} | "
-                f"{_f(rr['worker_ms'], '.1f')} | {_f(rr['gap_ms'], '.1f')} |"
+                f"{_f(rr.get('worker_ms'), '.1f')} | {_f(rr.get('gap_ms'), '.1f')} |"
             )
         out.append("")
     return out
@@ -402,12 +413,17 @@ def render_dispatch(rec: dict[str, Any]) -> list[str]:
            f"step's critical path. Above {cores} workers the actors share this machine's "
            f"{cores} cores; every stand-in is started before the first count and the ones a "
            "count does not use idle, so the machine carries the same processes at every "
-           "count. Each stand-in loads the controller's store as a real worker does "
-           "(planaria's heartbeat thread every 0.25 s; on rank 0 the stop key's watch and the "
-           "stream of records), served in the measured process as in the controller's. While "
-           "a run goes on the controller waits on every call through one completion callback "
-           "each (`planaria.call_watch.CallWatch`) and reads no heartbeat while rank 0's stream "
-           "vouches for the ranks (`Liveness.vouch`).", "",
+           "count. " + (
+               "Each stand-in loads the controller's store as a real worker does (planaria's "
+               f"heartbeat thread every {r['heartbeat_s']:g} s; on rank 0 the stop key's watch "
+               "and the stream of records), served in the measured process as in the "
+               "controller's. While a run goes on the controller waits on every call through "
+               "one completion callback each (`planaria.call_watch.CallWatch`) and reads no "
+               "heartbeat while rank 0's stream vouches for the ranks (`Liveness.vouch`)."
+               if r.get("heartbeat_s") else
+               "The stand-ins did not touch the controller's store (no heartbeats). While a run "
+               "went on the controller waited on rank 0's call and swept the others every "
+               "second."), "",
            "| workers | per-step protocol (ms/step) | autonomous loop: controller CPU a step "
            "(ms) | and a run (ms) |",
            "|---:|---:|---:|---:|"]

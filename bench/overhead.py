@@ -1,15 +1,18 @@
 """Steady-state step time, planaria vs plain DDP, in one run.
 
-    python bench/overhead.py                 # "small" model, 2 replicas, 3 rounds of 60
+    python bench/overhead.py                 # "small" model, 2 replicas, 10 rounds of 60
     python bench/overhead.py --quick         # smoke run: tiny model, few steps
 
 The same model, data, global batch (64) and micro-batch (16), 2 replicas with
 1 torch thread each, three ways: planaria (``planaria.Job`` with a TrainSpec
 built from ``bench.common``) under each step protocol, and DDP under ``torchrun
 --nproc_per_node=2`` (``bench.baselines.runners.run_ddp_steady``). The runs are
-interleaved (planaria, planaria per step, DDP, ...) so that all see the same load,
-and the figures are medians over the steady steps of every round pooled
-(``--warmup`` steps of each run left out).
+interleaved (planaria, DDP, planaria, ...; the per-step protocol too in the first
+``--per-step-rounds``) so that all see the same load, and the figures are
+medians over the steady steps of every round pooled (``--warmup`` steps of each
+run left out), with 95% intervals bootstrapped over the rounds. Neither side
+prefetches on this machine (planaria's ``prefetch`` is off where no core is
+spare; DDP's loop loads in line).
 
 Figures:
 
@@ -22,7 +25,8 @@ Figures:
   the next dispatch, so this is the step period. The breakdown below is this
   protocol's.
 - ``ddp_step_ms``: rank 0's time per step (micro-batches, allreduce, Adam).
-- ``ratio``: planaria ÷ DDP.
+- ``ratio``: planaria ÷ DDP, with ``ratio_ci95``; ``fixed_ms``: planaria minus DDP,
+  the fixed cost a step, with ``fixed_ms_ci95``.
 - ``controller_overhead_ms``: per step, planaria's wall time minus the
   slowest worker's own ``data_wait_s + compute_s + reduce_s`` (from its step
   result) minus its update apply. A worker applies the committed update
@@ -70,14 +74,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny-steps", type=int, default=300,
                    help="steps per run of the tiny-model cross-check (its steps take ms)")
     p.add_argument("--tiny-warmup", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=3, help="planaria, DDP pairs (interleaved)")
+    p.add_argument("--rounds", type=int, default=10, help="planaria, DDP pairs (interleaved)")
+    p.add_argument("--per-step-rounds", type=int, default=2,
+                   help="of those, how many also run the per-step protocol (its breakdown)")
     p.add_argument("--no-tiny", action="store_true", help="skip the tiny-model cross-check")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--workdir", default=None)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, few steps")
     args = p.parse_args(argv)
     if args.quick:
-        args.size, args.steps, args.warmup, args.rounds, args.no_tiny = "tiny", 8, 3, 1, True
+        args.size, args.steps, args.warmup, args.rounds, args.no_tiny = "tiny", 8, 3, 2, True
     return args
 
 
@@ -96,22 +102,41 @@ BREAKDOWN = (
 )
 
 
+def _interval(pl: list[list[float]], ddp: list[list[float]]) -> dict[str, list[float]]:
+    """95% intervals of the pooled-median ratio and difference, bootstrapped over rounds
+    (a round's planaria and DDP runs resampled together: they shared the machine's load)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ratios, diffs = [], []
+    for _ in range(2000):
+        pick = rng.integers(0, len(pl), len(pl))
+        a = _med([x for i in pick for x in pl[i]])
+        b = _med([x for i in pick for x in ddp[i]])
+        ratios.append(a / b)
+        diffs.append(a - b)
+    lo_hi = (2.5, 97.5)
+    return {"ratio_ci95": [float(v) for v in np.percentile(ratios, lo_hi)],
+            "fixed_ms_ci95": [float(v) for v in np.percentile(diffs, lo_hi)]}
+
+
 def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path, *, steps: int,
              warmup: int) -> dict[str, Any]:
-    pl_ms: list[float] = []
+    pl_rounds: list[list[float]] = []
+    ddp_rounds: list[list[float]] = []
     ps_ms: list[float] = []
-    ddp_ms: list[float] = []
     per_round = []
     for i in range(rounds):
-        # Both step protocols, side by side (the per-step one gives the step's breakdown).
-        runs = {
-            protocol: run_planaria_steady(
-                steps, size, args.replicas, args.threads, warmup=warmup,
-                run_dir=wd / f"planaria_{protocol}_{size}_{i}", step_protocol=protocol,
-            )
-            for protocol in ("autonomous", "per_step")
-        }
-        auto, pl = runs["autonomous"], runs["per_step"]
+        auto = run_planaria_steady(steps, size, args.replicas, args.threads, warmup=warmup,
+                                   run_dir=wd / f"planaria_autonomous_{size}_{i}",
+                                   step_protocol="autonomous")
+        # The per-step protocol, side by side in the first rounds (its step's breakdown).
+        pl = None
+        if i < args.per_step_rounds:
+            pl = run_planaria_steady(steps, size, args.replicas, args.threads, warmup=warmup,
+                                     run_dir=wd / f"planaria_per_step_{size}_{i}",
+                                     step_protocol="per_step")
+            ps_ms += pl["step_ms"]
         ddp = run_ddp_steady(
             steps,
             size,
@@ -121,34 +146,41 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path, *, step
             timeout_s=args.timeout_s,
             workdir=wd / f"ddp_{size}_{i}",
         )
-        pl_ms += auto["step_ms"]
-        ps_ms += pl["step_ms"]
-        ddp_ms += ddp["step_ms"]
-        row = {"planaria_step_ms": auto["step_ms_median"], "ddp_step_ms": ddp["step_ms_median"],
-               "per_step_protocol_step_ms": pl["step_ms_median"]}
+        pl_rounds.append(auto["step_ms"])
+        ddp_rounds.append(ddp["step_ms"])
+        row: dict[str, Any] = {"planaria_step_ms": auto["step_ms_median"],
+                               "ddp_step_ms": ddp["step_ms_median"]}
         row["ratio"] = row["planaria_step_ms"] / row["ddp_step_ms"]
-        row["per_step_protocol_ratio"] = row["per_step_protocol_step_ms"] / row["ddp_step_ms"]
-        row.update({k: pl[f"{k}_median"] for k in BREAKDOWN})
+        text = ""
+        if pl is not None:
+            row["per_step_protocol_step_ms"] = pl["step_ms_median"]
+            row["per_step_protocol_ratio"] = pl["step_ms_median"] / row["ddp_step_ms"]
+            row.update({k: pl[f"{k}_median"] for k in BREAKDOWN})
+            text = (f", {row['per_step_protocol_step_ms']:.2f} ms per step (slowest worker "
+                    f"{row['worker_ms']:.1f} + apply {row['apply_ms']:.1f} ms, controller "
+                    f"{row['controller_ms']:.1f} ms)")
         per_round.append(row)
         print(
             f"  round {i} ({size}): planaria {row['planaria_step_ms']:.2f} ms (autonomous "
-            f"loop), {row['per_step_protocol_step_ms']:.2f} ms per step (slowest worker "
-            f"{row['worker_ms']:.1f} + apply {row['apply_ms']:.1f} ms, controller "
-            f"{row['controller_ms']:.1f} ms), DDP {row['ddp_step_ms']:.2f} ms, ratio "
-            f"{row['ratio']:.3f} (per step {row['per_step_protocol_ratio']:.3f}); "
+            f"loop){text}, DDP {row['ddp_step_ms']:.2f} ms, ratio {row['ratio']:.3f}; "
             f"load {common.loadavg()}",
             flush=True,
         )
+    pl_ms = [x for r in pl_rounds for x in r]
+    ddp_ms = [x for r in ddp_rounds for x in r]
+    with_ps = [r for r in per_round if "per_step_protocol_step_ms" in r]
     out = {
         "planaria_step_ms": _med(pl_ms),
         "ddp_step_ms": _med(ddp_ms),
         "ratio": _med(pl_ms) / _med(ddp_ms),
-        "per_step_protocol_step_ms": _med(ps_ms),
-        "per_step_protocol_ratio": _med(ps_ms) / _med(ddp_ms),
+        "fixed_ms": _med(pl_ms) - _med(ddp_ms),
+        **_interval(pl_rounds, ddp_rounds),
+        "per_step_protocol_step_ms": _med(ps_ms) if ps_ms else None,
+        "per_step_protocol_ratio": _med(ps_ms) / _med(ddp_ms) if ps_ms else None,
         "ratio_per_round_median": _med([r["ratio"] for r in per_round]),
         "rounds": per_round,
     }
-    out.update({k: _med([r[k] for r in per_round]) for k in BREAKDOWN})
+    out.update({k: _med([r[k] for r in with_ps]) if with_ps else None for k in BREAKDOWN})
     return out
 
 
@@ -182,17 +214,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{'median step ms (tiny cross-check)':<36} {tiny['planaria_step_ms']:>9.1f} "
             f"{tiny['ddp_step_ms']:>9.1f} {tiny['ratio']:>7.3f}"
         )
+    for name, c in (("", m), ("tiny ", tiny)):
+        if c is not None:
+            lo, hi = c["ratio_ci95"]
+            flo, fhi = c["fixed_ms_ci95"]
+            print(f"{name}ratio {c['ratio']:.3f} (95% interval {lo:.3f}-{hi:.3f} over "
+                  f"{args.rounds} rounds); fixed cost {c['fixed_ms']:+.2f} ms a step "
+                  f"({flo:+.2f} to {fhi:+.2f})")
     print(f"ratio, median of the per-round ratios: {m['ratio_per_round_median']:.3f}")
-    print(f"per-step protocol (Job.train_step): {m['per_step_protocol_step_ms']:.1f} ms, ratio "
-          f"{m['per_step_protocol_ratio']:.3f}")
-    print("the per-step protocol's step, per-step medians (median over rounds), ms:")
-    print(f"  slowest worker data wait + compute + reduce  {m['worker_ms']:7.1f}")
-    print(f"  its update apply (Adam, outside its timers)  {m['apply_ms']:7.1f}")
-    print(f"  rest of its step call                        {m['worker_other_ms']:7.1f}")
-    print(f"  Ray transport (dispatch -> results back)     {m['transport_ms']:7.1f}")
-    print(f"  controller bookkeeping (boundary, log)       {m['bookkeeping_ms']:7.1f}")
-    print(f"  step wall - data/compute/reduce ('gap')      {m['gap_ms']:7.1f}")
-    print(f"  controller overhead (gap - apply)            {m['controller_ms']:7.1f}")
+    if m["per_step_protocol_step_ms"] is not None:
+        _print_breakdown(m, args.per_step_rounds)
     print(f"load average before {load_before} after {load_after}; wall {time.time() - t0:.0f} s")
 
     out = {
@@ -200,6 +231,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "planaria_step_ms": m["planaria_step_ms"],
         "ddp_step_ms": m["ddp_step_ms"],
         "ratio": m["ratio"],
+        "ratio_ci95": m["ratio_ci95"],
+        "fixed_ms": m["fixed_ms"],
+        "fixed_ms_ci95": m["fixed_ms_ci95"],
         "controller_overhead_ms": m["controller_ms"],
         "per_step_protocol_step_ms": m["per_step_protocol_step_ms"],
         "per_step_protocol_ratio": m["per_step_protocol_ratio"],
@@ -207,10 +241,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "breakdown_ms": {k: m[k] for k in BREAKDOWN},
         "tiny": None
         if tiny is None
-        else {k: tiny[k] for k in ("planaria_step_ms", "ddp_step_ms", "ratio", "controller_ms",
+        else {k: tiny[k] for k in ("planaria_step_ms", "ddp_step_ms", "ratio", "ratio_ci95",
+                                   "fixed_ms", "fixed_ms_ci95", "controller_ms",
                                    "per_step_protocol_step_ms", "per_step_protocol_ratio",
                                    "rounds")},
         "rounds": m["rounds"],
+        "per_step_rounds": args.per_step_rounds,
         "size": args.size,
         "replicas": args.replicas,
         "threads": args.threads,
@@ -223,6 +259,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(json.dumps(out), flush=True)
     return out
+
+
+def _print_breakdown(m: dict[str, Any], rounds: int) -> None:
+    print(f"per-step protocol (Job.train_step): {m['per_step_protocol_step_ms']:.1f} ms, ratio "
+          f"{m['per_step_protocol_ratio']:.3f}")
+    print(f"the per-step protocol's step, per-step medians (median over its {rounds} rounds), "
+          "ms:")
+    print(f"  slowest worker data wait + compute + reduce  {m['worker_ms']:7.1f}")
+    print(f"  its update apply (Adam, outside its timers)  {m['apply_ms']:7.1f}")
+    print(f"  rest of its step call                        {m['worker_other_ms']:7.1f}")
+    print(f"  Ray transport (dispatch -> results back)     {m['transport_ms']:7.1f}")
+    print(f"  controller bookkeeping (boundary, log)       {m['bookkeeping_ms']:7.1f}")
+    print(f"  step wall - data/compute/reduce ('gap')      {m['gap_ms']:7.1f}")
+    print(f"  controller overhead (gap - apply)            {m['controller_ms']:7.1f}")
 
 
 if __name__ == "__main__":
