@@ -1,4 +1,4 @@
-"""The worker's store flags (abort, stop) read off its training thread, and its seeding."""
+"""The worker's store flags read off its training thread (KeyWatch), and its seeding."""
 
 from __future__ import annotations
 
@@ -77,3 +77,28 @@ def test_seed_torch_draws_torch_manual_seeds_cpu_stream_without_formatting_stack
     # torch.manual_seed formats the caller's stack for a deferred CUDA seeding where CUDA is
     # not initialized, every call (~0.5 ms a micro-batch in a worker): seed_torch must not
     assert formatted == [] or torch.cuda.is_initialized()
+
+
+def test_serve_samples_gives_each_sample_its_own_seed_and_names_the_one_that_failed():
+    import pytest
+
+    from planaria.randomness import sample_scope, sample_seed, serve_samples
+
+    seeds = serve_samples(7, 3, lambda i: sample_seed(), [5, 9, 5])
+    with sample_scope(7, 3, 5):
+        five = sample_seed()
+    with sample_scope(7, 3, 9):
+        nine = sample_seed()
+    assert seeds == [five, nine, five] and five != nine
+
+    def getitem(i: int) -> int:
+        if i == 9:
+            raise KeyError(i)
+        return i
+
+    with sample_scope(1, 1, 1):  # an enclosing scope comes back afterwards
+        before = sample_seed()
+        with pytest.raises(KeyError) as info:
+            serve_samples(7, 3, getitem, [5, 9])
+        assert sample_seed() == before
+    assert "loading sample 9 of step 3" in "".join(traceback.format_exception(info.value))

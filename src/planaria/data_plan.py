@@ -53,6 +53,9 @@ class DataPlan:
     def batch(self, step: int) -> np.ndarray:
         """The sample ids of step ``step``'s global batch, in plan order."""
         start = step * self.global_batch_size
+        epoch, offset = divmod(start, self.num_samples)
+        if offset + self.global_batch_size <= self.num_samples:  # within one epoch: a slice
+            return self.permutation(epoch)[offset : offset + self.global_batch_size].copy()
         positions = np.arange(start, start + self.global_batch_size, dtype=np.int64)
         epochs = positions // self.num_samples
         out = np.empty(self.global_batch_size, dtype=np.int64)

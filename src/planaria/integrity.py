@@ -141,3 +141,8 @@ class Served:
         self.ids.append(sample_id)
         if self.digests_on:
             self.digests.append(sample_digest(sample))
+
+    def extend(self, sample_ids: list[int], samples: list[Any]) -> None:
+        self.ids += sample_ids
+        if self.digests_on:
+            self.digests += [sample_digest(s) for s in samples]

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "sample_seed",
     "seed_globals",
     "seed_torch",
+    "serve_samples",
 ]
 
 # Domain tags keep the streams apart: a factory's seed never equals a micro-batch's.
@@ -86,6 +88,27 @@ def sample_scope(seed: int, step: int, sample_id: int) -> Iterator[None]:
         yield
     finally:
         _current.key = previous
+
+
+def serve_samples(
+    seed: int, step: int, getitem: Callable[[int], Any], ids: list[int]
+) -> list[Any]:
+    """``[getitem(i) for i in ids]``, each inside its :func:`sample_scope` (one loop, no
+    context manager a sample: this runs for every sample of every step). An error names the
+    sample it was raised for."""
+    previous = getattr(_current, "key", None)
+    samples = []
+    i = -1
+    try:
+        for i in ids:
+            _current.key = (seed, step, i)
+            samples.append(getitem(i))
+    except Exception as err:
+        err.add_note(f"(planaria: loading sample {i} of step {step})")
+        raise
+    finally:
+        _current.key = previous
+    return samples
 
 
 def sample_seed() -> int:

@@ -48,6 +48,7 @@ from planaria.randomness import (
     sample_scope,
     seed_globals,
     seed_torch,
+    serve_samples,
 )
 from planaria.state import flatten_state, load_state, tensor_layout
 from planaria.worker_checkpoint import CheckpointWorkerMixin
@@ -602,22 +603,17 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     def _load(self, ids: np.ndarray, step: int) -> _Loaded:
         """Loads whole micro-batches; runs in the loader thread (never touches global RNGs)."""
-        mbs = self.spec.micro_batch_size
+        mbs, seed, getitem = self.spec.micro_batch_size, self.spec.seed, self.dataset.__getitem__
         served = Served(digests_on=self.record_digests)
         out = []
         for start in range(0, len(ids), mbs):
-            chunk = ids[start : start + mbs]
-            samples = [self._get(int(i), step, served) for i in chunk]
+            chunk = ids[start : start + mbs].tolist()
+            # dataset[i] for each, with the sample's own random stream, recorded as served
+            samples = _user("dataset[i]", serve_samples, seed, step, getitem, chunk)
+            served.extend(chunk, samples)
             batch = _user("collate", self.collate, samples)
             out.append((len(chunk), _to_device(batch, self.device)))
         return _Loaded(out, served)
-
-    def _get(self, i: int, step: int, served: Served) -> Any:
-        """``dataset[i]``, with the sample's own random stream, recorded as served."""
-        with sample_scope(self.spec.seed, step, i):
-            sample = _user("dataset[i]", self.dataset.__getitem__, i)
-        served.add(i, sample)
-        return sample
 
     def _fingerprint_sample(self, i: int) -> Any:
         with sample_scope(self.spec.seed, -1, i):
