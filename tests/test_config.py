@@ -138,3 +138,46 @@ def test_split_is_contiguous_whole_micro_batches_and_near_equal():
     parts = split_micro_batches(ids, 3, 8)
     assert [len(p) for p in parts] == [24, 24, 16]
     assert np.concatenate(parts).tolist() == ids.tolist()
+
+
+def test_a_local_ray_start_that_times_out_is_tried_again(tmp_path, monkeypatch):
+    """On a loaded machine Ray's local node can time out during startup: the job starts it
+    again (bounded) instead of failing; any other error, or the last try's, is raised."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from planaria import controller
+    from planaria.config import RunConfig
+
+    calls: list[dict] = []
+
+    def flaky_init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) < 3:
+            raise Exception("The current node timed out during startup. This could happen ...")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", flaky_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(controller.time, "sleep", lambda s: None)
+    job = SimpleNamespace(config=RunConfig(steps=1, replicas=2, run_dir=tmp_path),
+                          run_dir=tmp_path)
+    controller.Job._init_ray(job)  # type: ignore[arg-type]
+    assert len(calls) == 3 and job._started_ray
+
+    calls.clear()
+    monkeypatch.setattr(controller, "RAY_START_ATTEMPTS", 2)
+    with pytest.raises(Exception, match="timed out during startup"):
+        controller.Job._init_ray(job)  # type: ignore[arg-type]
+    assert len(calls) == 2
+
+    def broken_init(**kwargs):
+        calls.append(kwargs)
+        raise ValueError("bad option")
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", broken_init)
+    with pytest.raises(ValueError, match="bad option"):
+        controller.Job._init_ray(job)  # type: ignore[arg-type]
+    assert len(calls) == 1

@@ -61,6 +61,8 @@ __all__ = ["Job", "StepResult"]
 _log = logging.getLogger("planaria.commits")
 _mlog = logging.getLogger("planaria.membership")
 
+RAY_START_ATTEMPTS = 3
+"""Tries at starting a local Ray node (its start can time out on a loaded machine)."""
 LOSS_HISTORY = 100_000  # committed (step, loss) pairs kept in memory; the event log has all
 
 
@@ -285,7 +287,19 @@ class Job:
             "configure_logging": False,
         }
         kwargs.update(cfg.ray_init_kwargs)
-        ray.init(**kwargs)
+        for attempt in range(RAY_START_ATTEMPTS):
+            try:
+                ray.init(**kwargs)
+                break
+            except Exception as err:  # Ray raises a bare Exception for a node start timeout
+                if attempt + 1 == RAY_START_ATTEMPTS or "timed out during startup" not in str(err):
+                    raise
+                # A local node that did not come up in time (a loaded machine): its half-started
+                # processes go, and it is started again.
+                _mlog.warning("Ray's local node did not start in time (%s); starting it again",
+                              err)
+                ray.shutdown()
+                time.sleep(2.0 * (attempt + 1))
         route_ray_logs(self.run_dir)
         self._started_ray = True
 
