@@ -90,6 +90,9 @@ SIZES: dict[str, Size] = {
     "medium": Size(tokens=16, dim=128, hidden=512, layers=2),
     # >= 100 MB of state with Adam (params x 3 x 4 bytes): state-transfer runs
     "large": Size(tokens=1, dim=1024, hidden=1536, layers=4),
+    # ~10 MB and ~0.9 GB of state with Adam: recovery against state size (bench/recovery.py)
+    "state_10mb": Size(tokens=1, dim=512, hidden=512, layers=2),
+    "state_1gb": Size(tokens=1, dim=2048, hidden=4096, layers=4),
 }
 
 

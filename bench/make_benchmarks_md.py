@@ -282,6 +282,27 @@ def render_recovery(rec: dict[str, Any]) -> list[str]:
             + ".",
             "",
         ]
+    sc = r.get("scaling")
+    if sc:
+        out += [
+            f"planaria's recovery against state size ({sc['replicas_for_sizes']} replicas) and "
+            f"replica count (`{sc['size_for_replicas']}`): a kill at step {sc['kill_at_step']} of "
+            f"{sc['steps']}; back at full width = kill → first commit at the width before it "
+            "(the replacement started, received the state and stepped). Above "
+            f"{sc['cores']} replicas they share this machine's cores (oversubscribed).",
+            "",
+            "| model, replicas | state sent (MB) | transfer GB/s | replacement ready (s) | "
+            "back at full width (s) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        rows = [(f"`{k}`, {sc['replicas_for_sizes']}", v) for k, v in sc["by_size"].items()]
+        rows += [(f"`{sc['size_for_replicas']}`, {k}" + (" (oversubscribed)"
+                  if v.get("oversubscribed") else ""), v) for k, v in sc["by_replicas"].items()]
+        for label, v in rows:
+            mb = None if v.get("transfer_bytes") is None else v["transfer_bytes"] / 1e6
+            out.append(f"| {label} | {_f(mb, '.1f')} | {_f(v.get('transfer_gb_per_s'))} | "
+                       f"{_f(v.get('replacement_s'))} | {_f(v.get('full_width_s'))} |")
+        out.append("")
     return out
 
 

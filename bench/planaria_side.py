@@ -286,7 +286,8 @@ def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
     Same definitions as ``bench.baselines.runners``: ``t_kill`` is the chaos
     signal's time (the ``fault`` record's ``fault_t``), ``s_max`` the highest step
     committed before it, ``recover_s`` = kill → next committed step, ``back_s`` =
-    kill → first commit of a step beyond ``s_max``, ``lost_steps`` = steps
+    kill → first commit of a step beyond ``s_max``, ``full_width_s`` = kill → first
+    commit at the width before the kill (the replacement in), ``lost_steps`` = steps
     ``<= s_max`` committed again after the kill.
     """
     faults = [e for e in events if e["event"] == "fault"]
@@ -298,6 +299,8 @@ def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
     after = [e for e in commits if e["t"] > t_kill]
     s_max = max((e["step"] for e in before), default=-1)
     beyond = [e for e in after if e["step"] > s_max]
+    full = max((e["width"] for e in before), default=None)
+    at_full = [e for e in after if e["width"] == full]
     joined = [e for e in events if e["event"] == "joined"]
     transfer = [e for e in events if e["event"] == "state_transfer"]
     ready = [e for e in events if e["event"] == "replacement_ready"]
@@ -307,6 +310,7 @@ def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
         "s_max": s_max,
         "recover_s": after[0]["t"] - t_kill if after else None,
         "back_s": beyond[0]["t"] - t_kill if beyond else None,
+        "full_width_s": at_full[0]["t"] - t_kill if at_full else None,
         "lost_steps": len({e["step"] for e in after if e["step"] <= s_max}),
         "detect_s": detected[0]["detect_s"] if detected else None,
         "replacement_s": ready[0]["replacement_s"] if ready else None,

@@ -26,6 +26,14 @@ covering the layout request and the send/receive). The transfer figure needs
 ≥100 MB of state: when ``--size`` is smaller it comes from a second planaria
 run with the ``--transfer-size`` model (default ``large``: ~132 MB with Adam).
 
+Then, planaria alone (``--no-scaling`` skips it), recovery against the state's
+size and the replica count: the kill → first commit back at full width
+(``full_width_s``: the replacement started, received the state and stepped)
+with ~10 MB, ~130 MB and ~0.9 GB of state (parameters and Adam's moments) at 2
+replicas, and with 2, 4 and 8 replicas of the ~10 MB model (above this
+machine's cores the replicas share them: labelled oversubscribed), each with
+its state transfer's size and throughput.
+
 The last line printed is one JSON object (``"bench": "recovery"``).
 """
 
@@ -74,13 +82,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each baseline run")
     p.add_argument("--workdir", default=None, help="where runs write (default: a temp dir)")
+    p.add_argument("--no-scaling", action="store_true",
+                   help="skip recovery against state size and replica count")
+    p.add_argument("--scaling-sizes", default="state_10mb,large,state_1gb")
+    p.add_argument("--scaling-replicas", default="2,4,8")
+    p.add_argument("--scaling-steps", type=int, default=10, help="steps a scaling run")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, few steps")
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.transfer_size = "tiny", "tiny"
         args.steps, args.kill_at, args.ckpt_every, args.transfer_steps = 12, 6, 4, 0
         args.repeat = 1
+        args.scaling_sizes, args.scaling_replicas, args.scaling_steps = "tiny", "2", 8
     return args
+
+
+def _scaling(args: argparse.Namespace, wd: Path) -> dict[str, Any]:
+    """planaria's kill → back at full width against state size (2 replicas) and replica
+    count (the smallest size)."""
+    sizes = [s for s in args.scaling_sizes.split(",") if s]
+    counts = [int(n) for n in args.scaling_replicas.split(",") if n]
+    steps = args.scaling_steps
+    kill = steps // 2
+    cores = os.cpu_count() or 1
+
+    def one(size: str, n: int) -> dict[str, Any]:
+        r = run_planaria_kill(steps, kill, size, n, run_dir=wd / f"scaling_{size}_{n}")
+        row = {k: r[k] for k in ("full_width_s", "back_s", "recover_s", "lost_steps",
+                                 "replacement_s", "join_s", "transfer_bytes", "transfer_s",
+                                 "transfer_gb_per_s", "step_ms_median")}
+        row["oversubscribed"] = n > cores
+        mb = (row["transfer_bytes"] or 0) / 1e6
+        print(f"  {size} x {n} replicas{' (oversubscribed)' if n > cores else ''}: back at "
+              f"full width {_fmt(row['full_width_s'])} s (replacement ready "
+              f"{_fmt(row['replacement_s'])} s), state {mb:.0f} MB sent at "
+              f"{_fmt(row['transfer_gb_per_s'])} GB/s", flush=True)
+        return row
+
+    print("recovery against state size (2 replicas) and replica count", flush=True)
+    by_size = {size: one(size, 2) for size in sizes}
+    by_replicas = {str(n): one(sizes[0], n) for n in counts}
+    return {"by_size": by_size, "by_replicas": by_replicas, "replicas_for_sizes": 2,
+            "size_for_replicas": sizes[0], "steps": steps, "kill_at_step": kill,
+            "cores": cores}
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.replicas,
             run_dir=wd / "planaria_transfer",
         )
+    scaling = None if args.no_scaling else _scaling(args, wd)
     load["after"] = common.loadavg()
 
     rows = [("planaria", pl), ("torchrun", tr), ("torchft", ft)]
@@ -214,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "speedup_vs_torchrun": speedup(tr),
         "speedup_vs_torchft": speedup(ft),
+        "scaling": scaling,
         "size": args.size,
         "replicas": args.replicas,
         "steps": args.steps,

@@ -59,6 +59,10 @@ def test_recovery_quick(tmp_path):
     for system in ("torchrun", "torchft"):
         assert {"recover_s", "back_s", "lost_steps"} <= out[system].keys(), system
     assert "speedup_vs_torchrun" in out and "speedup_vs_torchft" in out
+    scaling = out["scaling"]  # recovery against state size and replica count (quick: tiny x 2)
+    row = scaling["by_size"]["tiny"]
+    assert row["full_width_s"] >= row["back_s"] > 0 and row["lost_steps"] == 0
+    assert scaling["by_replicas"]["2"]["transfer_bytes"] > 0
 
 
 @pytest.mark.extended
