@@ -13,7 +13,8 @@ Measured side by side:
   workers, each "running" its steps of ``--step-ms`` (a sleep) and answering
   with records of the real loop's shape (rank 0 all of them, the others their
   last), each loading the controller's store as a real worker does (planaria's
-  heartbeat thread; on rank 0 the stop key's watch and the stream of records).
+  heartbeat thread, only while it is one of the N; on rank 0 the stop key's watch
+  and the stream of records).
   The controller's CPU time (``time.process_time``: its main thread, Ray's
   threads and the store's in its process) over a run (dispatch, the wait loop
   with its poll, recording every step as an event-log line) is measured for runs of
@@ -94,9 +95,25 @@ class ProtocolWorker:
             return Heartbeat(self.beats, self.phase, self.step_no, 0, False,
                              self.progress).format()
 
-        threading.Thread(target=beat, daemon=True,
-                         args=(lambda: connect_store(host, port, timeout_s=30), name, record,
-                               self._stop, heartbeat_s)).start()
+        self._beat = lambda: threading.Thread(
+            target=beat, daemon=True,
+            args=(lambda: connect_store(host, port, timeout_s=30), name, record, self._stop,
+                  heartbeat_s))
+        self._beating: Any = None
+
+    def enlist(self, member: bool) -> None:
+        """Beats while in the measured job, as its workers do; an idle stand-in does not
+        (the store would serve a larger job's heartbeats at every count)."""
+        import threading
+
+        if member and self._beating is None:
+            self._stop = threading.Event()
+            self._beating = self._beat()
+            self._beating.start()
+        elif not member and self._beating is not None:
+            self._stop.set()
+            self._beating.join()
+            self._beating = None
 
     def step(self, gen: int, step: int, ids: Any, steps_done: int, next_ids: Any,
              *, skipped: int = -1) -> dict[str, Any]:
@@ -321,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ray.get([w.__ray_ready__.remote() for w in pool])
         old, new, per_run = {}, {}, {}
         for n in counts:  # side by side, per worker count
+            ray.get([w.enlist.remote(i < n) for i, w in enumerate(pool)])
             old[str(n)] = protocol_rounds(pool[:n], args.rounds, args.warmup)
             a = autonomous_runs(pool[:n], store, args.repeats, args.short_run, args.long_run,
                                 args.step_ms / 1000, log_dir)
