@@ -669,8 +669,8 @@ class Job:
                 break
             if poll is not None and not errors:
                 poll()
-            if poll is not None and not errors and self.liveness.vouched_recently():
-                continue  # steps commit: every rank of the run is alive and moving
+                if self.liveness.vouched_recently():
+                    continue  # steps commit: every rank of the run is alive and moving
             stale = self.liveness.hung([by_ref[r] for r in calls.pending], self.deadline.seconds)
             stale = [n for n in stale if n not in hung]
             if stale:

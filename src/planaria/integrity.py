@@ -137,11 +137,6 @@ class Served:
     ids: list[int] = field(default_factory=list)
     digests: list[int] = field(default_factory=list)
 
-    def add(self, sample_id: int, sample: Any) -> None:
-        self.ids.append(sample_id)
-        if self.digests_on:
-            self.digests.append(sample_digest(sample))
-
     def extend(self, sample_ids: list[int], samples: list[Any]) -> None:
         self.ids += sample_ids
         if self.digests_on:

@@ -131,7 +131,6 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         if self.backend == "nccl":
             _nccl_survives_errors()
         self.scaler: torch.amp.GradScaler | None = None  # fp16's loss scaler (_build_model)
-        self._store_addr = (store_host, store_port)
         self.gen = -1
         self.comm: Collective | None = None
         self.steps_done = 0
@@ -156,7 +155,6 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         # and, in the autonomous loop, once it is reduced ("reduced", before it is applied)
         # and applied ("applied"): where tests inject faults between the phases.
         self.loop_fault: Callable[[Any, int, str], None] | None = None
-        self._heartbeat_s = heartbeat_s
         self._stop = threading.Event()
         # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
         signal.signal(signal.SIGTERM, self._on_sigterm)

@@ -114,16 +114,10 @@ def _kept_run(run_dir: Path, run: PlannedRun) -> tuple[str | None] | None:
     path = run_dir / VERDICT_FILE
     if not path.exists():
         return None
-    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
-        data = json.loads(path.read_text())
-        if data["run"] != json.loads(json.dumps(run.to_json())):
-            return None
-        if "error" in data:
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        data = json.loads(path.read_text())  # torn, or without its error: run it again
+        if data["run"] == json.loads(json.dumps(run.to_json())):
             return (data["error"],)
-        verdict = data["verdict"]  # an older file: the error is in the first reason
-        if verdict["completed"]:
-            return (None,)
-        return (verdict["reasons"][0].split(": the job did not finish: ", 1)[1],)
     return None
 
 
