@@ -267,6 +267,62 @@ def test_verdict_of_a_recovered_run(tmp_path):
     assert (summary["faults_injected"], summary["recovered"], summary["unrecovered"]) == (1, 1, 0)
 
 
+def test_a_fault_in_a_run_is_counted_as_such(tmp_path):
+    """The kill fired at t + 1; a run_ahead event whose span covers it marks it in a run."""
+    from planaria.campaign.runner import summarize_campaign
+    from planaria.campaign.verdict import check_run
+
+    run, refs = _synthetic_run(tmp_path)
+    v = check_run(tmp_path, run, refs)
+    assert v.faults[0].in_run is False
+    events = (tmp_path / "events.jsonl").read_text().splitlines()
+    t0 = json.loads(events[0])["t"]
+    ran = _ev("run_ahead", gen=0, start=0, until=4, steps=2, ended="failed", why="worker_lost",
+              width=3, committed=2, behind=[], started_t=t0 + 0.5)
+    ran["t"] = t0 + 1.5
+    events.insert(-1, json.dumps(ran))
+    (tmp_path / "events.jsonl").write_text("\n".join(events) + "\n")
+    v = check_run(tmp_path, run, refs)
+    assert v.ok, v.reasons
+    assert v.faults[0].in_run is True
+    assert summarize_campaign([v])["fired_in_runs"] == 1
+
+
+def test_the_injector_names_the_boundaries_it_needs(tmp_path):
+    """The job runs autonomously between them; a fault armed ``ahead`` steps early fires
+    inside the run."""
+    from types import SimpleNamespace
+
+    from planaria.campaign.inject import Injector
+    from planaria.campaign.mix import PlannedFault, PlannedRun
+    from planaria.run_ahead import RunAhead
+
+    faults = (PlannedFault(index=0, kind="kill", step=8, target=1, micro_batch=0, fraction=0.5,
+                           ahead=2),
+              PlannedFault(index=1, kind="hang", step=11, target=1, micro_batch=1, fraction=0.5))
+    inj = Injector(PlannedRun(index=0, step_s=0.05, steps=16, faults=faults), run_dir=tmp_path,
+                   control=tmp_path, replicas=3, incarnation=0)
+    assert inj.next_step(0) == 6  # armed two steps before its step
+    assert inj.next_step(6) == 7  # late: the next step
+    inj.todo.pop(0)
+    assert inj.next_step(7) == 11
+    inj.todo.pop(0)
+    assert inj.next_step(11) == 13  # the tail: back at full width after the last fault
+    inj.tail_step = None
+    assert inj.next_step(13) is None
+
+    job = SimpleNamespace(hooks=[], recovery=SimpleNamespace(open_work=lambda: False),
+                          metric_keys=(), checkpointer=None, config=SimpleNamespace(
+                              verify_every=None), width=3, chaos=None)
+    ahead = RunAhead(job)  # type: ignore[arg-type]
+    assert ahead.next_boundary(0, 16) == 16
+    job.hooks.append(Injector(PlannedRun(index=0, step_s=0.05, steps=16, faults=faults),
+                              run_dir=tmp_path, control=tmp_path, replicas=3, incarnation=0))
+    assert ahead.next_boundary(0, 16) == 6
+    job.hooks.append(lambda *a, **k: None)  # a hook that names none needs every boundary
+    assert ahead.next_boundary(0, 16) == 1
+
+
 def test_verdict_catches_what_went_wrong(tmp_path):
     from safetensors.torch import save_file
 

@@ -834,7 +834,10 @@ class Job:
     def _hook(self, phase: str, **info: Any) -> None:
         """Calls the hooks at a named phase: ``boundary`` (a step boundary begins), ``join``
         (state transfer to joiners in flight), ``save`` (checkpoint writers started),
-        ``restore`` (a restore's reads in flight). Fault campaigns inject faults here."""
+        ``restore`` (a restore's reads in flight). Fault campaigns inject faults here.
+        A hook with a ``next_step(after) -> int | None`` method is called at the boundaries
+        it names (and wherever the job has one anyway); one without is called at every step
+        (the job then dispatches one step at a time)."""
         for hook in self.hooks:
             hook(self, phase, **info)
 

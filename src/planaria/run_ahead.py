@@ -33,13 +33,16 @@ it; the ledger is written when the run ends.
 The per-step protocol (:meth:`Job.train_step`) stays for callers that drive
 steps one at a time, and a run of one step is dispatched that way: around
 recoveries (open faults and joins are closed at their first committed step, on
-the controller's clock) and when hooks (fault campaigns) need every boundary.
+the controller's clock) and when a hook needs every boundary. A hook (a fault
+campaign's injector) that has a ``next_step(after)`` method names the boundaries
+it needs instead, so that its faults land inside runs as they do in production.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from planaria.errors import Failure, NonFiniteLoss
@@ -66,15 +69,20 @@ class RunAhead:
         self._chunks = 0  # stream chunks of the current run read so far
         self._streamed: list[StepResult] = []  # its steps recorded from the stream
         self._ranks: frozenset[str] = frozenset()  # the current run's members
+        self._started_t = 0.0  # when the current run's calls went out (wall clock, as events)
 
     # ---- planning ----------------------------------------------------------------------------
 
     def next_boundary(self, start: int, until: int) -> int:
         """The step count at which the controller must act next (``> start``)."""
         job = self.job
-        if job.hooks or job.recovery.open_work() or job.metric_keys is None:
+        if job.recovery.open_work() or job.metric_keys is None:
             return start + 1  # see the module doc; the first step names the loss's metrics
         stop = until
+        for hook in job.hooks:  # a hook without next_step needs every boundary
+            planned = hook.next_step(start) if hasattr(hook, "next_step") else start + 1
+            if planned is not None:
+                stop = min(stop, planned)
         ck = job.checkpointer
         if ck is not None:
             due = ck.next_due_step()
@@ -107,6 +115,7 @@ class RunAhead:
         plan = (job.plan.num_samples, job.plan.global_batch_size, job.plan.seed)
         members = list(job.members)
         self._ranks = frozenset(h.name for h in members)
+        self._started_t = time.time()
         refs = {
             h.name: h.actor.run.remote(
                 gen, run_id, start, stop, plan=plan, skipped=job.last_skipped,
@@ -128,7 +137,8 @@ class RunAhead:
         head = results[members[0].name]
         job.log.emit("run_ahead", gen=gen, start=start, until=stop,
                      steps=head["steps_done"] - start, ended=head["ended"],
-                     why=self._why if head["ended"] == "stop" else None, width=len(members))
+                     why=self._why if head["ended"] == "stop" else None, width=len(members),
+                     started_t=self._started_t)
         return self._record(results, members)
 
     def _poll(self) -> None:
@@ -244,7 +254,7 @@ class RunAhead:
                           h.name)
         job.log.emit("run_ahead", gen=job.gen, start=start, until=stop, steps=committed - start,
                      ended="failed", why=failure.kind, width=len(members),
-                     committed=committed, behind=behind)
+                     committed=committed, behind=behind, started_t=self._started_t)
         failure.step = committed
         if not isinstance(failure, NonFiniteLoss):
             job.log.emit("step_failed", step=committed, gen=job.gen, kind=failure.kind,

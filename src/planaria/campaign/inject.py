@@ -1,10 +1,13 @@
 """The controller's side of fault injection: a :class:`Injector` hooked into the Job.
 
-It runs in the job's controller process as a ``Job.hooks`` entry. At a step
-boundary it arms the run's next planned fault (after waiting, bounded, until
-the job is back at full width, so each fault recovers before the next); the
-signal itself lands inside the step, sent by the target worker's own
-:class:`~planaria.campaign.knobs.CampaignLoss` on the planned micro-batch. The
+It runs in the job's controller process as a ``Job.hooks`` entry and names the
+boundaries it needs (:meth:`Injector.next_step`), so the job trains in autonomous
+runs between them. At the boundary ``fault.ahead`` steps before a fault's step
+it arms it (after waiting, bounded, until the job is back at full width and the
+last trigger fired, so each fault recovers before the next); the signal itself
+lands inside that step, maybe in the middle of a run, sent by the target
+worker's own :class:`~planaria.campaign.knobs.CampaignLoss` on the planned
+micro-batch. The
 second half of a compound fault waits for its phase: ``rerun`` (a boundary
 where the failed step is about to run again), ``join``, ``save``, ``restore``.
 Every injection is logged to ``RUN_DIR/campaign_faults.jsonl`` (what was armed
@@ -75,6 +78,15 @@ class Injector:
 
     # ---- the hook ----------------------------------------------------------------------------
 
+    def next_step(self, after: int) -> int | None:
+        """The next boundary this injector needs (the job's autonomous loop asks, see
+        :meth:`RunAhead.next_boundary <planaria.run_ahead.RunAhead.next_boundary>`): where
+        the next fault is armed, or where the run's tail begins; None when it needs none."""
+        wanted = [self._arm_step(self.todo[0])] if self.todo else []
+        if self.tail_step is not None:
+            wanted.append(self.tail_step)
+        return max(after + 1, min(wanted)) if wanted else None
+
     def __call__(self, job: Job, phase: str, **info: Any) -> None:
         if phase == "boundary":
             self._boundary(job)
@@ -90,13 +102,13 @@ class Injector:
             del self.waiting["rerun"]
             victims = [n for n in job.names if n != first] or job.names
             self._trigger(job, fault, "secondary", "kill", victims[fault.target % len(victims)])
-        if self.todo and step >= self.todo[0].step:
+        if self.todo and step >= self._arm_step(self.todo[0]):
             job.wait_for_width(self.replicas, timeout_s=self.wait_s)  # a waiting join fires here
             for phase, (fault, _) in list(self.waiting.items()):
                 if step >= fault.step + STALE_STEPS:
                     self._log(fault, "secondary", f"gave_up_{phase}", None, None, step)
                     del self.waiting[phase]
-            if not self.waiting:
+            if not self.waiting and not self._pending(step):
                 if self.snapshot is not None:
                     self.snapshot(job)
                 self._arm(job, self.todo.pop(0))
@@ -105,6 +117,16 @@ class Injector:
             self.tail_step = None  # the run ends at full width, pending joins done
 
     # ---- arming ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _arm_step(fault: PlannedFault) -> int:
+        return max(0, fault.step - fault.ahead)
+
+    def _pending(self, step: int) -> bool:
+        """A trigger armed and not fired yet (its worker would see a new one instead):
+        the next fault waits for it, for STALE_STEPS steps at most."""
+        return any(step < trig["step"] + STALE_STEPS and not self._fired(fid)
+                   for fid, trig in self.triggers.items())
 
     def _arm(self, job: Job, fault: PlannedFault) -> None:
         names = job.names
@@ -130,22 +152,29 @@ class Injector:
                                skip_pid=os.getpid() if shard else None)
         if kind in _TRIGGERED:
             role = "trigger" if kind == "storage_read" else "primary"
-            self._trigger(job, fault, role, _TRIGGERED[kind], target)
+            self._trigger(job, fault, role, _TRIGGERED[kind], target,
+                          ahead=max(0, fault.step - job.steps_done))
         if kind in _SECONDARY_PHASE:
             self.waiting[_SECONDARY_PHASE[kind]] = (fault, target)
             if kind == "kill_save":
                 self._log(fault, "primary", "wait_save", None, None, job.steps_done)
 
-    def _trigger(self, job: Job, fault: PlannedFault, role: str, action: str, target: str) -> None:
+    def _trigger(
+        self, job: Job, fault: PlannedFault, role: str, action: str, target: str, *, ahead: int = 0,
+    ) -> None:
+        """Arms ``action`` in ``target``, to fire ``ahead`` steps after this boundary (its
+        worker counts the micro-batches of those steps first)."""
         pid = self._pid(job, target)
         per_rank = math.ceil(job.spec.global_batch_size / max(1, job.width))
         micro = max(1, math.ceil(per_rank / job.spec.micro_batch_size))
         fid = self._id(fault, role)
         arm_trigger(self.control, pid, fault_id=fid, action=action,
-                    micro_batch=min(fault.micro_batch, micro - 1), fraction=fault.fraction,
+                    micro_batch=ahead * micro + min(fault.micro_batch, micro - 1),
+                    fraction=fault.fraction,
                     job_pgid=os.getpgid(0) if action == "job_kill" else None)
-        self.triggers[fid] = {"fault": fault, "role": role, "action": action, "pid": pid}
-        self._log(fault, role, action, target, pid, job.steps_done,
+        self.triggers[fid] = {"fault": fault, "role": role, "action": action, "pid": pid,
+                              "step": job.steps_done}
+        self._log(fault, role, action, target, pid, job.steps_done, ahead=ahead,
                   workers={h.name: h.pid for h in job.members} if action == "job_kill" else None)
 
     def _rearm_lost(self, job: Job) -> None:
@@ -162,7 +191,8 @@ class Injector:
             del self.triggers[fid]
             fault = trig["fault"]
             target = job.names[fault.target % len(job.names)]
-            self._trigger(job, fault, trig["role"], trig["action"], target)
+            ahead = max(0, fault.step - job.steps_done) if trig["role"] != "secondary" else 0
+            self._trigger(job, fault, trig["role"], trig["action"], target, ahead=ahead)
 
     def _secondary(self, job: Job, phase: str, info: dict[str, Any]) -> None:
         fault, _first = self.waiting[phase]

@@ -113,7 +113,9 @@ def run_job(cfg: dict[str, Any]) -> None:
                 if job.steps_done >= steps:
                     state = job.model_state_dict()
                     break
-                job.train_step()
+                # As fit() does: runs of steps between the boundaries (the injector names
+                # its own, see Injector.next_step), so faults land in the autonomous loop.
+                job.run_steps(min((s for s in snapshots if s > job.steps_done), default=steps))
                 if job.steps_done in snapshots:
                     snapshots.discard(job.steps_done)
                     _save(job.model_state_dict(), reference_file(run_dir, job.steps_done))

@@ -61,6 +61,9 @@ class PlannedFault:
     variant: str = ""
     """kill_join: kill the ``joiner`` or the ``source`` of the state transfer; storage_*:
     fail a ``shard`` file or ``any`` file (manifest, marker) of a checkpoint."""
+    ahead: int = 0
+    """Steps between the boundary where it is armed and its ``step``: the job's autonomous
+    run goes on meanwhile, so the fault lands in the run's first step (0) or a later one."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,8 +121,11 @@ class MixConfig:
 
     @property
     def lead(self) -> int:
-        """The first fault's step: two checkpoints are committed by then."""
-        return 2 * self.checkpoint_every + 2
+        """The first fault's step: the step after the second checkpoint's boundary. With
+        ``gap == checkpoint_every`` (the defaults) every fault's step follows a checkpoint
+        boundary, so the run of steps it lands in (``ahead`` steps in, or in its first
+        step) is not cut to one step by the next checkpoint."""
+        return 2 * self.checkpoint_every + 1
 
 
 def _dealt(rng: random.Random, items: tuple[Any, ...], count: int) -> list[Any]:
@@ -168,6 +174,7 @@ def plan_campaign(config: MixConfig) -> list[PlannedRun]:
                 micro_batch=rng.randrange(config.micro_batches),
                 fraction=round(rng.uniform(0.05, 0.95), 3),
                 variant=_variant(rng, kind),
+                ahead=rng.randrange(config.gap),
             )
             for i, kind in enumerate(chosen)
         )

@@ -130,7 +130,8 @@ def _keep_run(run_dir: Path, run: PlannedRun, error: str | None, verdict: RunVer
 
 
 def summarize_campaign(verdicts: list[RunVerdict]) -> dict[str, Any]:
-    """The campaign's summary (``SUMMARY_KEYS``, plus ``not_injected``)."""
+    """The campaign's summary (``SUMMARY_KEYS``, plus ``not_injected`` and ``fired_in_runs``:
+    the faults that fired inside an autonomous run of steps)."""
     faults = [f for v in verdicts for f in v.faults]
     injected = [f for f in faults if f.injected]
     recover = [s for f in injected for s in f.recover_s]
@@ -147,6 +148,7 @@ def summarize_campaign(verdicts: list[RunVerdict]) -> dict[str, Any]:
         "mttr_p99_s": _round(percentile(recover, 0.99)),
         "goodput": _round(sum(v.goodput_s for v in verdicts) / wall if wall else None),
         "not_injected": len(faults) - len(injected),
+        "fired_in_runs": sum(bool(f.in_run) for f in injected),
     }
     return summary
 

@@ -50,6 +50,8 @@ class FaultVerdict:
     reason: str = ""
     notes: list[str] = field(default_factory=list)
     """What the report got wrong without the fault going unrecovered (a wrong kind)."""
+    in_run: bool | None = None
+    """It fired while an autonomous run of steps was in flight (not a step dispatched alone)."""
 
 
 @dataclass
@@ -203,6 +205,7 @@ def _fault(
         armed = ", ".join(sorted({i["action"] for i in mine})) or "nothing"
         fv.reason = f"never fired (armed: {armed})"
         return fv
+    fv.in_run = _in_run(float(fired[hits[0]["id"]]["t"]), int(hits[0]["incarnation"]), segs)
     problems: list[str] = []
     for inj in hits:
         if inj["action"] in _WORKER_ACTIONS or inj["action"] == "nan":
@@ -235,6 +238,13 @@ def _fault(
     fv.recovered = not problems
     fv.reason = "; ".join(problems)
     return fv
+
+
+def _in_run(t: float, seg: int, segs: list[list[dict[str, Any]]]) -> bool:
+    """Whether time ``t`` falls inside one of the segment's autonomous runs."""
+    return seg < len(segs) and any(
+        r.get("event") == "run_ahead" and float(r.get("started_t", r["t"])) <= t <= r["t"]
+        for r in segs[seg])
 
 
 def _reported(
