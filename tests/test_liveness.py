@@ -136,3 +136,58 @@ def test_a_read_long_after_a_vouch_finds_no_live_worker_silent():
     clock.t += 1.5
     beat(store, "w0", 3, "rendezvous", 2)
     assert live.hung(["w0"], deadline_s=600.0) == []
+
+
+def test_a_vouch_is_a_sighting_of_a_worker_that_skipped_its_beats():
+    """Progress is the heartbeat: while its run commits, a worker writes no beat. The
+    controller counts each vouch as a sighting, so an unchanged record is silent only since
+    the last vouch (and stuck only that long), and a worker that stopped after it is still
+    found hung timeout_s later."""
+    store, live, clock = make()
+    beat(store, "w0", 1, "compute", 1)
+    beat(store, "w1", 1, "compute", 1)
+    live.observe(["w0", "w1"])  # t = 1000; then both go quiet (their run commits)
+    for _ in range(5):
+        clock.t += 1.0
+        live.vouch(frozenset({"w0", "w1"}))  # t = 1005: the last step seen on the stream
+    clock.t += 1.5
+    assert live.hung(["w0", "w1"], deadline_s=2.0) == []  # silent 1.5 s, not 6.5 s
+    beat(store, "w0", 2, "compute", 2)  # the steps stopped: w0 beats again, w1 stopped
+    clock.t += 1.6  # t = 1008.1: w1 silent 3.1 s since the vouch
+    assert live.hung(["w0", "w1"], deadline_s=600.0) == ["w1"]
+
+
+def test_a_quiet_worker_skips_its_heartbeat_writes():
+    import threading
+
+    from planaria.liveness import beat as beat_thread
+
+    store, _, _ = make()
+    port = store.port
+    quiet = threading.Event()
+    quiet.set()
+    stop = threading.Event()
+    written: list[int] = []
+
+    def record() -> str:
+        written.append(1)
+        return Heartbeat(len(written), "compute", 0, 0, False, 0).format()
+
+    def connect() -> dist.Store:
+        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+
+    t = threading.Thread(target=beat_thread, args=(connect, "w0", record, stop, 0.02,
+                                                   quiet.is_set))
+    t.start()
+    try:
+        stop.wait(0.3)
+        assert written == [] and not store.check(["hb/w0"])  # quiet: nothing written
+        quiet.clear()
+        deadline = 50
+        while not written and deadline:
+            stop.wait(0.02)
+            deadline -= 1
+        assert written and store.check(["hb/w0"])
+    finally:
+        stop.set()
+        t.join()

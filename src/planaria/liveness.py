@@ -33,7 +33,12 @@ step), they abandon the step between micro-batches and answer.
   looked all along, and a live worker is never found silent.
 
 The worker's side is :func:`beat`: one store write per beat, a look at its
-fence about once a second.
+fence about once a second. **Progress is the heartbeat**: while the worker's
+autonomous run commits steps (one within :data:`QUIET_S`), it skips the write,
+since the steps on rank 0's stream say more than a beat would; the controller
+counts a vouch as a sighting of every rank it names, so a record that did not
+change while the steps came is silent only since the last vouch. At width N
+that takes N writes per beat off the controller's store.
 """
 
 from __future__ import annotations
@@ -47,7 +52,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["IO_PHASES", "IO_STALL_S", "WORK_PHASES", "Heartbeat", "Liveness", "beat"]
+__all__ = [
+    "IO_PHASES", "IO_STALL_S", "QUIET_S", "WORK_PHASES", "Heartbeat", "Liveness", "beat",
+    "quiet_s",
+]
 
 _log = logging.getLogger("planaria.liveness")
 
@@ -60,6 +68,15 @@ IO_PHASES = frozenset({"ckpt_read"})
 """Phases in which a worker moves checkpoint bytes, bumping its progress at every chunk."""
 IO_STALL_S = 30.0
 """Past its deadline, a read whose bytes moved within this many seconds is still waited for."""
+QUIET_S = 0.5
+"""A worker whose run committed a step this recently skips its heartbeat write (at most, see
+:func:`quiet_s`)."""
+
+
+def quiet_s(heartbeat_s: float) -> float:
+    """How long after a committed step a worker skips its beats: :data:`QUIET_S`, or two
+    beats if shorter (a job tuned for fast detection keeps its records fresh)."""
+    return min(QUIET_S, 2 * heartbeat_s)
 
 
 @dataclass(frozen=True)
@@ -147,6 +164,11 @@ class Liveness:
             if seen is None:
                 self._seen[name] = _Seen(record, now, now, now)
                 continue
+            if name in self._vouched and seen.observed_t < self._vouch_t:
+                # The vouch was a sighting: alive and moving then, whatever the record says
+                # (a worker whose run commits skips its beats, see beat).
+                seen.changed_t = max(seen.changed_t, self._vouch_t)
+                seen.progress_t = max(seen.progress_t, self._vouch_t)
             if record != seen.record:
                 moved = (record.progress, record.phase) != (seen.record.progress, seen.record.phase)
                 # Not read while a vouch stood: it changed by the vouch, maybe not since. Dated
@@ -219,11 +241,13 @@ def beat(
     record: Callable[[], str],
     stop: threading.Event,
     period_s: float,
+    quiet: Callable[[], bool] | None = None,
 ) -> None:
     """A worker's heartbeat thread: writes ``record()`` to ``hb/<name>`` every ``period_s``
-    (one store write a beat) and looks at ``fence/<name>`` every :data:`FENCE_CHECK_S`; a
-    fenced worker (evicted while stopped or cut off: its state is no one's now) exits.
-    Returns when ``stop`` is set."""
+    (one store write a beat) unless ``quiet()`` (its run commits steps: see the module doc),
+    and looks at ``fence/<name>`` every :data:`FENCE_CHECK_S`; a fenced worker (evicted
+    while stopped or cut off: its state is no one's now) exits. Returns when ``stop`` is
+    set."""
     store = connect()
     fence_key, hb_key = f"fence/{name}", f"hb/{name}"
     every = max(1, round(FENCE_CHECK_S / period_s))
@@ -233,7 +257,8 @@ def beat(
             if beats % every == 0 and store.check([fence_key]):
                 _log.warning("%s was fenced off by the controller; exiting", name)
                 os._exit(0)
-            store.set(hb_key, record())
+            if quiet is None or not quiet():
+                store.set(hb_key, record())
             beats += 1
         except Exception:  # the controller is gone: nothing to report to
             if stop.is_set():

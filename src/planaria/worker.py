@@ -40,7 +40,7 @@ from planaria.errors import Failure, PlanariaError, StaleGeneration, StepAborted
 from planaria.faults import user_call
 from planaria.integrity import Served, dataset_fingerprint
 from planaria.key_watch import KeyWatch
-from planaria.liveness import Heartbeat, beat
+from planaria.liveness import Heartbeat, beat, quiet_s
 from planaria.overlap import OverlappedReduce
 from planaria.randomness import (
     factory_seed,
@@ -156,6 +156,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         # and applied ("applied"): where tests inject faults between the phases.
         self.loop_fault: Callable[[Any, int, str], None] | None = None
         self._stop = threading.Event()
+        self._committed_t = -math.inf  # when the autonomous run last applied a step
+        self._quiet_s = quiet_s(heartbeat_s)
         # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
         signal.signal(signal.SIGTERM, self._on_sigterm)
         # The node's own SIGTERM reaches the node's first process, not this one: a marker lets
@@ -167,7 +169,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         threading.Thread(
             target=beat, name="planaria-heartbeat", daemon=True,
             args=(lambda: connect_store(store_host, store_port, timeout_s=30), name,
-                  self._heartbeat_record, self._stop, heartbeat_s),
+                  self._heartbeat_record, self._stop, heartbeat_s, self._quiet),
         ).start()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -793,6 +795,10 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.preempting = True
+
+    def _quiet(self) -> bool:
+        """The run committed a step just now: the stream vouches for this worker, no beat."""
+        return time.monotonic() - self._committed_t < self._quiet_s
 
     def _heartbeat_record(self) -> str:
         self._beat += 1  # changes every beat: the controller judges liveness on its own clock

@@ -88,6 +88,7 @@ class WorkerLoopMixin:
     _status_metrics: tuple[str, ...] | None
     loop_fault: Any
     _run_id: int
+    _committed_t: float
 
     def run(
         self,
@@ -132,6 +133,7 @@ class WorkerLoopMixin:
             self._abort_generation(self.steps_done)  # type: ignore[attr-defined]
             raise
         finally:
+            self._committed_t = -math.inf  # not committing: beats again (see Worker._quiet)
             self._keys.forget(key)
             self._ledger_hook = None
             self._status_metrics = None
@@ -185,6 +187,7 @@ class WorkerLoopMixin:
                 break
             done = step + 1
             self._settle(done)  # type: ignore[attr-defined]  # applies the step now
+            self._committed_t = time.monotonic()  # progress is the heartbeat (planaria.liveness)
             if self.loop_fault is not None:
                 self.loop_fault(self, step, "applied")  # a fault injected after the apply
             r["t"] = time.time()
