@@ -13,8 +13,9 @@ Measured side by side:
   workers, each "running" its steps of ``--step-ms`` (a sleep) and answering
   with records of the real loop's shape (rank 0 all of them, the others their
   last), each loading the controller's store as a real worker does (planaria's
-  heartbeat thread, only while it is one of the N; on rank 0 the stop key's watch
-  and the stream of records).
+  heartbeat thread, only while it is one of the N, quiet while its run commits
+  steps as a real one's is; on rank 0 the stop key's watch and the stream of
+  records).
   The controller's CPU time (``time.process_time``: its main thread, Ray's
   threads and the store's in its process) over a run (dispatch, the wait loop
   with its poll, recording every step as an event-log line) is measured for runs of
@@ -83,9 +84,11 @@ class ProtocolWorker:
 
         from planaria.collective import connect_store
         from planaria.key_watch import KeyWatch
-        from planaria.liveness import Heartbeat, beat
+        from planaria.liveness import Heartbeat, beat, quiet_s
 
         self.name, self.phase, self.step_no, self.progress, self.beats = name, "idle", 0, 0, 0
+        self._run_t: tuple[float, float, float] | None = None  # (first, end, step_s) in a run
+        self._quiet_s = quiet_s(heartbeat_s)
         self._store = connect_store(host, port, timeout_s=30)
         self._keys = KeyWatch(lambda: connect_store(host, port, timeout_s=30))
         self._stop = threading.Event()
@@ -95,10 +98,18 @@ class ProtocolWorker:
             return Heartbeat(self.beats, self.phase, self.step_no, 0, False,
                              self.progress).format()
 
+        def quiet() -> bool:  # as Worker._quiet: a step committed within quiet_s
+            if self._run_t is None:
+                return False
+            first, end, step_s = self._run_t
+            since = time.time() - first
+            return step_s <= since <= end - first + self._quiet_s and (
+                since % step_s < self._quiet_s or step_s < self._quiet_s)
+
         self._beat = lambda: threading.Thread(
             target=beat, daemon=True,
             args=(lambda: connect_store(host, port, timeout_s=30), name, record, self._stop,
-                  heartbeat_s))
+                  heartbeat_s, quiet))
         self._beating: Any = None
 
     def enlist(self, member: bool) -> None:
@@ -148,8 +159,9 @@ class ProtocolWorker:
         self.phase, self.progress = "compute", self.progress + 1
         records: list[dict[str, Any]] = []
         stream = _Stream(self._store, gen, run_id) if rank == 0 else None
+        end = first + step_s * (until - start)
+        self._run_t = (first, end, step_s)
         with self._keys.busy():
-            end = first + step_s * (until - start)
             while (now := time.time()) < end:
                 time.sleep(min(STREAM_S, end - now) if stream else end - now)
                 if stream is not None:
@@ -158,6 +170,7 @@ class ProtocolWorker:
                     stream.publish(records, len(records))
                 self.progress += 1
         self._keys.forget(key)
+        self._run_t = None
         records += [record(s) for s in range(start + len(records), until)]
         self.phase, self.step_no = "idle", until
         return {"steps": records if rank == 0 else records[-1:], "ended": "until",
