@@ -211,6 +211,7 @@ def test_campaign_of_30_faults_recovers_them_all(tmp_path):
     for key in ("unrecovered", "diverged", "samples_duplicated", "samples_missing",
                 "healthy_evicted", "not_injected"):
         assert summary[key] == 0, f"{key}: {summary[key]}\n{report}"
+    assert summary["fired_in_runs"] > 0, report  # the autonomous loop users run is exercised
 
 
 # ---- one run's verdict, on a synthetic run dir -----------------------------------------------
@@ -293,7 +294,7 @@ def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     inside the run."""
     from types import SimpleNamespace
 
-    from planaria.campaign.inject import Injector
+    from planaria.campaign.inject import STALE_STEPS, Injector
     from planaria.campaign.mix import PlannedFault, PlannedRun
     from planaria.run_ahead import RunAhead
 
@@ -305,6 +306,10 @@ def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     assert inj.next_step(0) == 6  # armed two steps before its step
     assert inj.next_step(6) == 7  # late: the next step
     inj.todo.pop(0)
+    assert inj.next_step(7) == 11
+    inj.triggers["r0f0.primary"] = {"step": 6}  # armed at 6, not fired yet: the next fault
+    assert inj.next_step(7) == 6 + STALE_STEPS  # waits (its firing ends the run) or goes stale
+    (tmp_path / "fired.jsonl").write_text(json.dumps({"id": "r0f0.primary"}) + "\n")
     assert inj.next_step(7) == 11
     inj.todo.pop(0)
     assert inj.next_step(11) == 13  # the tail: back at full width after the last fault

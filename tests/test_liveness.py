@@ -183,7 +183,7 @@ def test_a_quiet_worker_skips_its_heartbeat_writes():
         stop.wait(0.3)
         assert written == [] and not store.check(["hb/w0"])  # quiet: nothing written
         quiet.clear()
-        deadline = 50
+        deadline = 1000  # 20 s: a loaded machine may be slow to schedule the thread
         while not written and deadline:
             stop.wait(0.02)
             deadline -= 1
@@ -191,3 +191,17 @@ def test_a_quiet_worker_skips_its_heartbeat_writes():
     finally:
         stop.set()
         t.join()
+
+
+def test_a_fault_is_dated_no_earlier_than_the_last_vouch():
+    """A worker that dies in a run (its beats skipped) was alive at the last vouch."""
+    import time
+
+    store, live, clock = make()
+    beat(store, "w0", 1, "compute", 1)
+    live.observe(["w0"])
+    clock.t += 8.0
+    live.vouch(frozenset({"w0"}))
+    clock.t += 0.5
+    t = live.last_alive_t("w0")
+    assert t is not None and abs((time.time() - t) - 0.5) < 0.1

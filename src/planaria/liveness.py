@@ -229,7 +229,10 @@ class Liveness:
         seen = self._seen.get(name)
         if seen is None:
             return None
-        return time.time() - (self._clock() - seen.changed_t)
+        at = seen.changed_t
+        if name in self._vouched:  # a vouch is a sighting (it was not read meanwhile)
+            at = max(at, self._vouch_t)
+        return time.time() - (self._clock() - at)
 
     def forget(self, name: str) -> None:
         self._seen.pop(name, None)

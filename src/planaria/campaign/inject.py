@@ -17,7 +17,6 @@ where) and, when it fires, to ``CONTROL/fired.jsonl``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time
@@ -29,6 +28,7 @@ from planaria.campaign import storage_faults
 from planaria.campaign.knobs import arm_trigger
 from planaria.campaign.mix import PlannedFault, PlannedRun
 from planaria.chaos import send_signal
+from planaria.data_plan import micro_batch_range
 
 if TYPE_CHECKING:
     from planaria.controller import Job
@@ -82,7 +82,14 @@ class Injector:
         """The next boundary this injector needs (the job's autonomous loop asks, see
         :meth:`RunAhead.next_boundary <planaria.run_ahead.RunAhead.next_boundary>`): where
         the next fault is armed, or where the run's tail begins; None when it needs none."""
-        wanted = [self._arm_step(self.todo[0])] if self.todo else []
+        wanted = []
+        if self.todo:
+            # Armed only once the last trigger fired and no second half waits (each of those
+            # ends a run when it happens: a boundary comes then), or once they went stale.
+            blocked = [t["step"] + STALE_STEPS for fid, t in self.triggers.items()
+                       if not self._fired(fid)]
+            blocked += [f.step + STALE_STEPS for f, _ in self.waiting.values()]
+            wanted.append(max([self._arm_step(self.todo[0]), *blocked]))
         if self.tail_step is not None:
             wanted.append(self.tail_step)
         return max(after + 1, min(wanted)) if wanted else None
@@ -165,8 +172,9 @@ class Injector:
         """Arms ``action`` in ``target``, to fire ``ahead`` steps after this boundary (its
         worker counts the micro-batches of those steps first)."""
         pid = self._pid(job, target)
-        per_rank = math.ceil(job.spec.global_batch_size / max(1, job.width))
-        micro = max(1, math.ceil(per_rank / job.spec.micro_batch_size))
+        total = job.spec.global_batch_size // job.spec.micro_batch_size
+        rank = job.names.index(target)  # its own share: ranks may differ by a micro-batch
+        micro = max(1, micro_batch_range(total, max(1, job.width), rank)[1])
         fid = self._id(fault, role)
         arm_trigger(self.control, pid, fault_id=fid, action=action,
                     micro_batch=ahead * micro + min(fault.micro_batch, micro - 1),
