@@ -5,8 +5,8 @@
     python bench/make_benchmarks_md.py --run --only overhead
     python bench/make_benchmarks_md.py --ingest overhead=/tmp/overhead.out
 
-Each bench script (``bench/overhead.py``, ``bench/recovery.py`` and, when it
-exists, ``bench/checkpoint.py``) prints one JSON object as its last line.
+Each bench script (``bench/overhead.py``, ``bench/recovery.py``, ``bench/goodput.py``
+and, when it exists, ``bench/checkpoint.py``) prints one JSON object as its last line.
 ``--run`` runs a script and saves that object to ``bench/results/NAME.json``
 with the command, the date, the machine and the load average around the run;
 ``--ingest NAME=PATH`` saves the last line of an output captured earlier (the
@@ -33,8 +33,8 @@ sys.path.insert(0, str(_REPO))  # for bench.common, when run as a script
 from bench import common  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
-BENCHES = ("overhead", "recovery", "checkpoint", "spares", "overlap", "warm_join", "campaign",
-           "dispatch", "gpu")
+BENCHES = ("overhead", "recovery", "goodput", "checkpoint", "spares", "overlap", "warm_join",
+           "campaign", "dispatch", "gpu")
 
 
 def machine() -> dict[str, Any]:
@@ -376,6 +376,65 @@ def render_spares(rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+GOODPUT_SYSTEMS = (("planaria, 1 spare", "planaria_spares"), ("planaria, no spare", "planaria"),
+                   ("torchft (best)", "torchft"), ("torchrun (best)", "torchrun"))
+
+
+def _pair(x: dict[str, Any], key: str) -> str:
+    return f"{_f(x.get(f'{key}_p50'))} / {_f(x.get(f'{key}_p99'))}"
+
+
+def render_goodput(rec: dict[str, Any]) -> list[str]:
+    """``bench/goodput.py``: goodput under a SIGKILL every ``kill_every_s``, four systems."""
+    r = rec["result"]
+    ft, tr, sp = r["torchft"], r["torchrun"], r["planaria_spares"]
+    goodput, target = sp.get("goodput"), (r.get("targets") or {}).get("goodput_spares_min", 0.95)
+    vs_ft, vs_tr = r.get("goodput_vs_torchft"), r.get("goodput_vs_torchrun")
+    out = [
+        "## Goodput under repeated faults", "", *_header(rec), "",
+        f"Model `{r.get('size')}`, {r.get('replicas')} replicas x 1 thread on "
+        f"{r.get('nproc')} cores (the replicas share them), a window of "
+        f"{_f(r.get('duration_s'), '.0f')} s per run with a SIGKILL of a random active worker "
+        f"about every {_f(r.get('kill_every_s'), '.0f')} s (seed {r.get('seed')}; the same "
+        "schedule and harness for every system, a random point of a step). torchft: async "
+        "quorum, replacement started at once, gloo timeout "
+        f"{_f(ft.get('pg_timeout_s'))} s, heartbeat timeout swept (best: "
+        f"{ft.get('heartbeat_ms')} ms); torchrun: checkpoint interval swept (best: every "
+        f"{tr.get('ckpt_every')} steps; Young/Daly: {_f(tr.get('young_daly_ckpt_every'), '.1f')})."
+        " Goodput = useful (first-time committed) steps x the system's own fault-free step "
+        "time ÷ the window; MTTR = kill → first commit of a step beyond the last one "
+        "committed before it; full width = kill → first commit with every replica in "
+        "(`bench/goodput.py`'s docstring).", "",
+        "| system | goodput | useful steps | lost steps | kills | recoveries | MTTR p50 / p99 (s) "
+        "| full width p50 / p99 (s) | step ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, key in GOODPUT_SYSTEMS:
+        x = r[key]
+        out.append(
+            f"| {label} | {_f(x.get('goodput'), '.3f')} | {x.get('useful_steps')} | "
+            f"{x.get('lost_steps')} | {x.get('kills')} | {x.get('recoveries')} | "
+            f"{_pair(x, 'mttr_s')} | {_pair(x, 'full_width_s')} | {_f(x.get('step_ms'), '.1f')} |"
+        )
+    for name, x, unit in (("torchft", ft, "heartbeat {} ms"), ("torchrun", tr, "every {} steps")):
+        sweep = x.get("sweep") or {}
+        if sweep:
+            out += ["", f"{name} sweep: " + "; ".join(
+                f"{unit.format(k)}: goodput {_f(v.get('goodput'), '.3f')}"
+                for k, v in sweep.items()) + "."]
+    widths = "; ".join(f"{label}: {r[key].get('step_ms_by_width')}"
+                       for label, key in GOODPUT_SYSTEMS)
+    out += ["", f"What a missing replica costs here, median step ms by width: {widths}.", "",
+            "| figure | value | target | met |", "|---|---:|---|:-:|",
+            f"| planaria with a spare, goodput | {_f(goodput, '.3f')} | ≥ {target} "
+            f"| {_ok(None if goodput is None else goodput >= target)} |",
+            f"| ÷ torchft's best | {_f(vs_ft, '.3f')} | > 1 "
+            f"| {_ok(None if vs_ft is None else vs_ft > 1)} |",
+            f"| ÷ torchrun's best | {_f(vs_tr, '.3f')} | > 1 "
+            f"| {_ok(None if vs_tr is None else vs_tr > 1)} |"]
+    return [*out, ""]
+
+
 def render_warm_join(rec: dict[str, Any]) -> list[str]:
     r = rec["result"]
     ratio = r.get("warm_over_cold")
@@ -535,6 +594,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_overhead(rec)
         elif name == "recovery":
             out += render_recovery(rec)
+        elif name == "goodput":
+            out += render_goodput(rec)
         elif name == "campaign":
             out += render_campaign(rec)
         elif name == "checkpoint":

@@ -13,6 +13,9 @@ return the same figures as ``bench.baselines.runners`` (same definitions, same c
   (``data_wait_s + compute_s + reduce_s``, read from the step results).
 - :func:`run_planaria_kill`: one SIGKILL through planaria's chaos plan
   (``kill:w1@stepK``), recovery figures computed from ``events.jsonl`` only.
+- :func:`run_planaria_faults`: trains for a window while an outside kill harness
+  (``bench/kill_harness.py``) SIGKILLs members again and again, finding them in
+  ``events.jsonl`` (``bench/goodput.py``).
 
 Every function starts (and shuts down) its own local Ray, so runs are independent.
 """
@@ -36,12 +39,14 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from bench import common  # noqa: E402
+from bench.kill_harness import JsonlTail, KillHarness, Victim, step_period_s  # noqa: E402
 from planaria.worker import Worker  # noqa: E402
 
 __all__ = [
     "TimedWorker",
     "make_spec",
     "recovery_figures",
+    "run_planaria_faults",
     "run_planaria_kill",
     "run_planaria_steady",
 ]
@@ -366,3 +371,93 @@ def run_planaria_kill(
     out = recovery_figures(list(read_events(rd / "events.jsonl")))
     out.update(replicas=replicas, size=size, run_dir=str(rd))
     return out
+
+
+_ENDLESS = 10**9  # steps and failures: the window's end stops the run, not a count
+
+
+def planaria_victims(tail: JsonlTail) -> list[Victim]:
+    """The members of the job's latest generation with their pids, from its event log
+    alone: ``generation`` names the members, ``worker_started`` gives each worker's pid.
+    A standby spare is in no generation until it takes a place."""
+    rows = tail.read()
+    pids = {r["worker"]: r["pid"] for r in rows
+            if r.get("event") == "worker_started" and r.get("pid")}
+    generations = [r for r in rows if r.get("event") == "generation"]
+    if not generations:
+        return []
+    return [Victim(w, pids[w]) for w in generations[-1]["workers"] if w in pids]
+
+
+def _commits(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    return [(r["step"], r["t"]) for r in rows if r.get("event") == "step_committed"]
+
+
+def run_planaria_faults(
+    duration_s: float,
+    harness: KillHarness,
+    size: str = "medium",
+    replicas: int = 3,
+    spares: int = 0,
+    threads: int = 1,
+    *,
+    warmup: int = 3,
+    max_run_s: float = 5.0,
+    spare_wait_s: float = 300.0,
+    run_dir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Resize policy, ``spares`` hot spares, trained for ``duration_s`` while ``harness``
+    SIGKILLs members of the current generation.
+
+    The loop is ``fit()``'s (``run_steps``, ``recovery.handle`` on a Failure), with
+    the failure budget lifted (every kill is a failure) and bounded in time instead
+    of steps: each call asks for the steps that fit in what is left of the window
+    (at most ``max_run_s`` of them, at the step time seen so far), so the run stops
+    near the window's end; a run's own cost is one call per worker. The window
+    opens once the spares stand by and ``warmup`` steps are committed. Returns
+    ``commits`` (``step``, ``wall``: rank 0's commit time, ``width``, ``started``:
+    ``wall - duration_s``, when rank 0 began the step) from
+    ``events.jsonl``, the window (``t0``, ``t1``), the harness's ``kills`` and
+    ``skipped_kills``, and ``run_dir``.
+    """
+    import planaria
+    from planaria import RecoveryPolicy, RunConfig
+    from planaria.events import read_events
+
+    _ensure_worker_path()
+    rd = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="planaria_faults_"))
+    config = RunConfig(steps=_ENDLESS, replicas=replicas, spares=spares, run_dir=rd,
+                       threads_per_worker=threads)
+    policy = RecoveryPolicy(on_worker_lost="resize", min_replicas=1, max_failures=_ENDLESS)
+    tail = JsonlTail(rd / "events.jsonl")
+
+    def step_s() -> float | None:
+        return step_period_s(_commits(tail.read()))
+
+    def advance(job: Any, until: int) -> None:
+        try:
+            job.run_steps(until)
+        except planaria.Failure as failure:
+            job.recovery.handle(failure)
+
+    with planaria.Job(make_spec(size), config, policy=policy) as job:
+        if spares:
+            job.wait_for_spares(timeout_s=spare_wait_s)
+        while job.steps_done < warmup:
+            advance(job, warmup)
+        t0 = time.time()
+        t1 = t0 + duration_s
+        harness.start(t0, victims=lambda: planaria_victims(tail), step_s=step_s)
+        try:
+            while (now := time.time()) < t1:
+                period = step_s() or 0.1
+                advance(job, job.steps_done + max(1, int(min(t1 - now, max_run_s) / period)))
+        finally:
+            harness.stop()
+    events = list(read_events(rd / "events.jsonl").events)
+    commits = [{"step": e["step"], "wall": e["t"], "width": e["width"],
+                "started": e["t"] - e["duration_s"]}
+               for e in events if e["event"] == "step_committed"]
+    return {"commits": commits, "t0": t0, "t1": t1, "kills": harness.kills,
+            "skipped_kills": harness.skipped, "events": events, "replicas": replicas,
+            "spares": spares, "size": size, "run_dir": str(rd)}

@@ -119,6 +119,31 @@ def test_warm_join_quick(tmp_path):
         out["details"]["cold"]["replacement"]["compile_s"]
 
 
+GOODPUT_FIGURES = {"goodput", "useful_steps", "steps_committed", "lost_steps", "recoveries",
+                   "kills", "mttr_s_p50", "mttr_s_p99", "full_width_s_p50", "full_width_s_p99",
+                   "step_ms"}
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_goodput_quick(tmp_path):
+    pytest.importorskip("torchft")
+    out = run_quick("goodput.py", tmp_path, timeout_s=880)
+
+    assert out["bench"] == "goodput"
+    for system in ("planaria", "planaria_spares", "torchft", "torchrun"):
+        assert out[system].keys() >= GOODPUT_FIGURES, system
+        assert out[system]["kills"] >= 1, system
+        assert out[system]["useful_steps"] > 0, system
+    assert out["planaria_spares"]["lost_steps"] == 0 and out["planaria"]["lost_steps"] == 0
+    assert out["planaria_spares"]["report"]["spares_taken"] >= 1
+    assert out["torchft"]["sweep"].keys() == {"500"}
+    assert out["torchrun"]["sweep"].keys() == {"5"}
+    assert "goodput_vs_torchft" in out and "goodput_vs_torchrun" in out
+
+
 def test_make_benchmarks_md_renders(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
     from bench import make_benchmarks_md as mk
@@ -154,3 +179,25 @@ def test_make_benchmarks_md_renders(tmp_path, monkeypatch):
     text = mk.render(mk.load_results())
     assert "| stall ratio (extra wall / sync save) | 0.050 | ≤ 0.10 | met |" in text
     assert "served it from a host cache" in text
+
+
+def test_make_benchmarks_md_renders_goodput(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO))
+    from bench import make_benchmarks_md as mk
+
+    monkeypatch.setattr(mk, "RESULTS", tmp_path)
+    assert "Goodput under repeated faults" not in mk.render(mk.load_results())
+    side = {key: 1.0 for key in GOODPUT_FIGURES} | {"step_ms_by_width": {"2": 90.0, "3": 100.0}}
+    out = {"bench": "goodput", "planaria": side, "planaria_spares": {**side, "goodput": 0.97},
+           "torchft": {**side, "heartbeat_ms": 500, "pg_timeout_s": 2.0,
+                       "sweep": {"250": {"goodput": 0.8}, "500": {"goodput": 0.9}}},
+           "torchrun": {**side, "goodput": 0.5, "ckpt_every": 10, "sweep": {"10": side}},
+           "goodput_vs_torchft": 0.97, "goodput_vs_torchrun": 1.94, "size": "medium",
+           "replicas": 3, "duration_s": 600.0, "kill_every_s": 30.0, "seed": 0, "nproc": 2,
+           "targets": {"goodput_spares_min": 0.95}}
+    mk.save("goodput", out, "python bench/goodput.py")
+    text = mk.render(mk.load_results())
+    assert "## Goodput under repeated faults" in text
+    assert "| planaria with a spare, goodput | 0.970 | ≥ 0.95 | met |" in text
+    assert "| ÷ torchft's best | 0.970 | > 1 | **missed** |" in text
+    assert "heartbeat 250 ms: goodput 0.800" in text

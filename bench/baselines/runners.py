@@ -21,6 +21,11 @@ Recovery figures, the same definitions for every baseline (times are
   (work that had to be recomputed).
 - ``step_ms_median``: median step time of the steady steps before the kill
   (warm-up steps left out).
+
+``run_torchrun_faults`` and ``run_torchft_faults`` (for ``bench/goodput.py``)
+instead train for a window while an outside harness kills workers again and
+again, and return the raw records (committed steps, kills) from which that bench
+computes the same figures per kill.
 """
 
 from __future__ import annotations
@@ -40,7 +45,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_ddp_steady", "run_torchft_kill", "run_torchrun_kill"]
+from bench.kill_harness import JsonlTail, KillHarness, Victim, step_period_s
+
+__all__ = [
+    "run_ddp_steady",
+    "run_torchft_faults",
+    "run_torchft_kill",
+    "run_torchrun_faults",
+    "run_torchrun_kill",
+]
 
 _HERE = Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
@@ -509,3 +522,271 @@ def run_torchft_kill(
         if out["step_ms_median"] and ddp["step_ms_median"]:
             out["steady_overhead_vs_ddp"] = out["step_ms_median"] / ddp["step_ms_median"] - 1
     return out
+
+
+# ---------------------------------------------------------------- repeated faults
+#
+# The runs of ``bench/goodput.py``: a system trains for a window of ``duration_s``
+# while an outside ``KillHarness`` (bench/kill_harness.py) SIGKILLs one of its
+# active workers on a seeded schedule. These runners start the system, open the
+# window once ``warmup`` steps are committed, tell the harness how to find the
+# active workers, keep the system going (a scheduler's part: torchrun restarts
+# its own workers; torchft's replacement is started here, at once), and return
+# the raw records; bench/goodput.py turns them into figures, the same way for all.
+
+_ENDLESS = 10**9  # steps: the window's end stops a run, not a step count
+
+
+def _window_open(tail: JsonlTail, warmup: int) -> float | None:
+    """``time.time()`` once a committed step ``>= warmup`` is in the log."""
+    done = any(
+        r.get("event") == "step" and r.get("committed", True) and r["step"] >= warmup
+        for r in tail.read()
+    )
+    return time.time() if done else None
+
+
+def _step_commits(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    return [(r["step"], r["wall"]) for r in rows
+            if r.get("event") == "step" and r.get("committed", True)]
+
+
+def _commit(row: dict[str, Any], width: int) -> dict[str, Any]:
+    """A logged step as a commit record: ``started`` is when the step began."""
+    return {"step": row["step"], "wall": row["wall"], "width": width,
+            "started": row["wall"] - row["step_ms"] / 1000}
+
+
+def _torchrun_victims(tail: JsonlTail, agent_pid: int) -> list[Victim]:
+    """The workers of torchrun's current round, once the round has committed a step (not
+    the agent; not a round still starting up)."""
+    rows = tail.read()
+    starts = [r for r in rows if r.get("event") == "start"]
+    if not starts:
+        return []
+    current = max(r["restart"] for r in starts)
+    if not any(r.get("event") == "step" and r.get("restart") == current for r in rows):
+        return []
+    workers = set(_descendants(agent_pid))
+    return [Victim(f"rank{r['rank']}", r["pid"]) for r in starts
+            if r["restart"] == current and r["pid"] in workers]
+
+
+def run_torchrun_faults(
+    duration_s: float,
+    harness: KillHarness,
+    size: str = "medium",
+    nproc: int = 3,
+    *,
+    threads: int = 1,
+    ckpt_every: int = 10,
+    max_restarts: int = 10_000,
+    warmup: int = 3,
+    start_timeout_s: float = 300.0,
+    workdir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """DDP + a checkpoint every ``ckpt_every`` steps under ``torchrun --max-restarts``,
+    trained for ``duration_s`` while ``harness`` kills its workers.
+
+    The window opens when rank 0 has committed step ``warmup``. The harness's
+    victims are the current round's worker processes (descendants of the agent
+    named in the round's ``start`` records, once the round has committed a step).
+    Every kill makes torchrun's agent stop the round and start all workers again,
+    which resume from the checkpoint. Returns ``commits`` (``step``, ``wall``,
+    ``width``, ``started``: rank 0's steps), the window (``t0``, ``t1``), the harness's
+    ``kills`` and ``skipped_kills``, ``restarts`` (rounds started in the window),
+    ``ckpt_save_ms`` (rank 0's save times) and the configuration.
+    """
+    wd = _workdir(workdir, "ddp_faults_")
+    log = wd / "ddp_restart.jsonl"
+    cmd = [
+        *_torchrun(nproc, max_restarts),
+        str(_HERE / "ddp_ckpt_restart.py"),
+        f"--steps={_ENDLESS}",
+        f"--size={size}",
+        f"--threads={threads}",
+        f"--warmup={warmup}",
+        f"--ckpt={wd / 'ckpt.pt'}",
+        f"--ckpt-every={ckpt_every}",
+        f"--out={log}",
+    ]
+    # Restarted gloo workers hang in setup on torch 2.13 if they share the agent's store.
+    proc = _spawn(cmd, _env(threads, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), wd / "torchrun.log")
+    tail = JsonlTail(log)
+    try:
+        t0 = _wait_for("torchrun warm-up", lambda: _window_open(tail, warmup),
+                       time.time() + start_timeout_s, [proc])
+        harness.start(t0, victims=lambda: _torchrun_victims(tail, proc.pid),
+                      step_s=lambda: step_period_s(_step_commits(tail.read())))
+        while time.time() < t0 + duration_s:
+            if proc.poll() is not None:
+                raise RuntimeError(f"torchrun exited with {proc.returncode} during the window")
+            time.sleep(0.1)
+    finally:
+        harness.stop()
+        _kill_tree(proc, grace_s=2.0)
+        _kill_logged(log, "ddp_ckpt_restart.py")
+    rows = _read_jsonl(log)
+    t1 = t0 + duration_s
+    rounds = {r["restart"]: r["wall"] for r in rows if r["event"] == "start"}
+    return {
+        "commits": [_commit(r, nproc) for r in rows if r["event"] == "step"],
+        "t0": t0,
+        "t1": t1,
+        "kills": harness.kills,
+        "skipped_kills": harness.skipped,
+        "restarts": sum(1 for n, wall in rounds.items() if n > 0 and t0 < wall <= t1),
+        "ckpt_save_ms": [r["save_ms"] for r in rows if r["event"] == "ckpt"],
+        "ckpt_every": ckpt_every,
+        "replicas": nproc,
+        "size": size,
+        "log": str(log),
+    }
+
+
+def _torchft_victims(tail: JsonlTail, current: dict[int, subprocess.Popen]) -> list[Victim]:
+    """Groups whose current process has committed a step (a replacement still starting
+    up or healing before its first commit is not yet training)."""
+    rows = tail.read()
+    started = {r["pid"]: r["wall"] for r in rows if r.get("event") == "start"}
+    trained: dict[int, float] = {}
+    for r in rows:
+        if r.get("event") == "step" and r["committed"]:
+            trained[r["group"]] = r["wall"]  # the group's latest commit
+    return [
+        Victim(f"group{g}", p.pid) for g, p in sorted(current.items())
+        if p.poll() is None and p.pid in started and trained.get(g, 0.0) > started[p.pid]
+    ]
+
+
+def _first_commits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One commit per step: the earliest group's (they commit a step together)."""
+    first: dict[int, dict[str, Any]] = {}
+    for r in sorted((r for r in rows if r["event"] == "step" and r["committed"]),
+                    key=lambda r: r["wall"]):
+        first.setdefault(r["step"], _commit(r, r["participants"]))
+    return sorted(first.values(), key=lambda c: c["wall"])
+
+
+def run_torchft_faults(
+    duration_s: float,
+    harness: KillHarness,
+    size: str = "medium",
+    groups: int = 3,
+    *,
+    threads: int = 1,
+    heartbeat_timeout_ms: int = 1000,
+    pg_timeout_s: float = 10.0,
+    async_quorum: bool = True,
+    min_replicas: int = 1,
+    join_timeout_ms: int = 10_000,
+    warmup: int = 3,
+    start_timeout_s: float = 300.0,
+    workdir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """torchft replica groups (one process each) + a lighthouse, trained for ``duration_s``
+    while ``harness`` kills group processes; a killed group's replacement (same group id)
+    is started at once.
+
+    The lighthouse runs with ``--min_replicas min_replicas`` (survivors go on),
+    ``--heartbeat_timeout_ms`` (how soon a dead group leaves the quorum) and
+    ``--join_timeout_ms`` (how long a quorum waits for a group that heartbeats but
+    has not asked to join); the groups with ``--pg-timeout-s`` (gloo collectives)
+    and, with ``async_quorum``, torchft's asynchronous quorum. The window opens
+    when a group has committed step ``warmup``; the harness's victims are the
+    groups whose current process has committed a step. Returns ``commits`` (one
+    per step: the earliest group's, ``width`` = its participants), the window,
+    ``kills``, ``skipped_kills``, ``replacements`` (``group``, ``exit_code`` of the
+    process it replaces, ``started_t``, ``rejoin_s``: started → its first committed
+    step), ``failed_iterations`` (iterations in the window that did not commit, over
+    all groups) and the configuration.
+    """
+    wd = _workdir(workdir, "torchft_faults_")
+    log = wd / "torchft.jsonl"
+    lh_port = _free_port()
+    lighthouse = [
+        _lighthouse_binary(),
+        "--min_replicas", str(min_replicas),
+        "--bind", f"127.0.0.1:{lh_port}",
+        "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+        "--join_timeout_ms", str(join_timeout_ms),
+    ]
+    script = [
+        sys.executable,
+        str(_HERE / "torchft_train.py"),
+        f"--steps={_ENDLESS}",
+        f"--size={size}",
+        f"--threads={threads}",
+        f"--warmup={warmup}",
+        f"--pg-timeout-s={pg_timeout_s}",
+        f"--out={log}",
+        *(["--async-quorum"] if async_quorum else []),
+    ]
+
+    def start_group(g: int, tag: str) -> subprocess.Popen:
+        env = _env(
+            threads,
+            REPLICA_GROUP_ID=str(g),
+            NUM_REPLICA_GROUPS=str(groups),
+            TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lh_port}",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+        )
+        return _spawn(script, env, wd / f"group{g}{tag}.log")
+
+    tail = JsonlTail(log)
+    procs: list[subprocess.Popen] = []
+    replacements: list[dict[str, Any]] = []
+    try:
+        procs.append(_spawn(lighthouse, _env(threads), wd / "lighthouse.log"))
+        time.sleep(0.2)
+        current = {g: start_group(g, "") for g in range(groups)}
+        procs += current.values()
+        t0 = _wait_for("torchft warm-up", lambda: _window_open(tail, warmup),
+                       time.time() + start_timeout_s, procs)
+        harness.start(t0, victims=lambda: _torchft_victims(tail, current),
+                      step_s=lambda: step_period_s(
+                          [(c["step"], c["wall"]) for c in _first_commits(tail.read())]))
+        while time.time() < t0 + duration_s:
+            if procs[0].poll() is not None:
+                raise RuntimeError(f"the lighthouse exited with {procs[0].returncode}")
+            for g, p in list(current.items()):
+                if p.poll() is not None:  # as a scheduler would: a new process at once
+                    current[g] = start_group(g, f".r{len(replacements)}")
+                    procs.append(current[g])
+                    replacements.append({"group": g, "exit_code": p.returncode,
+                                         "started_t": time.time()})
+            time.sleep(_POLL_S)
+    finally:
+        harness.stop()
+        for p in reversed(procs):
+            _kill_tree(p)
+        _kill_logged(log, "torchft_train.py")
+    rows = _read_jsonl(log)
+    t1 = t0 + duration_s
+    for rep in replacements:
+        back = [r["wall"] for r in rows if r["event"] == "step" and r["committed"]
+                and r["group"] == rep["group"] and r["wall"] > rep["started_t"]]
+        rep["rejoin_s"] = min(back) - rep["started_t"] if back else None
+    return {
+        "commits": _first_commits(rows),
+        "t0": t0,
+        "t1": t1,
+        "kills": harness.kills,
+        "skipped_kills": harness.skipped,
+        "replacements": replacements,
+        "failed_iterations": sum(1 for r in rows if r["event"] == "step"
+                                 and not r["committed"] and t0 < r["wall"] <= t1),
+        "heartbeat_timeout_ms": heartbeat_timeout_ms,
+        "pg_timeout_s": pg_timeout_s,
+        "async_quorum": async_quorum,
+        "min_replicas": min_replicas,
+        "join_timeout_ms": join_timeout_ms,
+        "replicas": groups,
+        "size": size,
+        "log": str(log),
+    }

@@ -14,7 +14,12 @@ before its first step and then participates), then this group's contiguous
 part of ``bench.common.batch_ids(step)`` split over the *participating* groups,
 so the global batch stays the same set of samples whatever the width (like
 planaria); gradient accumulation over micro-batches; one allreduce of a flat
-gradient buffer; ``should_commit`` gates the optimizer update.
+gradient buffer; ``should_commit`` gates the optimizer update. With
+``--async-quorum`` (torchft's default) the quorum runs in the background and a
+replacement heals during its first step without taking part in it (zero
+gradient; its received state is applied at ``should_commit``); the split over
+the participating groups still needs the quorum's width, so the step waits for
+the quorum before loading its samples.
 
 Gradients go through ``Manager.allreduce`` on a flat buffer, not through
 torchft's DistributedDataParallel wrapper: with torch 2.13 + gloo on CPU, that
@@ -62,6 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None)
     p.add_argument("--pg-timeout-s", type=float, default=10.0, help="gloo collective timeout")
     p.add_argument("--timeout-s", type=float, default=30.0, help="manager op / quorum timeout")
+    p.add_argument(
+        "--async-quorum",
+        action="store_true",
+        help="torchft's default: the quorum runs in the background and a healing group sits "
+        "out the step it heals in (its state is applied at should_commit) instead of every "
+        "group waiting for the heal before the step",
+    )
     return p.parse_args(argv)
 
 
@@ -101,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         replica_id=f"bench_{group}",
-        use_async_quorum=False,  # heal before the step, then participate in it
+        # Default (synchronous): heal before the step, then participate in it.
+        use_async_quorum=args.async_quorum,
         init_sync=False,  # every group seeds the same init
         timeout=timeout,
         quorum_timeout=timeout,
@@ -114,9 +127,11 @@ def main(argv: list[str] | None = None) -> None:
         while manager.current_step() < args.steps:
             t0 = time.perf_counter()
             manager.start_quorum()
-            step = manager.current_step()  # after healing: the job's step
-            first = step if first is None else first
+            # participating_rank waits for an async quorum; a group healing under one is
+            # not participating (rank None) and contributes a zero gradient to this step.
             rank, world = manager.participating_rank(), manager.num_participants()
+            step = manager.current_step()  # after the quorum (and a synchronous heal)
+            first = step if first is None else first
             flat.zero_()
             loss_sum = 0.0
             if rank is not None and not manager.errored():
