@@ -185,6 +185,7 @@ def test_a_death_during_a_new_generations_rendezvous_does_not_stall_it(
             except planaria.Failure as failure:
                 job.recovery.handle(failure)
         assert job.width <= 3
+        assert not job.recovery.open_work()  # the dead joiner leaves no join open for good
         state = job.model_state_dict()
     assert killed == ["w3"]
     assert_same_state(reference, state)

@@ -91,10 +91,12 @@ class Recovery:
                 lost_steps=fault.lost_steps,
             )
         self._open.clear()
-        for name in [n for n in self._joining if n in job.names]:
-            job.log.emit(
-                "joined", worker=name, gen=job.gen, step=step, join_s=now - self._joining.pop(name)
-            )
+        for name, since in list(self._joining.items()):
+            # A joiner that is no member now died before its first step (its loss is a
+            # fault of its own): it must not keep the job one step at a time for good.
+            del self._joining[name]
+            if name in job.names:
+                job.log.emit("joined", worker=name, gen=job.gen, step=step, join_s=now - since)
 
     def admit(self, ready: list[WorkerHandle]) -> None:
         """Brings ready replacements into the next generation; a survivor sends them the state."""
