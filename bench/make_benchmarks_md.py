@@ -109,9 +109,11 @@ def run(name: str, extra_args: list[str], timeout_s: float) -> Path:
 
 
 def _table_lines(text: str) -> list[str]:
-    """The human-readable part of the output (everything but the JSON line)."""
+    """The human-readable part of the output (everything but the JSON line, and Ray's own
+    notices: its log lines carry a ``(raylet)``-style prefix)."""
     lines = [line for line in text.splitlines() if line.strip()]
-    return [line for line in lines[:-1] if "Token authentication" not in line]
+    return [line for line in lines[:-1]
+            if "Token authentication" not in line and "(raylet)" not in line]
 
 
 def load_results() -> dict[str, dict[str, Any]]:
@@ -615,7 +617,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
                 "<details><summary>script output</summary>",
                 "",
                 "```",
-                *rec["table"],
+                *(line for line in rec["table"] if "(raylet)" not in line),
                 "```",
                 "",
                 "</details>",
