@@ -217,6 +217,26 @@ def _lighthouse_binary() -> str:
 # ---------------------------------------------------------------- figures
 
 
+def _start_torchft_group(
+    script: list[str], log: Path, *, threads: int, group: int, groups: int, lh_port: int
+) -> subprocess.Popen:
+    """One torchft replica group: a process of world size 1 that finds its peers through the
+    lighthouse on ``lh_port``."""
+    env = _env(
+        threads,
+        REPLICA_GROUP_ID=str(group),
+        NUM_REPLICA_GROUPS=str(groups),
+        TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lh_port}",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+    )
+    return _spawn(script, env, log)
+
+
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -441,19 +461,8 @@ def run_torchft_kill(
     ]
 
     def start_group(g: int, tag: str) -> subprocess.Popen:
-        env = _env(
-            threads,
-            REPLICA_GROUP_ID=str(g),
-            NUM_REPLICA_GROUPS=str(groups),
-            TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lh_port}",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-        )
-        return _spawn(script, env, wd / f"group{g}{tag}.log")
+        return _start_torchft_group(script, wd / f"group{g}{tag}.log", threads=threads,
+                                    group=g, groups=groups, lh_port=lh_port)
 
     ddp = None
     if compare_ddp:
@@ -724,19 +733,8 @@ def run_torchft_faults(
     ]
 
     def start_group(g: int, tag: str) -> subprocess.Popen:
-        env = _env(
-            threads,
-            REPLICA_GROUP_ID=str(g),
-            NUM_REPLICA_GROUPS=str(groups),
-            TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lh_port}",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-        )
-        return _spawn(script, env, wd / f"group{g}{tag}.log")
+        return _start_torchft_group(script, wd / f"group{g}{tag}.log", threads=threads,
+                                    group=g, groups=groups, lh_port=lh_port)
 
     tail = JsonlTail(log)
     procs: list[subprocess.Popen] = []
