@@ -71,3 +71,29 @@ def test_storage_errors_are_their_own_kind() -> None:
     assert with_retries(flaky, what="x", backoff_s=0.001) == 7
     with pytest.raises(ZeroDivisionError):
         with_retries(lambda: 1 // 0, what="x")
+
+
+def test_a_marker_read_error_neither_hides_a_checkpoint_nor_starts_over(tmp_path: Path) -> None:
+    """The controller reads each committed checkpoint's marker to know whose it is: a
+    transient error is retried (it once made a rollback find "no checkpoint saved yet" and
+    give up), and markers that stay unreadable are an error, never a start from step 0."""
+    from planaria.checkpoint import list_checkpoints
+    from planaria.checkpoint.errors import NoViableCheckpoint
+    from planaria.checkpoint.layout import MARKER
+    from planaria.checkpoint.restore import read_run_id
+    from planaria.checkpointing import CheckpointConfig, Checkpointer
+
+    clean = flaky_options("marker-setup", (), ())
+    save(root_of(tmp_path), 3, make_state(0), 2, storage_options=clean)
+    (info,) = list_checkpoints(root_of(tmp_path), storage_options=clean)
+    checkpointer = Checkpointer.__new__(Checkpointer)  # only the controller's storage side
+    checkpointer.root = root_of(tmp_path)
+    checkpointer.config = CheckpointConfig(storage_attempts=3)
+    checkpointer.lineage = (read_run_id(info.path, storage_options=clean),)
+    checkpointer.options = flaky_options(secrets.token_hex(4), ("read",), (1,), match=MARKER)
+    assert [c.step for c in checkpointer._restore_candidates()] == [3]
+    checkpointer.options = flaky_options(secrets.token_hex(4), ("read",), tuple(range(1, 99)),
+                                         match=MARKER)
+    with pytest.raises(NoViableCheckpoint, match=r"markers of 1 committed checkpoints .* could "
+                                                 r"not be read"):
+        checkpointer._restore_candidates()

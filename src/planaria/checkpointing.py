@@ -345,7 +345,7 @@ class Checkpointer:
         """After generation 0: continues from the newest viable checkpoint of the lineage if
         ``resume``; :class:`NoViableCheckpoint` if there are some and none is viable."""
         try:
-            if self.config.resume and self._own_committed():
+            if self.config.resume and self._restore_candidates():
                 self.restore(reason="resume")
         except BaseException:  # the job does not start: the root is free again
             with contextlib.suppress(Exception):
@@ -440,7 +440,12 @@ class Checkpointer:
     def _restore(self, t0: float, before: int, reason: str) -> int | None:
         job = self.job
         self._wait_retention()
-        candidates = list(reversed(self._own_committed()))
+        try:
+            candidates = self._restore_candidates()
+        except NoViableCheckpoint:
+            for h in job.members:
+                h.has_state = False
+            raise
         if not candidates:
             return None
         warnings: list[str] = []
@@ -546,14 +551,30 @@ class Checkpointer:
         return [c for c in infos if c.committed]
 
     def _run_of(self, c: CheckpointInfo) -> str | None:
+        """The run that committed ``c``; ``"unreadable"`` when its marker cannot be read,
+        after the storage's retries (a transient error must not hide a checkpoint)."""
         try:
-            return read_run_id(c.path, storage_options=self.options)
-        except (CheckpointError, OSError):
+            return self._storage_call(
+                functools.partial(read_run_id, c.path, storage_options=self.options),
+                f"reading the marker of {c.path}")
+        except (CheckpointError, StorageError, OSError):
             return "unreadable"
 
-    def _own_committed(self) -> list[CheckpointInfo]:
-        """This lineage's committed checkpoints, oldest first."""
-        return [c for c in self._committed() if self._run_of(c) in self.lineage]
+    def _restore_candidates(self) -> list[CheckpointInfo]:
+        """This lineage's committed checkpoints, newest first. :class:`NoViableCheckpoint`
+        when there are none but some committed checkpoint's marker could not be read: it
+        may be this run's, so this is not "none saved yet" (which would start over)."""
+        committed = self._committed()
+        runs = {c.path: self._run_of(c) for c in committed}
+        own = [c for c in reversed(committed) if runs[c.path] in self.lineage]
+        unreadable = [c.path for c in committed if runs[c.path] == "unreadable"]
+        if not own and unreadable:
+            raise NoViableCheckpoint(
+                f"the markers of {len(unreadable)} committed checkpoints under {self.root} "
+                f"could not be read ({', '.join(unreadable)}): whether they are this run's "
+                "is unknown; fix the storage's access and resume"
+            )
+        return own
 
     def _deadline(self, nbytes: int) -> float:
         """A save's or a restore's deadline: the base, plus time for its bytes."""
