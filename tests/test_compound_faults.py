@@ -240,3 +240,69 @@ def test_a_death_during_a_restore_restores_again(tmp_path, reference):
     (restore,) = of(evs, "restore")
     committed = [c["step"] for c in of(evs, "checkpoint_saved") if c["t"] <= restore["t"]]
     assert committed and committed[-1] in (3, 6) and restore["step"] == committed[-1]
+
+
+class _NanOnceOnSample:
+    """mse; the first micro-batch holding sample ``index`` whose worker claims ``marker``
+    (an atomic rename) gives a NaN loss: one non-finite step, at a step the data plan names."""
+
+    def __init__(self, index: int, marker: str) -> None:
+        self.row = mlp.Regression(n=N).x[index]
+        self.marker = marker
+
+    def __call__(self, model, batch):
+        loss = mlp.mse(model, batch)
+        if not bool((batch[0] == self.row).all(dim=1).any()):
+            return loss
+        try:
+            os.rename(self.marker, self.marker + ".claimed")
+        except FileNotFoundError:
+            return loss
+        return loss * float("nan")
+
+
+def slow_saves_model():
+    """The MLP, in a worker whose checkpoint writes take 3 s longer: a save stays in flight."""
+    import time
+
+    import planaria.checkpoint.async_writer as aw
+
+    if not getattr(aw, "_slow", False):
+        write = aw.write_image
+
+        def slow(*args, **kwargs):
+            time.sleep(3.0)
+            return write(*args, **kwargs)
+
+        aw.write_image = slow
+        aw._slow = True
+    return mlp.make_model()
+
+
+def test_a_rollback_waits_for_the_save_in_flight_and_restores_it(tmp_path, reference):
+    """A non-finite step right after a checkpoint boundary, while that save is still being
+    written: the rollback lets the save commit and restores it (1 step lost), instead of
+    dropping it for an older checkpoint (or, with none, giving up)."""
+    import dataclasses
+
+    from planaria.checkpointing import CheckpointConfig
+    from planaria.data_plan import DataPlan
+
+    spec = mlp.make_spec(n=N)
+    plan = DataPlan(N, G, seed=spec.seed)
+    step = next(s for s in range(2, STEPS) if 11 in set(plan.batch(s).tolist()))
+    marker = tmp_path / "nan-once"
+    marker.touch()
+    spec = dataclasses.replace(spec, model=slow_saves_model,
+                               loss=_NanOnceOnSample(11, str(marker)))
+    result = fit(spec, steps=STEPS, replicas=2, run_dir=tmp_path / "run", ledger=True,
+                 policy=RecoveryPolicy(on_nonfinite="rollback"),
+                 checkpoint=CheckpointConfig(every=step - 1))
+    assert not marker.exists()  # the NaN fired
+    assert result.final_step == STEPS
+    assert_same_state(reference, result.state_dict)
+    assert_exactly_once(tmp_path / "run", num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(tmp_path / "run")
+    (restore,) = of(evs, "restore")
+    assert (restore["step"], restore["lost_steps"]) == (step - 1, 1)
+    assert not [e for e in of(evs, "checkpoint_failed") if e["step"] == step - 1]

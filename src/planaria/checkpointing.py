@@ -424,7 +424,7 @@ class Checkpointer:
         job = self.job
         t0 = time.time()
         before = job.steps_done if reason != "resume" else self._ledger_steps()
-        self._drop_inflight("a restore began before the save finished")
+        self._settle_inflight("a restore began before the save finished")
         self._restoring = True  # retention deletes nothing meanwhile
         try:
             return self._restore(t0, before, reason)
@@ -722,9 +722,16 @@ class Checkpointer:
         _log.warning("checkpoint of step %d not committed: %s", save.step, why)
         self.job.log.emit("checkpoint_failed", step=save.step, error=why, reason=save.reason)
 
-    def _drop_inflight(self, why: str) -> None:
+    def _settle_inflight(self, why: str) -> None:
+        """Before a restore: a save whose writers all live is finished (bounded by its
+        deadline), so that the restore can start from it (a rollback after a non-finite
+        step loses the steps since that save, not since the one before); a save that lost
+        a writer is abandoned."""
         save = self._inflight
         if save is None:
+            return
+        if set(save.writers) <= set(self.job.names):
+            self._finish(self._deadline(save.nbytes))
             return
         if save.commit is not None:
             with contextlib.suppress(Exception):  # reported by _progress
