@@ -266,6 +266,21 @@ class _SlowLoss:
         return out
 
 
+class _SlowUntilJoined(_SlowLoss):
+    """As _SlowLoss, and ten times slower while ``marker`` exists (the test removes it when
+    the replacement joins): the survivors' run outlasts a replacement's start however
+    loaded the machine is, and the rest of the job goes at the usual pace."""
+
+    def __init__(self, loss: Any, seconds: float, marker: str) -> None:
+        super().__init__(loss, seconds)
+        self.marker = marker
+
+    def __call__(self, model: Any, batch: Any) -> Any:
+        if os.path.exists(self.marker):
+            time.sleep(9 * self.seconds)
+        return super().__call__(model, batch)
+
+
 LONG = 48
 
 
@@ -281,11 +296,15 @@ def test_a_replacement_ends_a_run_early_and_joins(tmp_path, reference_long):
     and the replacement joins at that boundary. Nothing else may end a run here (no
     checkpoint by time, whose stop could admit the joiner first), so the join's own
     stop is what is tested."""
-    slow = dataclasses.replace(spec(), loss=_SlowLoss(spec().loss, 0.05))
+    marker = tmp_path / "until-joined"
+    marker.touch()
+    slow = dataclasses.replace(spec(), loss=_SlowUntilJoined(spec().loss, 0.05, str(marker)))
     received: list[tuple[str, Any, float]] = []  # what a progress display would see, when
 
     def listen(record: dict) -> None:
         received.append((record["event"], record.get("start", record.get("step")), time.time()))
+        if record["event"] == "joined":
+            marker.unlink(missing_ok=True)
 
     result = fit(slow, steps=LONG, replicas=3, run_dir=tmp_path, ledger=True,
                  chaos="kill:w2@step3", listeners=[listen])
