@@ -428,9 +428,10 @@ class Checkpointer:
         self._restoring = True  # retention deletes nothing meanwhile
         try:
             return self._restore(t0, before, reason)
-        except Failure:
-            # A worker failed mid-restore: the survivors' live tensors may be half overwritten.
-            # None holds usable state now, so the recovery restores again (never a resize).
+        except (Failure, NoViableCheckpoint):
+            # A worker failed mid-restore, or no checkpoint loaded: the members' live tensors
+            # may be half overwritten. None holds usable state now, so the recovery restores
+            # again (never a resize) or, with nothing to restore, does not go on from them.
             for h in job.members:
                 h.has_state = False
             raise
@@ -440,12 +441,7 @@ class Checkpointer:
     def _restore(self, t0: float, before: int, reason: str) -> int | None:
         job = self.job
         self._wait_retention()
-        try:
-            candidates = self._restore_candidates()
-        except NoViableCheckpoint:
-            for h in job.members:
-                h.has_state = False
-            raise
+        candidates = self._restore_candidates()
         if not candidates:
             return None
         warnings: list[str] = []
@@ -483,8 +479,6 @@ class Checkpointer:
             _log.info("restored step %d from %s (%s, %d replicas)", manifest.step, c.path,
                       strategy, job.width)
             return manifest.step
-        for h in job.members:  # their state is partly overwritten: it must not be used
-            h.has_state = False
         raise NoViableCheckpoint(
             f"none of the {len(candidates)} committed checkpoints of this run's lineage under "
             f"{self.root} could be restored: " + "; ".join(warnings)
