@@ -86,8 +86,7 @@ class Injector:
         if self.todo:
             # Armed only once the last trigger fired and no second half waits (each of those
             # ends a run when it happens: a boundary comes then), or once they went stale.
-            blocked = [t["step"] + STALE_STEPS for fid, t in self.triggers.items()
-                       if not self._fired(fid)]
+            blocked = self._unfired_until()
             blocked += [f.step + STALE_STEPS for f, _ in self.waiting.values()]
             wanted.append(max([self._arm_step(self.todo[0]), *blocked]))
         if self.tail_step is not None:
@@ -115,7 +114,7 @@ class Injector:
                 if step >= fault.step + STALE_STEPS:
                     self._log(fault, "secondary", f"gave_up_{phase}", None, None, step)
                     del self.waiting[phase]
-            if not self.waiting and not self._pending(step):
+            if not self.waiting and not any(step < s for s in self._unfired_until()):
                 if self.snapshot is not None:
                     self.snapshot(job)
                 self._arm(job, self.todo.pop(0))
@@ -129,11 +128,16 @@ class Injector:
     def _arm_step(fault: PlannedFault) -> int:
         return max(0, fault.step - fault.ahead)
 
-    def _pending(self, step: int) -> bool:
-        """A trigger armed and not fired yet (its worker would see a new one instead):
-        the next fault waits for it, for STALE_STEPS steps at most."""
-        return any(step < trig["step"] + STALE_STEPS and not self._fired(fid)
-                   for fid, trig in self.triggers.items())
+    def _unfired_until(self) -> list[int]:
+        """Per trigger armed and not fired yet (its worker would see a new one instead):
+        the step until which the next fault waits for it (STALE_STEPS after its arming)."""
+        fired = {r.get("id") for r in storage_faults.fired(self.control)}
+        return [t["step"] + STALE_STEPS for fid, t in self.triggers.items() if fid not in fired]
+
+    @staticmethod
+    def _steps_to(fault: PlannedFault, job: Job) -> int:
+        """Steps from this boundary to the fault's own step (0 if it is late)."""
+        return max(0, fault.step - job.steps_done)
 
     def _arm(self, job: Job, fault: PlannedFault) -> None:
         names = job.names
@@ -160,7 +164,7 @@ class Injector:
         if kind in _TRIGGERED:
             role = "trigger" if kind == "storage_read" else "primary"
             self._trigger(job, fault, role, _TRIGGERED[kind], target,
-                          ahead=max(0, fault.step - job.steps_done))
+                          ahead=self._steps_to(fault, job))
         if kind in _SECONDARY_PHASE:
             self.waiting[_SECONDARY_PHASE[kind]] = (fault, target)
             if kind == "kill_save":
@@ -199,7 +203,7 @@ class Injector:
             del self.triggers[fid]
             fault = trig["fault"]
             target = job.names[fault.target % len(job.names)]
-            ahead = max(0, fault.step - job.steps_done) if trig["role"] != "secondary" else 0
+            ahead = self._steps_to(fault, job) if trig["role"] != "secondary" else 0
             self._trigger(job, fault, trig["role"], trig["action"], target, ahead=ahead)
 
     def _secondary(self, job: Job, phase: str, info: dict[str, Any]) -> None:
