@@ -168,6 +168,10 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
         "--spares", type=int, default=0,
         help="standby workers kept warm, which take a lost worker's place at once",
     )
+    p.add_argument(
+        "--workers-per-replica", type=int, default=1,
+        help="workers per replica, sharding its state with FSDP2 (a replica fails as one)",
+    )
     p.add_argument("--ledger", action="store_true", help="record the samples every step served")
     p.add_argument(
         "--overlap-reduction", action="store_true",
@@ -238,6 +242,7 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             ledger=args.ledger,
             verify_every=args.verify_every,
             spares=args.spares,
+            workers_per_replica=args.workers_per_replica,
             overlap_reduction=args.overlap_reduction,
             use_gpu=args.gpu,
             gpus_per_worker=args.gpus_per_worker,

@@ -50,7 +50,10 @@ class Collective:
         backend: str = "gloo",
         join_timeout_s: float = 60.0,
         timeout_s: float = 300.0,
+        tag: str = "",
     ) -> None:
+        """``tag`` names one of a generation's groups where it has several (the shard
+        indices' groups of sharded replicas, see planaria.sharded)."""
         self.gen = gen
         self.rank = rank
         self.world_size = world_size
@@ -62,7 +65,7 @@ class Collective:
             else torch.device("cpu")
         )
         self._staging: list[torch.Tensor] = []
-        prefixed = dist.PrefixStore(f"gen{gen}/", store)
+        prefixed = dist.PrefixStore(f"gen{gen}/{tag}", store)
         _wait_for_peers(store, prefixed, gen, rank, world_size, join_timeout_s)
         self.pg: Any
         if backend == "nccl":

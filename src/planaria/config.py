@@ -73,6 +73,11 @@ class TrainSpec:
     joining replicas; an overflowing step is skipped on every replica alike and the scale
     backs off), or None (full precision). Parameters, gradients and optimizer state stay
     in their own dtype."""
+    shard: Callable[[Any, Any], Any] | None = None
+    """With ``RunConfig(workers_per_replica=k > 1)``: ``shard(model, mesh) -> model`` applies
+    FSDP2's ``fully_shard`` over the replica's 1-D ``DeviceMesh`` (to the root last); None:
+    every module holding parameters of its own is a unit, then the root (see
+    :func:`planaria.sharded.default_shard`)."""
     extra_state: tuple[Callable[[Any, Any], dict[str, Any]],
                        Callable[[Any, Any, dict[str, Any]], None]] | None = None
     """State beyond the model, optimizer and scheduler (a GradScaler's scale, an EMA's
@@ -82,7 +87,7 @@ class TrainSpec:
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "loss", "dataset"):
             check(callable(getattr(self, name)), name, getattr(self, name), "a callable")
-        for name in ("lr_scheduler", "collate"):
+        for name in ("lr_scheduler", "collate", "shard"):
             value = getattr(self, name)
             check(value is None or callable(value), name, value, "a callable or None")
         check(
@@ -162,6 +167,12 @@ class RunConfig:
     address (unless ``store_host`` is set) and the workers' process groups use it
     (``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``); None: gloo takes the address the
     worker's hostname resolves to."""
+    workers_per_replica: int = 1
+    """Workers per replica: with k > 1 a replica's k workers shard its parameters,
+    gradients and optimizer state with FSDP2 (hybrid sharding: data parallel across
+    replicas), and the replica is the unit of width, failure and replacement (see
+    :mod:`planaria.sharded`); a spare is a whole replica. Not yet with checkpoints,
+    placement, the GPU, compile, fp16, overlap_reduction or models with persistent buffers."""
     spares: int = 0
     """Hot spares: standby workers started and warmed ahead of need (imports, model,
     optimizer and its state built) that take a lost worker's place at once, receiving
@@ -224,6 +235,19 @@ class RunConfig:
             self.replicas,
             "an integer >= 1",
         )
+        check(
+            isinstance(self.workers_per_replica, int) and self.workers_per_replica >= 1,
+            "workers_per_replica",
+            self.workers_per_replica,
+            "an integer >= 1 (the workers that shard one replica's state)",
+        )
+        if self.workers_per_replica > 1:
+            for name, value, ok in (("placement", self.placement, self.placement is None),
+                                    ("use_gpu", self.use_gpu, not self.use_gpu),
+                                    ("overlap_reduction", self.overlap_reduction,
+                                     not self.overlap_reduction)):
+                check(ok, name, value, "its default with workers_per_replica > 1: sharded "
+                      "replicas do not support it yet")
         check(
             isinstance(self.spares, int) and self.spares >= 0,
             "spares",
@@ -294,4 +318,6 @@ class RunConfig:
 
     @property
     def threads(self) -> int:
-        return self.threads_per_worker or _default_threads(self.replicas)
+        return self.threads_per_worker or _default_threads(
+            self.replicas * self.workers_per_replica
+        )

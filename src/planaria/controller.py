@@ -112,6 +112,7 @@ class Job:
                 f"replicas={config.replicas}"
             )
         micro_batches = spec.global_batch_size // spec.micro_batch_size
+        _check_sharded(spec, config, checkpoint, micro_batches)
         if config.replicas > micro_batches:
             raise ConfigError(
                 f"replicas={config.replicas} is not valid: a rank runs whole micro-batches and "
@@ -960,3 +961,31 @@ def _describe(cfg: RunConfig, policy: RecoveryPolicy) -> dict[str, Any]:
         "on_worker_lost": policy.on_worker_lost,
         "min_replicas": policy.min_replicas,
     }
+
+
+def _check_sharded(spec: TrainSpec, config: RunConfig, checkpoint: Any, micro_batches: int) -> None:
+    """What sharded replicas (``workers_per_replica`` > 1) need and do not support yet."""
+    k = config.workers_per_replica
+    if k == 1:
+        return
+    unsupported = [
+        ("checkpoints", checkpoint is not None),
+        ("spec.compile", spec.compile),
+        ("spec.precision='fp16'", spec.precision == "fp16"),
+    ]
+    for what, used in unsupported:
+        if used:
+            raise ConfigError(
+                f"workers_per_replica={k} is not valid with {what}: sharded replicas do not "
+                "support it yet; use workers_per_replica=1"
+                + (" (planaria run: --no-resume, and no --checkpoint-every)"
+                   if what == "checkpoints" else "")
+            )
+    if config.replicas * k > micro_batches:
+        raise ConfigError(
+            f"workers_per_replica={k} is not valid with replicas={config.replicas}: every "
+            f"worker runs whole micro-batches and the global batch has {micro_batches} "
+            f"(global_batch_size={spec.global_batch_size} / micro_batch_size="
+            f"{spec.micro_batch_size}), fewer than the {config.replicas * k} workers: use a "
+            "smaller micro_batch_size, a larger global_batch_size or fewer workers"
+        )

@@ -260,8 +260,8 @@ def classify(
         err = _root_cause(raw)
         if isinstance(err, UserCodeError):
             user.append((name, err))
-        elif isinstance(raw, died_types) or isinstance(err, died_types):
-            dead.append(name)
+        elif isinstance(raw, died_types) or isinstance(err, (*died_types, WorkerLost)):
+            dead.append(name)  # WorkerLost: a sharded replica's leader lost one of its workers
         elif isinstance(err, (InfrastructureError, InternalError)):
             broken.append((name, err))
         elif isinstance(err, NonFiniteLoss):

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from planaria.sharded import local as _local
+
 __all__ = ["TrainState", "flatten_state", "load_state", "tensor_layout"]
 
 TrainState = tuple[dict[str, torch.Tensor], dict[str, Any]]
@@ -31,20 +33,26 @@ def _jsonable(value: Any, where: str) -> Any:
     return value
 
 
-def flatten_state(model: torch.nn.Module, optimizer: Any, scheduler: Any | None) -> TrainState:
+def flatten_state(
+    model: torch.nn.Module, optimizer: Any, scheduler: Any | None, *, whole: bool = False
+) -> TrainState:
     """Names every tensor of the model and optimizer state; the rest goes to ``meta``.
 
-    The tensors are the live ones (no copy): callers copy or send them.
+    The tensors are the live ones (no copy): callers copy or send them. A sharded
+    replica's are this worker's shards, or with ``whole`` the whole tensors gathered
+    from every worker of the replica (each must call it: it is a collective).
     """
+    local = _whole if whole else _local
     tensors: dict[str, torch.Tensor] = {}
+    # A sharded replica's tensors are DTensors: each worker names and moves its own shards.
     for name, tensor in model.state_dict(keep_vars=False).items():
-        tensors[f"model/{name}"] = tensor.detach()
+        tensors[f"model/{name}"] = local(tensor.detach())
     opt_state = optimizer.state_dict()
     opt_scalars: dict[str, dict[str, Any]] = {}
     for pid, pstate in opt_state["state"].items():
         for key, value in pstate.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"optim/{pid}/{key}"] = value.detach()
+                tensors[f"optim/{pid}/{key}"] = local(value.detach())
             else:
                 opt_scalars.setdefault(str(pid), {})[key] = _jsonable(
                     value, f"optimizer state {key}"
@@ -92,8 +100,33 @@ def load_state(
             state.setdefault(int(pid), {})[key] = value
     for pid, scalars in meta.get("optim_scalars", {}).items():
         state.setdefault(int(pid), {}).update(scalars)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, pstate in state.items():
+        if index < len(params):
+            for key, value in pstate.items():
+                pstate[key] = _like_param(value, params[index])
     optimizer.load_state_dict({"state": state, "param_groups": meta["optim_param_groups"]})
     if scheduler is not None and meta.get("scheduler") is not None:
         # Only the keys this scheduler has: a saved state must not add attributes to it.
         own = scheduler.state_dict()
         scheduler.load_state_dict({k: v for k, v in meta["scheduler"].items() if k in own})
+
+
+def _like_param(value: Any, param: torch.Tensor) -> Any:
+    """A sharded parameter's optimizer state back as a DTensor of its layout (the state was
+    moved as this worker's shards); anything else as it is."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None or not isinstance(value, torch.Tensor) or hasattr(value, "device_mesh"):
+        return value
+    if value.shape != _local(param).shape:
+        return value  # a scalar such as Adam's step: not sharded
+    from torch.distributed.tensor import DTensor
+
+    placements = param.placements  # type: ignore[attr-defined]
+    return DTensor.from_local(value, mesh, placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)
+    return full() if full is not None else tensor

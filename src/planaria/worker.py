@@ -36,7 +36,13 @@ from planaria.collective import Collective, connect_store
 from planaria.config import TrainSpec
 from planaria.data_plan import micro_batch_range
 from planaria.drain import live_workers, register_worker
-from planaria.errors import Failure, PlanariaError, StaleGeneration, StepAborted
+from planaria.errors import (
+    Failure,
+    PlanariaError,
+    StaleGeneration,
+    StepAborted,
+    UserCodeError,
+)
 from planaria.faults import user_call
 from planaria.integrity import Served, dataset_fingerprint
 from planaria.key_watch import KeyWatch
@@ -50,6 +56,17 @@ from planaria.randomness import (
     seed_torch,
     serve_samples,
 )
+from planaria.replica import (
+    fans_out,
+    merge_join,
+    merge_meta,
+    merge_reinit,
+    merge_setup,
+    merge_step,
+    merge_sum,
+    replica_failed,
+)
+from planaria.sharded import ShardedReduce, init_replica_group, local, shard_model
 from planaria.state import flatten_state, load_state, tensor_layout
 from planaria.worker_checkpoint import CheckpointWorkerMixin
 from planaria.worker_loop import WorkerLoopMixin
@@ -70,11 +87,12 @@ _TAIL_DTYPES = (torch.float32, torch.float64)
 
 
 def param_checksum(model: torch.nn.Module) -> int:
-    """crc32 over the bytes of every parameter and buffer, in name order."""
+    """crc32 over the bytes of every parameter and buffer, in name order (of this worker's
+    shards, in a sharded replica)."""
     crc = 0
     for _, tensor in sorted(model.state_dict().items()):
-        data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-        crc = zlib.crc32(data, crc)
+        data = local(tensor.detach()).cpu().contiguous().view(-1).view(torch.uint8).numpy()
+        crc = zlib.crc32(data.data, crc)
     return crc
 
 
@@ -115,9 +133,23 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         record_digests: bool = False,
         overlap_reduction: bool = False,
         prefetch: bool | None = None,
+        workers_per_replica: int = 1,
+        shard_index: int = 0,
+        replica_key: str | None = None,
+        follower_options: dict[str, Any] | None = None,
+        timeouts: tuple[float, float] = (60.0, 300.0),
     ) -> None:
         self._init_t = time.time()  # after the process started and imported planaria
         self.name = name
+        # A sharded replica (planaria.sharded): k workers, this one holding shard_index.
+        self.k = workers_per_replica
+        self.shard_index = shard_index
+        self.replica_key = replica_key or name
+        self._timeouts = timeouts
+        self._sharded: ShardedReduce | None = None
+        self.grad_buffers: list[torch.Tensor] = []  # see _bind_grad_buffers
+        self._reduced: list[torch.Tensor] = []
+        self._status_tail: torch.Tensor | None = None
         self.record_digests = record_digests
         self.overlap_reduction = overlap_reduction
         self._prefetch_setting = prefetch
@@ -171,9 +203,25 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             args=(lambda: connect_store(store_host, store_port, timeout_s=30), name,
                   self._heartbeat_record, self._stop, heartbeat_s, self._quiet),
         ).start()
+        self._followers: list[Any] = []
+        if self.k > 1 and shard_index == 0:
+            # The replica's other workers: actors this one owns, so they die with it.
+            remote: Any = ray.remote
+            cls = remote(concurrency_groups={"control": 1})(Worker)
+            self._followers = [
+                cls.options(max_restarts=0, max_concurrency=1, **(follower_options or {})).remote(
+                    f"{name}.{i}", spec, store_host, store_port, threads=threads,
+                    heartbeat_s=heartbeat_s, use_gpu=use_gpu, backend=backend,
+                    record_digests=record_digests, prefetch=prefetch,
+                    workers_per_replica=self.k, shard_index=i, replica_key=self.replica_key,
+                    timeouts=timeouts,
+                )
+                for i in range(1, self.k)
+            ]
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    @fans_out(merge_setup)
     def setup(
         self, *, prebuild_optimizer_state: bool = False, compile_cache: bytes | None = None
     ) -> dict[str, Any]:
@@ -256,6 +304,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         """Model, optimizer and scheduler in their initial state (seeded from the spec)."""
         spec = self.spec
         self.model = _factory("model", spec.seed, spec.model).to(self.device)
+        if self.k > 1:
+            self._shard_model()
         self.optimizer = _factory("optimizer", spec.seed, spec.optimizer, self.model.parameters())
         self.scheduler = (
             _factory("lr_scheduler", spec.seed, spec.lr_scheduler, self.optimizer)
@@ -265,10 +315,28 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self.buffer_sync = BufferSync(self.model)
         self.scaler = (torch.amp.GradScaler(self.device.type)
                        if spec.precision == "fp16" else None)
-        self._bind_grad_buffers()
+        if self.k > 1:  # FSDP2 owns the gradients (sharded DTensors): no flat buffers
+            self._sharded = ShardedReduce(list(self.model.parameters()), self.device)
+            self.params = self._sharded.params
+        else:
+            self._bind_grad_buffers()
         self.compiled = (torch.compile(self.model, dynamic=False, **(spec.compile_options or {}))
                          if spec.compile else self.model)
 
+    def _shard_model(self) -> None:
+        """Shards the model over the replica's workers (planaria.sharded)."""
+        params = {name for name, _ in self.model.named_parameters()}
+        if any(name not in params for name in self.model.state_dict()):  # persistent buffers
+            raise UserCodeError(
+                "the model has buffers (BatchNorm running statistics, ...): sharded replicas "
+                "(workers_per_replica > 1) do not keep buffers in step yet; use "
+                "workers_per_replica=1, or a model without buffers (LayerNorm has none)"
+            )
+        init_replica_group(self._store, self.replica_key, self.shard_index, self.k,
+                           self.backend, self._timeouts[1])
+        self.model = shard_model(self.model, self.k, self.device, self.spec.shard)
+
+    @fans_out(merge_reinit)
     def reinit(self, gen: int) -> int:
         """Back to the initial state (after a restore that failed part-way); returns checksum."""
         self._check(gen)
@@ -284,6 +352,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         It may move the parameters (weight decay): no matter, a replacement's
         parameters and optimizer state are all overwritten by the state it receives.
         """
+        if self._sharded is not None:
+            self._sharded.grads()  # zeros: an optimizer skips parameters with no gradient
         try:
             self.optimizer.step()
         except Exception:  # e.g. an optimizer that needs a closure: received into fresh memory
@@ -301,9 +371,9 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
-        self.grad_buffers: list[torch.Tensor] = []  # the gradients, one flat view per dtype
-        self._reduced: list[torch.Tensor] = []  # what the all-reduce sums: those and the tail
-        self._status_tail: torch.Tensor | None = None
+        self.grad_buffers = []  # the gradients, one flat view per dtype
+        self._reduced = []  # what the all-reduce sums: those and the tail
+        self._status_tail = None
         for dtype, group in by_dtype.items():
             numel = sum(p.numel() for p in group)
             # The autonomous loop's status rides on the gradient's own all-reduce in a tail
@@ -323,6 +393,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._overlap = (OverlappedReduce(self.grad_buffers, list(by_dtype.values()))
                          if self.overlap_reduction else None)
 
+    @fans_out(merge_join)
     def join(
         self,
         gen: int,
@@ -366,10 +437,12 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             backend=self.backend,
             join_timeout_s=timeouts[0],
             timeout_s=timeouts[1],
+            tag=f"s{self.shard_index}/" if self.shard_index else "",  # shard index's group
         )
         self.phase = "idle"
         return {"steps_done": self.steps_done, "dropped": dropped}
 
+    @fans_out()
     def shutdown(self) -> None:
         self._stop.set()
         self._keys.close()
@@ -379,6 +452,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     # ---- the step ----------------------------------------------------------------------------
 
+    @fans_out(merge_step)
     def step(self, gen: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The per-step protocol's call: :meth:`_step` once the generation and the fence
         are checked."""
@@ -415,7 +489,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         # From here the gradient buffers hold this step's (maybe partial) gradient: if the
         # step fails anywhere, the next settle drops it rather than apply or accumulate it.
         self.pending = step
-        first, count = self._micro_batches(len(ids))
+        first, count, ids, rounds = self._own_share(ids)
         t0 = time.perf_counter()
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
@@ -434,11 +508,14 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             self._record_served(step)  # the autonomous loop's ledger, before the collective
             data_wait_s = time.perf_counter() - t0
             if next_ids is not None and len(next_ids):
-                self._prefetch(next_ids, step + 1)
+                self._prefetch(self._own_share(next_ids)[2], step + 1)
             self._set_phase("compute", step)
             self.buffer_sync.begin()  # buffers are pending too: put back unless the step commits
             self.model.train()
-            for j, (n, batch) in enumerate(loaded.batches):
+            # A sharded replica's workers run as many forwards as each other (FSDP's
+            # collectives pair them): one with fewer micro-batches pads with a weightless one.
+            padding = [(0, loaded.batches[0][1])] * (rounds - len(loaded.batches))
+            for j, (n, batch) in enumerate(loaded.batches + padding):
                 self._raise_if_aborted(step)
                 if overlap is not None and j == len(loaded.batches) - 1:
                     overlap.arm(self.comm)  # this backward reduces its buckets as they complete
@@ -451,9 +528,10 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
                 _user("backward", scaled.backward)
-                loss_sum += float(loss.detach()) * n
-                for key, value in metrics.items():
-                    metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * n
+                if n:
+                    loss_sum += float(loss.detach()) * n
+                    for key, value in metrics.items():
+                        metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * n
                 self.progress += 1
             self._raise_if_aborted(step)
         except Failure as err:
@@ -461,6 +539,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             # between micro-batches) and close the group so that none waits in a collective.
             self._abort_generation(step)
             err.workers, err.step = (self.name,), step
+            if self.shard_index:
+                replica_failed(self._store, self.replica_key, self.shard_index, err)
             raise
         except StepAborted:
             self._abort_generation(step)
@@ -484,6 +564,15 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             status[1] += sum(n for n, _ in loaded.batches)
             for i, key in enumerate(self._status_metrics or ()):
                 status[4 + i] += metric_sums.get(key, 0.0)
+        if self._sharded is not None:
+            try:
+                self._grad_norm = self._sharded.reduce(comm, status, extra)
+            except BaseException:
+                self._abort_generation(step)
+                raise
+            self.buffer_sync.reduced(extra)
+            return self._step_result(step, loaded, loss_sum, metric_sums, t0, t1, data_wait_s)
+        if status is not None:
             in_tail = overlap is None and tail is not None and len(status) <= len(tail)
             if in_tail:
                 assert tail is not None
@@ -508,6 +597,12 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         # The reduced gradient is the same on every rank: its norm tells every rank (and the
         # controller) whether the update is finite, and serves the clipping at apply.
         self._grad_norm = _global_norm(self.grad_buffers)
+        return self._step_result(step, loaded, loss_sum, metric_sums, t0, t1, data_wait_s)
+
+    def _step_result(
+        self, step: int, loaded: _Loaded, loss_sum: float, metric_sums: dict[str, float],
+        t0: float, t1: float, data_wait_s: float,
+    ) -> dict[str, Any]:
         overflow = False
         if self.scaler is not None:  # the buffers hold scaled gradients
             self._grad_norm /= self.scaler.get_scale()
@@ -529,6 +624,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             "preempting": self.preempting,
         }
 
+    @fans_out()
     def commit(self, gen: int, steps_done: int, *, skipped: int = -1) -> int:
         """Applies the pending step if the controller counts it committed; returns steps done."""
         self._check(gen)
@@ -566,7 +662,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             # torch's clip_grad_norm_, with the norm computed after the reduce
             coef = min(1.0, clip / (self._grad_norm + 1e-6))
             if coef < 1.0:
-                for flat in self.grad_buffers:
+                grads = self._sharded.grads() if self._sharded is not None else self.grad_buffers
+                for flat in grads:
                     flat.mul_(coef)
         if self.scaler is not None:  # skips the update on an overflow, then backs off the scale
             _user("optimizer.step", self.scaler.step, self.optimizer)
@@ -582,11 +679,23 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     def _drop_pending(self) -> None:
         for flat in self.grad_buffers:
             flat.zero_()
+        if self._sharded is not None:
+            self._sharded.zero()
         if self.pending is not None:
             self.buffer_sync.rollback()
         self.pending = None
 
     # ---- data ---------------------------------------------------------------------------------
+
+    def _own_share(self, ids: np.ndarray) -> tuple[int, int, np.ndarray, int]:
+        """(first, count, ids, rounds): the micro-batches this worker runs of the ``ids`` its
+        replica was given, and how many forwards each of the replica's workers makes."""
+        first, count = self._micro_batches(len(ids))
+        if self.k == 1:
+            return first, count, ids, count
+        sub, own = micro_batch_range(count, self.k, self.shard_index)
+        mbs = self.spec.micro_batch_size
+        return first + sub, own, ids[sub * mbs : (sub + own) * mbs], -(-count // self.k)
 
     def _micro_batches(self, n_ids: int) -> tuple[int, int]:
         """(first, count): this rank's micro-batches in the global batch; checks the ids fit."""
@@ -644,6 +753,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     # ---- state: hot-join and checkpoints ---------------------------------------------------
 
+    @fans_out(merge_meta)
     def state_meta(self, gen: int) -> dict[str, Any]:
         """What a joiner needs besides tensors: the layout, the JSON metadata, steps done."""
         self._check(gen)
@@ -652,6 +762,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         return {"layout": tensor_layout(tensors), "meta": meta, "steps_done": self.steps_done,
                 "on_host": sorted(k for k, v in tensors.items() if v.device.type == "cpu")}
 
+    @fans_out(merge_sum)
     def send_state(self, gen: int, dsts: list[int]) -> int:
         """Sends the whole state to ranks ``dsts`` over the generation's group; returns bytes."""
         self._check(gen)
@@ -671,6 +782,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._set_phase("idle", self.steps_done)
         return sum(_nbytes(b) for b in buffers) * len(dsts)
 
+    @fans_out(merge_sum)
     def recv_state(self, gen: int, src: int, source: dict[str, Any]) -> int:
         """Receives the state sent by rank ``src`` straight into this replica's live tensors.
 
@@ -679,6 +791,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         """
         self._check(gen)
         assert self.comm is not None
+        if "shards" in source:  # a sharded replica's: this worker's counterpart's part
+            source = source["shards"][self.shard_index]
         self._set_phase("recv_state", -1)
         live, _ = flatten_state(self.model, self.optimizer, self.scheduler)
         on_host = set(source.get("on_host", ()))
@@ -711,7 +825,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                     n = tensors[k].numel()
                     tensors[k].copy_(flat[offset : offset + n].view_as(tensors[k]))
                     offset += n
-            model_live = {f"model/{k}": v for k, v in self.model.state_dict().items()}
+            model_live = {f"model/{k}": local(v) for k, v in self.model.state_dict().items()}
             for name, tensor in tensors.items():
                 if name in model_live and model_live[name].data_ptr() != tensor.data_ptr():
                     model_live[name].copy_(tensor)
@@ -723,10 +837,15 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._set_phase("idle", self.steps_done)
         return sum(_nbytes(tensors[k]) for k in big) + sum(_nbytes(f) for f in flats)
 
+    @fans_out()
     def get_state(self, gen: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Copies of the whole state (model and optimizer tensors, metadata)."""
+        """Copies of the whole state (model and optimizer tensors, metadata); a sharded
+        replica's leader gathers the whole tensors from its workers' shards."""
         self._check(gen)
-        tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
+        tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler,
+                                      whole=self.k > 1)
+        if self.shard_index:
+            return {}, {}  # gathered by the leader: only its copy leaves the replica
         return {k: v.detach().cpu().clone() for k, v in tensors.items()}, {
             **meta,
             "steps_done": self.steps_done,
@@ -735,11 +854,13 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     def set_state(self, gen: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
         """Loads a whole state (from a checkpoint); returns steps done."""
         self._check(gen)
+        self._refuse_if_sharded("set_state")
         load_state(self.model, self.optimizer, self.scheduler, tensors, meta)
         self._drop_pending()
         self.steps_done = int(meta["steps_done"])
         return self.steps_done
 
+    @fans_out(merge_reinit)
     def checksum(self, gen: int) -> int:
         self._check(gen)
         return param_checksum(self.model)
@@ -753,11 +874,17 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         The controller's call, run beside the step (the control concurrency group), so
         no worker polls for it: nothing per step, nothing per second."""
         self._aborted_gen = max(self._aborted_gen, gen)
+        for follower in self._followers:  # no answer awaited: the replica's abandon together
+            follower.abort.remote(gen)
 
     def _raise_if_aborted(self, step: int) -> None:
-        """Called between micro-batches: a peer failed during this step (see :meth:`abort`)."""
+        """Called between micro-batches: a peer failed during this step (see :meth:`abort`).
+
+        Not in a sharded replica: its workers would see the flag at different micro-batches
+        and leave one another waiting in FSDP's collectives; they go on to the reduction,
+        which fails on all of them alike (planaria.sharded)."""
         comm = self.comm
-        if comm is None or comm.world_size == 1:
+        if comm is None or comm.world_size == 1 or self.k > 1:
             return
         if self._aborted_gen >= self.gen:
             raise StepAborted(f"{self.name} abandoned step {step}: a peer failed")
@@ -810,9 +937,16 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         record = self._heartbeat_record()
         self._store.set(f"hb/{self.name}", record)
 
+    @fans_out()
     def ping(self) -> bool:
         """Answers at once: the controller's check that an idle standby spare still lives."""
         return True
+
+    def _refuse_if_sharded(self, what: str) -> None:
+        if self.k > 1:
+            raise PlanariaError(
+                f"{what} is not available for sharded replicas (workers_per_replica > 1) yet"
+            )
 
     @ray.method(concurrency_group="control")
     def dump_stack(self) -> str:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from planaria.data_plan import DataPlan, split_micro_batches
+from planaria.replica import fans_out, merge_run, merge_settled
 
 __all__ = ["STATUS", "WorkerLoopMixin", "ledger_key", "stop_key", "stream_key"]
 
@@ -90,6 +91,7 @@ class WorkerLoopMixin:
     _run_id: int
     _committed_t: float
 
+    @fans_out(merge_run)
     def run(
         self,
         gen: int,
@@ -153,7 +155,8 @@ class WorkerLoopMixin:
         ended = "until"
         done = start  # the steps this run counts as committed (the first step() settles)
         step = start
-        stream = _Stream(self._store, gen, self._run_id) if rank == 0 else None
+        leader = rank == 0 and not getattr(self, "shard_index", 0)  # of the whole job
+        stream = _Stream(self._store, gen, self._run_id) if leader else None
 
         def share(s: int) -> np.ndarray:  # this rank's ids of step s
             return split_micro_batches(data_plan.batch(s), width, mbs)[rank]
@@ -204,6 +207,7 @@ class WorkerLoopMixin:
                 break
         return ended
 
+    @fans_out(merge_settled)
     def settle_run(self, gen: int) -> dict[str, Any]:
         """After a failed run: drops a step whose collective did not complete here, and
         reports how far this worker got and the records of the steps it applied."""

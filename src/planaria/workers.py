@@ -115,11 +115,17 @@ class WorkerPool:
             where.update(self.placement.options(name))
         if self.env:
             where["runtime_env"] = {"env_vars": dict(self.env)}
+        resources: dict[str, Any] = {
+            "num_cpus": cfg.cpus_per_worker,
+            "num_gpus": cfg.gpus_per_worker if cfg.use_gpu else 0,
+        }
+        follower: dict[str, Any] = dict(resources)
+        if "runtime_env" in where:
+            follower["runtime_env"] = where["runtime_env"]
         actor = self._actor_cls.options(
-            num_cpus=cfg.cpus_per_worker,
-            num_gpus=cfg.gpus_per_worker if cfg.use_gpu else 0,
             max_restarts=0,
             max_concurrency=1,
+            **resources,
             **where,
         ).remote(
             name,
@@ -133,6 +139,11 @@ class WorkerPool:
             record_digests=cfg.ledger,
             overlap_reduction=cfg.overlap_reduction,
             prefetch=cfg.prefetch,
+            workers_per_replica=cfg.workers_per_replica,
+            # Unique per start: a replacement under the same name meets its own replica.
+            replica_key=f"{name}-{attempt}-{time.monotonic_ns()}",
+            follower_options=follower,
+            timeouts=(cfg.join_timeout_s, cfg.collective_timeout_s),
         )
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt,
                               spare=spare)
@@ -299,8 +310,11 @@ class WorkerPool:
             return None
 
     def fence(self, name: str) -> None:
-        """Marks a worker evicted: if it ever wakes up, its heartbeat thread makes it exit."""
+        """Marks a worker evicted: if it ever wakes up, its heartbeat thread makes it exit
+        (the other workers of its replica too, with ``workers_per_replica`` > 1)."""
         self.store.set(f"fence/{name}", "1")
+        for i in range(1, self.config.workers_per_replica):
+            self.store.set(f"fence/{name}.{i}", "1")
 
     def kill(self, handle: WorkerHandle, *, fence: bool = True) -> None:
         """Evicts a worker: fences it off, then kills its process."""
@@ -308,10 +322,12 @@ class WorkerPool:
             self.fence(handle.name)
         if self.placement is not None:
             self.placement.free(handle.name)
-        pid = handle.pid
-        if pid is not None and handle.info.get("node") == self.local_node:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # works on a SIGSTOP'ed process too
+        pids = [handle.pid, *handle.info.get("follower_pids", ())]
+        if handle.info.get("node") == self.local_node:
+            for pid in pids:  # a sharded replica's own workers run on the leader's node
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)  # works on a SIGSTOP'ed process too
         with contextlib.suppress(Exception):
             ray.kill(handle.actor, no_restart=True)
 

@@ -1,0 +1,225 @@
+"""A sharded replica's leader: the one worker of k the controller talks to.
+
+With ``workers_per_replica=k`` the controller starts one worker per replica, the
+leader (shard index 0); the leader starts the replica's k - 1 other workers as
+Ray actors it owns, so that they die with it: a replica lives, fails, drains and
+is replaced as one (see :mod:`planaria.sharded`). Each controller call that the
+replica's workers must all make (a join, a step, a run, a state transfer) goes
+to the others first and runs on the leader meanwhile (:func:`fans_out`); their
+answers are merged into one, so the controller's protocol is the same at any k.
+
+A worker of the replica that dies makes the leader's call fail as the replica's
+loss (``WorkerLost`` naming the leader: the controller evicts the replica and
+its owned workers go with it); one that hangs stalls the leader inside the
+replica's collectives, which the controller's hang detection finds on the leader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import zlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import ray
+
+from planaria.errors import (
+    Failure,
+    InfrastructureError,
+    InternalError,
+    StepAborted,
+    UserCodeError,
+    WorkerLost,
+)
+
+__all__ = ["FOLLOWER_SETTLE_S", "fans_out", "merge_records", "merge_step", "replica_failed"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+FOLLOWER_SETTLE_S = 10.0
+"""After the leader's own part of a call failed, how long it waits for the others' parts
+to end (theirs fail too, at once, when a worker of the replica died) to tell a death in
+the replica from another replica's failure."""
+
+
+def fans_out(merge: Callable[[Any, list[Any]], Any] | None = None) -> Callable[[F], F]:
+    """Runs a worker method on the replica's other workers too, and merges the answers
+    (``merge(leader's, [others' in shard order])``; default: the leader's)."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            followers = getattr(self, "_followers", None)
+            if not followers:
+                return fn(self, *args, **kwargs)
+            refs = [getattr(f, fn.__name__).remote(*args, **kwargs) for f in followers]
+            try:
+                mine = fn(self, *args, **kwargs)
+            except BaseException as err:
+                _raise_replica_error(self, refs, err)
+                raise
+            theirs = _gather(self, refs)
+            return merge(mine, theirs) if merge is not None else mine
+
+        return call  # type: ignore[return-value]
+
+    return decorate
+
+
+def replica_failed(store: Any, replica_key: str, index: int, err: Failure) -> None:
+    """A worker of a sharded replica other than the leader failed on its own during a step
+    (an error in the user's code, out of memory): the replica's other workers may already
+    wait for it in FSDP's collectives, which only its exit ends. It leaves its error for the
+    leader to report, and exits."""
+    record = {"type": type(err).__name__, "message": str(err.args[0]) if err.args else "",
+              "traceback": getattr(err, "remote_traceback", None)}
+    with contextlib.suppress(Exception):
+        store.set(f"replica/{replica_key}/failed/{index}", json.dumps(record))
+    logging.getLogger("planaria.replica").error("%s", record["message"])
+    os._exit(1)
+
+
+def _dead(worker: Any, index: int, err: BaseException) -> Failure:
+    """The replica's loss when worker ``index`` died, or the error it left (replica_failed)."""
+    name = worker.name
+    key = f"replica/{worker.replica_key}/failed/{index}"
+    with contextlib.suppress(Exception):
+        if worker._store.check([key]):
+            record = json.loads(worker._store.get(key))
+            cls = {c.__name__: c for c in (UserCodeError, InfrastructureError)}.get(
+                record["type"], InternalError)
+            return cls(record["message"], remote_traceback=record["traceback"],
+                       workers=(name,))
+    return WorkerLost(f"worker {name}.{index} of replica {name} died: {str(err)[:300]}",
+                      workers=(name,))
+
+
+def _gather(worker: Any, refs: list[Any]) -> list[Any]:
+    """The other workers' answers; a death among them is the replica's loss."""
+    name = worker.name
+    out = []
+    first_error: BaseException | None = None
+    for i, ref in enumerate(refs, start=1):
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayActorError as err:
+            raise _dead(worker, i, err) from None
+        except ray.exceptions.RayTaskError as err:
+            cause = err.cause if isinstance(err.cause, BaseException) else err
+            if isinstance(cause, Failure) and cause.workers:
+                cause.workers = (name,)  # the controller knows the replica by its leader
+            first_error = first_error or cause
+            out.append(None)
+    if first_error is not None:
+        raise first_error
+    return out
+
+
+def _raise_replica_error(worker: Any, refs: list[Any], err: BaseException) -> None:
+    """The leader's part failed: if one of the others died, the replica is lost (the
+    leader's error, a broken collective inside the replica, is its consequence). An error
+    of the leader's own (its user code) is reported at once."""
+    if isinstance(err, Failure) and not isinstance(err, StepAborted):
+        return
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=FOLLOWER_SETTLE_S)
+    for i, ref in enumerate(refs, start=1):
+        if ref not in done:
+            continue
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as died:
+            raise _dead(worker, i, died) from err
+        except Exception:
+            pass
+
+
+# ---- merging the workers' answers -----------------------------------------------------------
+
+
+def merge_checksums(mine: int, theirs: list[int]) -> int:
+    """One checksum for the replica: its shards' in shard order."""
+    return zlib.crc32(b"".join(int(c).to_bytes(8, "little") for c in [mine, *theirs]))
+
+
+def _served(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the replica's workers were served, in shard order: ids and content digests."""
+    digests = [p.get("digests") for p in parts]
+    return {"ids": [i for p in parts for i in p["ids"]],
+            "digests": None if any(d is None for d in digests)
+            else [d for ds in digests if ds is not None for d in ds]}
+
+
+def merge_step(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A step's results of every worker of the replica, as one replica's."""
+    out = dict(mine)
+    parts = [mine, *theirs]
+    for key in ("loss_sum", "n"):
+        if key in out:
+            out[key] = type(mine[key])(sum(p[key] for p in parts))
+    if "metric_sums" in out:
+        sums: dict[str, float] = {}
+        for p in parts:
+            for k, v in p["metric_sums"].items():
+                sums[k] = sums.get(k, 0.0) + v
+        out["metric_sums"] = sums
+    for key in ("data_wait_s", "compute_s", "reduce_s"):
+        if key in out:
+            out[key] = max(p[key] for p in parts)
+    out["preempting"] = any(p.get("preempting") for p in parts)
+    if "ids" in out:
+        out.update(_served(parts))
+    return out
+
+
+def merge_records(
+    mine: list[dict[str, Any]], theirs: list[list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """The leader's step records with every worker's served ids (ledger) merged in."""
+    by_step = [{r["step"]: r for r in recs} for recs in theirs]
+    out = []
+    for rec in mine:
+        if "ids" in rec:
+            parts = [rec, *(s[rec["step"]] for s in by_step if rec["step"] in s)]
+            rec = {**rec, **_served(parts)}
+        out.append(rec)
+    return out
+
+
+def merge_run(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**mine, "steps": merge_records(mine["steps"], [t["steps"] for t in theirs]),
+            "preempting": mine["preempting"] or any(t["preempting"] for t in theirs)}
+
+
+def merge_settled(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**mine, "steps": merge_records(mine["steps"], [t["steps"] for t in theirs])}
+
+
+def merge_join(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    dropped = mine.get("dropped")
+    if dropped is not None:
+        parts = [dropped, *(t["dropped"] for t in theirs if t.get("dropped"))]
+        dropped = {**dropped, **_served(parts)}
+    return {**mine, "dropped": dropped}
+
+
+def merge_meta(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A replica's state description: every shard's, for the joiner's workers in order."""
+    return {**mine, "shards": [mine, *theirs]}
+
+
+def merge_sum(mine: int, theirs: list[int]) -> int:
+    return mine + sum(theirs)
+
+
+def merge_setup(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**mine, "checksum": merge_checksums(mine["checksum"], [t["checksum"] for t in theirs]),
+            "param_bytes": mine["param_bytes"] + sum(t["param_bytes"] for t in theirs),
+            "follower_pids": [t["pid"] for t in theirs]}
+
+
+def merge_reinit(mine: int, theirs: list[int]) -> int:
+    return merge_checksums(mine, theirs)

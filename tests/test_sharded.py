@@ -1,0 +1,169 @@
+"""Sharded replicas (planaria.sharded, planaria.replica): 2 replicas x 2 workers, FSDP2 inside a
+replica, planaria's elastic groups across replicas, the replica the unit of failure.
+
+A tiny transformer (LayerNorm, attention, AdamW, a warm-up schedule, clipping) trained 2 x 2
+must end with the weights one worker gets on the whole batch, every sample served once;
+a worker killed, stopped or preempted takes its whole replica out, the other goes on at
+half the width with the same global batch, a replacement replica of two workers joins and
+receives its shards, and the weights are still the fault-free ones.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+import planaria
+from planaria import Job, RunConfig, fit
+from planaria.errors import ConfigError
+from planaria.examples import tiny_gpt
+from planaria.fit import _finish as finish
+from tests.assertions import assert_exactly_once, assert_same_state, events, of
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+
+STEPS, FAULT_STEP = 10, 4
+G = 24  # 6 micro-batches of 4: 2 x 2 workers run 2, 1 (padded to 2), 2, 1; 1 x 2 run 3, 3
+N = 2400  # samples in the tiny_gpt dataset are windows; the plan draws from all of them
+
+
+# Float tolerance: the shards' sums are reduced in another order than one worker's, and AdamW
+# turns a gradient component near zero into an lr-sized step of either sign (a wrong gradient
+# moves the weights by ~lr = 1e-3 here).
+ATOL = 1e-4
+
+
+def spec() -> planaria.TrainSpec:
+    return tiny_gpt.make_spec(dim=32, layers=2, global_batch_size=G)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, ray_cluster):
+    """One replica of one worker: the whole model on the whole batch."""
+    return fit(spec(), steps=STEPS, replicas=1, run_dir=tmp_path_factory.mktemp("ref")).state_dict
+
+
+def _num_samples() -> int:
+    return len(tiny_gpt.CharWindows())
+
+
+def test_two_replicas_of_two_workers_equal_one_worker(tmp_path, reference):
+    result = fit(spec(), steps=STEPS, replicas=2, workers_per_replica=2, run_dir=tmp_path,
+                 ledger=True)
+    assert_same_state(reference, result.state_dict, atol=ATOL)
+    assert_exactly_once(tmp_path, num_samples=_num_samples(), global_batch_size=G, steps=STEPS)
+    evs = events(tmp_path)
+    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+    assert of(evs, "run_ahead"), "the autonomous loop ran"
+
+
+class _SignalSelfAt:
+    """At ``step``, in ``phase`` of this worker's loop: send this worker ``signum`` (once)."""
+
+    def __init__(self, step: int, phase: str, signum: int, marker: str) -> None:
+        self.step, self.phase, self.signum, self.marker = step, phase, signum, marker
+
+    def __call__(self, worker: Any, step: int, phase: str) -> None:
+        if phase == self.phase and step == self.step and not os.path.exists(self.marker):
+            Path(self.marker).write_text(worker.name)
+            os.kill(os.getpid(), self.signum)
+
+
+def _install(job: Job, worker: str, hook: Any) -> None:
+    """``hook`` as the loop_fault of ``worker``: a replica's leader (``w1``) or another of its
+    workers (``w1.1``, reached through its leader, which owns it)."""
+    leader, _, index = worker.partition(".")
+    handle = next(h for h in job.members if h.name == leader)
+    if not index:
+        ray.get(handle.actor.__ray_call__.remote(lambda w: setattr(w, "loop_fault", hook)))
+        return
+    i = int(index)
+
+    def install(w: Any) -> None:
+        ray.get(w._followers[i - 1].__ray_call__.remote(
+            lambda f: setattr(f, "loop_fault", hook)))
+
+    ray.get(handle.actor.__ray_call__.remote(install))
+
+
+def _run_with_fault(
+    tmp_path: Path, worker: str, phase: str, signum: int, spares: int = 0
+) -> tuple[dict, list]:
+    marker = str(tmp_path / "fired")
+    run_dir = tmp_path / "run"
+    config = RunConfig(steps=STEPS, replicas=2, workers_per_replica=2, run_dir=run_dir,
+                       ledger=True, spares=spares)
+    with Job(spec(), config) as job:
+        if spares:
+            job.pool.replenish()
+            while not job.pool.standby:  # the spare replica stands by before the fault
+                job.pool.poll(timeout_s=1.0)
+        job.run_steps(1)  # the first step, alone: the metrics are named
+        _install(job, worker, _SignalSelfAt(FAULT_STEP, phase, signum, marker))
+        while job.steps_done < STEPS:
+            try:
+                if job.steps_done == STEPS - 2:
+                    job.wait_for_width(2, timeout_s=180)  # the replacement replica joins
+                job.run_steps(STEPS - 2 if job.steps_done < STEPS - 2 else STEPS)
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+        state = finish(job)
+    assert Path(marker).read_text() == worker
+    assert_exactly_once(run_dir, num_samples=_num_samples(), global_batch_size=G, steps=STEPS)
+    evs = events(run_dir)
+    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+    return state, evs
+
+
+@pytest.mark.parametrize(("worker", "phase", "signum", "kind"), [
+    ("w1.1", "computed", signal.SIGKILL, "worker_lost"),
+    ("w0", "loaded", signal.SIGKILL, "worker_lost"),
+    ("w1.1", "applied", signal.SIGSTOP, "worker_hung"),
+    ("w1.1", "loaded", signal.SIGTERM, "preempted"),
+], ids=["kill-follower", "kill-leader", "hang-follower", "preempt-follower"])
+def test_a_fault_of_one_worker_takes_its_replica_out(tmp_path, reference, worker, phase,
+                                                     signum, kind):
+    """One worker of a 2 x 2 job fails: its replica leaves as one (the controller sees its
+    leader), the other replica goes on alone with the global batch unchanged, a replacement
+    replica of two workers joins and receives its shards; no step lost, the fault-free
+    weights, every sample once."""
+    state, evs = _run_with_fault(tmp_path, worker, phase, signum)
+    assert_same_state(reference, state, atol=ATOL)
+    replica = worker.partition(".")[0]
+    faults = of(evs, "fault")
+    assert [f["kind"] for f in faults] == [kind]
+    assert faults[0]["worker"] == replica
+    assert all(r["lost_steps"] == 0 for r in of(evs, "recovered"))
+    assert of(evs, "joined"), "a replacement replica joined"
+
+
+def test_sharded_replicas_refuse_what_they_do_not_support(tmp_path):
+    from planaria.checkpointing import CheckpointConfig
+
+    with pytest.raises(ConfigError, match="workers_per_replica=2 is not valid with checkpoints"):
+        Job(spec(), RunConfig(steps=2, replicas=2, workers_per_replica=2, run_dir=tmp_path),
+            checkpoint=CheckpointConfig(every=2))
+    with pytest.raises(ConfigError, match="fewer than the 8 workers"):
+        Job(spec(), RunConfig(steps=2, replicas=4, workers_per_replica=2, run_dir=tmp_path))
+    with pytest.raises(ConfigError, match="placement"):
+        RunConfig(steps=2, replicas=2, workers_per_replica=2, run_dir=tmp_path,
+                  placement="spread")
+
+
+def test_a_spare_replica_takes_the_place_of_a_lost_one(tmp_path, reference):
+    """With a spare, the lost replica's place goes to a standby replica of two workers, set
+    up ahead (its own FSDP group built, optimizer state made), which receives its shards."""
+    state, evs = _run_with_fault(tmp_path, "w1.1", "computed", signal.SIGKILL, spares=1)
+    assert_same_state(reference, state, atol=ATOL)
+    requested = of(evs, "replacement_requested")
+    assert requested and requested[0].get("spare") is True
+    assert of(evs, "joined")
+
