@@ -74,3 +74,54 @@ def test_run_names_a_missing_script_and_a_missing_spec(tmp_path, capsys):
 
 def test_report_without_a_log_says_so(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) != 0
+
+
+_CACHED_SCRIPT = '''
+from functools import lru_cache
+
+import torch
+
+from planaria import TrainSpec
+
+
+@lru_cache(maxsize=1)
+def table() -> torch.Tensor:  # cloudpickle sends this by reference, never by value
+    return torch.arange(8.0)
+
+
+class Data:
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return table()[i : i + 1]
+
+
+spec = TrainSpec(model=lambda: torch.nn.Linear(1, 1),
+                 optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                 loss=lambda m, b: m(b).pow(2).mean(), dataset=Data,
+                 global_batch_size=4, micro_batch_size=2)
+'''
+
+
+def test_a_script_s_spec_reaches_a_process_that_only_has_its_folder(tmp_path):
+    """`planaria run SCRIPT.py`: the spec travels pickled, partly by reference (a function
+    under lru_cache cannot go by value); a worker, with the script's folder on its path, can
+    load it (before, the script was imported under a made-up name no worker could import)."""
+    import subprocess
+    import sys
+
+    import ray.cloudpickle
+
+    from planaria.cli import load_spec
+
+    script = tmp_path / "cached_table_spec.py"
+    script.write_text(_CACHED_SCRIPT)
+    blob = tmp_path / "spec.pkl"
+    blob.write_bytes(ray.cloudpickle.dumps(load_spec(str(script))))
+    code = ("import sys, ray.cloudpickle as cp; spec = cp.loads(open(sys.argv[1], 'rb').read()); "
+            "print(float(spec.dataset()[3][0]))")
+    out = subprocess.run([sys.executable, "-c", code, str(blob)], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "3.0"

@@ -14,6 +14,13 @@ from typing import Any
 __all__ = ["load_spec", "main"]
 
 
+def _importable(name: str) -> bool:
+    try:
+        return name in sys.modules or importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return True
+
+
 def load_spec(target: str) -> Any:
     """Loads ``SCRIPT.py[:NAME]`` and returns its TrainSpec (named ``spec`` by default).
 
@@ -29,7 +36,12 @@ def load_spec(target: str) -> Any:
     path = Path(path_text)
     if not path.is_file():
         raise ConfigError(f"script {path_text!r} does not exist: give SCRIPT.py[:SPEC_NAME]")
-    module_name = f"planaria_user_{path.stem}"
+    # Its own name where that imports nothing else, so that the workers (which get its folder
+    # on their PYTHONPATH) can import it: what cloudpickle cannot send by value (a function
+    # under functools.lru_cache) is sent by reference. A name taken is prefixed instead.
+    module_name = path.stem
+    if not module_name.isidentifier() or _importable(module_name):
+        module_name = f"planaria_user_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"cannot import {path}: is it a Python file?")
