@@ -276,7 +276,8 @@ class Job:
         from planaria.ray_logs import route_ray_logs
 
         route_ray_logs(self.run_dir)  # Ray's notices go to RUN_DIR/ray.log, planaria's to you
-        workers = cfg.replicas + cfg.spares + 2  # + replacements starting while others run
+        # + replacements starting while others run; a sharded replica is k workers
+        workers = (cfg.replicas + cfg.spares + 2) * cfg.workers_per_replica
         logical_cpus = max(os.cpu_count() or 1, math.ceil(workers * cfg.cpus_per_worker))
         kwargs: dict[str, Any] = {
             # A new local instance even where another Ray runs on this machine (ray.init

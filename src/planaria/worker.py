@@ -122,7 +122,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     def __init__(
         self,
         name: str,
-        spec: TrainSpec,
+        spec: TrainSpec | bytes,
         store_host: str,
         store_port: int,
         *,
@@ -138,6 +138,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         replica_key: str | None = None,
         follower_options: dict[str, Any] | None = None,
         timeouts: tuple[float, float] = (60.0, 300.0),
+        spec_blob: bytes | None = None,
     ) -> None:
         self._init_t = time.time()  # after the process started and imported planaria
         self.name = name
@@ -155,7 +156,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._prefetch_setting = prefetch
         self._prefetch_on = bool(prefetch)  # decided at each join (see _want_prefetch)
         self._overlap: OverlappedReduce | None = None
-        self.spec = spec
+        self.spec = ray.cloudpickle.loads(spec) if isinstance(spec, bytes) else spec
         self.threads = threads
         torch.set_num_threads(threads)
         self.device = torch.device("cuda") if use_gpu else torch.device("cpu")
@@ -208,9 +209,12 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             # The replica's other workers: actors this one owns, so they die with it.
             remote: Any = ray.remote
             cls = remote(concurrency_groups={"control": 1})(Worker)
+            # The spec as the controller pickled it: its functions may live in a module only
+            # the controller has (a script run by `planaria run`), pickled by value there.
+            blob = spec_blob if spec_blob is not None else ray.cloudpickle.dumps(spec)
             self._followers = [
                 cls.options(max_restarts=0, max_concurrency=1, **(follower_options or {})).remote(
-                    f"{name}.{i}", spec, store_host, store_port, threads=threads,
+                    f"{name}.{i}", blob, store_host, store_port, threads=threads,
                     heartbeat_s=heartbeat_s, use_gpu=use_gpu, backend=backend,
                     record_digests=record_digests, prefetch=prefetch,
                     workers_per_replica=self.k, shard_index=i, replica_key=self.replica_key,

@@ -91,6 +91,9 @@ class WorkerPool:
         # Two lanes: steps and state in the default one, stack dumps (mid-step) in "control".
         remote: Any = ray.remote
         self._actor_cls = remote(concurrency_groups={"control": 1})(Worker)
+        # A sharded replica's leader hands the spec to its other workers as pickled here.
+        self._spec_blob = (ray.cloudpickle.dumps(spec) if config.workers_per_replica > 1
+                           else None)
 
     def start(
         self,
@@ -144,6 +147,7 @@ class WorkerPool:
             replica_key=f"{name}-{attempt}-{time.monotonic_ns()}",
             follower_options=follower,
             timeouts=(cfg.join_timeout_s, cfg.collective_timeout_s),
+            spec_blob=self._spec_blob,
         )
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt,
                               spare=spare)
