@@ -82,6 +82,29 @@ def test_checkpoint_quick(tmp_path):
     assert isinstance(out["page_cache_dropped"], bool)
 
 
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1200)
+def test_sharded_bench_quick(tmp_path):
+    out = run_quick("sharded.py", tmp_path, timeout_s=1180)
+
+    assert out["bench"] == "sharded"
+    assert out["quick"] is True
+    assert out["state_bytes_per_worker"].keys() == {"1", "2", "4"}
+    assert all(b > 0 for b in out["state_bytes_per_worker"].values())
+    assert out["state_ratio"].keys() == {"2", "4"}
+    assert out["state_ratio"]["4"] < out["state_ratio"]["2"] < 1
+    for key in ("step_ms", "torchrun_hsdp_step_ms", "ratio", "recover_s",
+                "back_at_full_width_s"):
+        assert isinstance(out[key], float) and out[key] > 0, key
+    assert out["ratio"] == pytest.approx(out["step_ms"] / out["torchrun_hsdp_step_ms"])
+    assert out["back_at_full_width_s"] >= out["recover_s"]
+    assert out["recovery"]["lost_steps"] == 0
+    for key in ("dim", "layers", "global_batch", "micro_batch", "rounds"):
+        assert isinstance(out[key], int), key
+
+
 # The goodput-issue benches: opt-in (-m soak) to keep the default suite's time bounded.
 @pytest.mark.soak
 @pytest.mark.multiprocess

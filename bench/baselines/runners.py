@@ -49,6 +49,7 @@ from bench.kill_harness import JsonlTail, KillHarness, Victim, step_period_s
 
 __all__ = [
     "run_ddp_steady",
+    "run_hsdp_steady",
     "run_torchft_faults",
     "run_torchft_kill",
     "run_torchrun_faults",
@@ -305,6 +306,67 @@ def run_ddp_steady(
         "step_ms": step_ms,
         "nproc": nproc,
         "size": size,
+        "log": str(log),
+    }
+
+
+def run_hsdp_steady(
+    steps: int,
+    replicas: int = 2,
+    shards: int = 2,
+    threads: int = 1,
+    *,
+    dim: int = 128,
+    layers: int = 2,
+    global_batch: int = 32,
+    micro_batch: int = 4,
+    warmup: int = 3,
+    sync: str = "step",
+    global_loss: bool = False,
+    timeout_s: float = 300.0,
+    workdir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Plain FSDP2 HSDP (``hsdp_train.py``: a ``(replicas, shards)`` mesh, ``tiny_gpt`` of
+    ``dim`` x ``layers``) under ``torchrun --nproc_per_node=replicas*shards``; rank 0's step
+    times.
+
+    Returns ``{"step_ms_median", "step_ms" (steady steps, warm-up left out), "losses"
+    (every step's, by step), "nproc", "log"}``.
+    """
+    if steps <= warmup:
+        raise ValueError(f"steps={steps} must exceed warmup={warmup}")
+    wd = _workdir(workdir, "hsdp_steady_")
+    log = wd / "hsdp.jsonl"
+    nproc = replicas * shards
+    cmd = [
+        *_torchrun(nproc),
+        str(_HERE / "hsdp_train.py"),
+        f"--steps={steps}",
+        f"--warmup={warmup}",
+        f"--replicas={replicas}",
+        f"--shards={shards}",
+        f"--dim={dim}",
+        f"--layers={layers}",
+        f"--global-batch={global_batch}",
+        f"--micro-batch={micro_batch}",
+        f"--threads={threads}",
+        f"--sync={sync}",
+        f"--out={log}",
+        *(["--global-loss"] if global_loss else []),
+    ]
+    proc = _spawn(cmd, _env(threads, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), wd / "torchrun.log")
+    try:
+        _wait_exit([proc], time.time() + timeout_s, "hsdp_train")
+    finally:
+        _kill_tree(proc, grace_s=2.0)
+        _kill_logged(log, "hsdp_train.py")
+    rows = [r for r in _read_jsonl(log) if r["event"] == "step"]
+    step_ms = [r["step_ms"] for r in rows if not r["warmup"]]
+    return {
+        "step_ms_median": _median(step_ms),
+        "step_ms": step_ms,
+        "losses": {r["step"]: r["loss"] for r in rows},
+        "nproc": nproc,
         "log": str(log),
     }
 
