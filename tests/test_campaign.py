@@ -408,3 +408,35 @@ def test_a_fault_cut_short_by_the_campaigns_job_kill_is_recovered_by_the_resume(
         (tmp_path / "control" / "fired.jsonl").read_text().splitlines()[0] + "\n")
     v = check_run(tmp_path, run, refs)
     assert not v.faults[0].recovered and "never recovered" in v.faults[0].reason
+
+
+def test_a_fault_armed_again_on_another_worker_is_judged_where_it_fired(tmp_path):
+    """A kill first armed on w2, which left the job (drained) before the trigger's step, is
+    armed again on w1 and fires there once (fired.jsonl names w1's pid): the verdict judges
+    the kill of w1, not the arming that never fired (found by the 1,000-fault campaign)."""
+    from planaria.campaign.verdict import check_run
+
+    run, refs = _synthetic_run(tmp_path)
+    faults = tmp_path / "campaign_faults.jsonl"
+    first = {"fault": 0, "kind": "kill", "role": "primary", "action": "kill",
+             "id": "r0f0.primary", "worker": "w2", "pid": 2, "step": 1, "incarnation": 0,
+             "t": 999.0}
+    faults.write_text(json.dumps(first) + "\n" + faults.read_text())
+    v = check_run(tmp_path, run, refs)
+    assert v.ok, v.reasons
+    assert v.faults[0].recovered
+
+
+def test_a_kill_of_the_last_replica_is_rightly_all_replicas_lost(tmp_path):
+    """A kill that takes the last replica holding the state (an earlier fault took the
+    others) is reported as all_replicas_lost, and the job restores: no complaint."""
+    from planaria.campaign.verdict import check_run
+
+    run, refs = _synthetic_run(tmp_path)
+    events = tmp_path / "events.jsonl"
+    events.write_text(events.read_text().replace('"worker_lost"', '"all_replicas_lost"'))
+    v = check_run(tmp_path, run, refs)
+    assert v.ok, v.reasons
+    events.write_text(events.read_text().replace('"all_replicas_lost"', '"worker_hung"'))
+    v = check_run(tmp_path, run, refs)
+    assert any("reported as worker_hung" in r for r in v.reasons)

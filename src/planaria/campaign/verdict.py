@@ -33,7 +33,10 @@ from planaria.metrics import FaultMetrics, summarize
 __all__ = ["FaultVerdict", "RunVerdict", "check_run"]
 
 _WORKER_ACTIONS = {"kill", "hang", "preempt", "kill_join", "kill_save", "kill_restore"}
-_EXPECTED = {"kill": "worker_lost", "hang": "worker_hung", "preempt": "preempted"}
+# How a fault must be reported; a kill or hang of the last replica holding the state is
+# rightly "all_replicas_lost" (a compound fault: an earlier one of the run took the others).
+_EXPECTED = {"kill": ("worker_lost", "all_replicas_lost"),
+             "hang": ("worker_hung", "all_replicas_lost"), "preempt": ("preempted",)}
 
 
 @dataclass
@@ -199,7 +202,7 @@ def _fault(
     completed: bool, cuts: dict[int, float],
 ) -> FaultVerdict:
     fv = FaultVerdict(run.index, fault.index, fault.kind, run.step_s)
-    hits = [i for i in mine if i["id"] in fired]
+    hits = _fired(mine, fired)
     fv.injected = bool(hits)
     if not hits:
         armed = ", ".join(sorted({i["action"] for i in mine})) or "nothing"
@@ -240,6 +243,20 @@ def _fault(
     return fv
 
 
+def _fired(mine: list[dict[str, Any]], fired: dict[str, Any]) -> list[dict[str, Any]]:
+    """The armings of a fault that fired. A fault armed again on another worker (its first
+    target left the job before the trigger's step) has several armings under one id and
+    fires once: on the process whose pid the firing names; the others never fired."""
+    hits = [i for i in mine if i["id"] in fired]
+    out = []
+    for i in hits:
+        pid = fired[i["id"]].get("pid")
+        rearmed = sum(j["id"] == i["id"] for j in hits) > 1
+        if not rearmed or pid is None or i.get("pid") == pid:
+            out.append(i)
+    return out
+
+
 def _in_run(t: float, seg: int, segs: list[list[dict[str, Any]]]) -> bool:
     """Whether time ``t`` falls inside one of the segment's autonomous runs."""
     return seg < len(segs) and any(
@@ -263,8 +280,8 @@ def _reported(
         fv.detect_s = f.detect_s
     problems: list[str] = []
     expected = _EXPECTED.get(inj["action"])
-    if expected is not None and f.kind != expected:
-        fv.notes.append(f"{what} reported as {f.kind}, not {expected}")
+    if expected is not None and f.kind not in expected:
+        fv.notes.append(f"{what} reported as {f.kind}, not {' or '.join(expected)}")
     if not f.recovered or f.recover_s is None:
         # Its recovery was cut short by the campaign's own whole-job kill (the next fault,
         # armed once the job was back at full width, fired before the step that would have
