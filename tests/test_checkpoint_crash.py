@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -28,9 +29,10 @@ from test_checkpoint_roundtrip import assert_same, make_state, save
 ROUNDS = 24
 
 
-def _saver(root: str, first_step: int) -> None:
+def _saver(root: str, first_step: int, started: Any) -> None:
     """The victim: a job start (clean-up) and then saves, as fast as it can, until killed."""
     torch.set_num_threads(1)
+    started.set()  # the kill's random point counts from here, not from the process's start
     clean_leftovers(root)
     writers = [AsyncShardWriter(root) for _ in range(3)]
     for step in range(first_step, first_step + 10_000):
@@ -61,8 +63,10 @@ def test_sigkill_at_random_points(tmp_path) -> None:
     rng = random.Random(1234)
     newest = 2
     for r in range(ROUNDS):
-        proc = ctx.Process(target=_saver, args=(root, 100 * (r + 1)), daemon=True)
+        started = ctx.Event()
+        proc = ctx.Process(target=_saver, args=(root, 100 * (r + 1), started), daemon=True)
         proc.start()
+        assert started.wait(120), "the saver did not start"
         time.sleep(rng.uniform(0.0, 0.6))
         assert proc.pid is not None
         os.kill(proc.pid, signal.SIGKILL)

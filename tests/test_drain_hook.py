@@ -72,9 +72,11 @@ def test_prestop_hook_gives_every_worker_its_notice_and_waits(tmp_path):
         assert [m.name for m in live_workers(folder)] == ["w0", "w1"]
         assert not (folder / str(gone.pid)).exists(), "a stale marker was not removed"
         t0 = time.monotonic()
-        done = _hook(folder, "--grace-s", "20")
+        done = _hook(folder, "--grace-s", "60")
         assert done.returncode == 0, done.stdout + done.stderr
-        assert time.monotonic() - t0 < 15
+        # It returned once the workers left, well before its grace ran out (15 s was too
+        # tight for a machine under load: 15.3 s at load 15).
+        assert time.monotonic() - t0 < 45
         assert sorted(p.name for p in out.iterdir()) == ["w0", "w1"]
         assert all(w.wait(timeout=5) == 0 for w in workers)
         assert "every planaria worker on this node has left" in done.stdout
