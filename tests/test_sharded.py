@@ -125,7 +125,8 @@ def _run_with_fault(
 
 @pytest.mark.parametrize(("worker", "phase", "signum", "kind"), [
     ("w1.1", "computed", signal.SIGKILL, "worker_lost"),
-    ("w0", "loaded", signal.SIGKILL, "worker_lost"),
+    pytest.param("w0", "loaded", signal.SIGKILL, "worker_lost",  # as a one-worker replica's
+                 marks=pytest.mark.extended),
     ("w1.1", "applied", signal.SIGSTOP, "worker_hung"),
     ("w1.1", "loaded", signal.SIGTERM, "preempted"),
 ], ids=["kill-follower", "kill-leader", "hang-follower", "preempt-follower"])
@@ -158,6 +159,7 @@ def test_sharded_replicas_refuse_what_they_do_not_support(tmp_path):
                   placement="spread")
 
 
+@pytest.mark.extended  # the suite's spare tests cover the pool; this, a replica as a spare
 def test_a_spare_replica_takes_the_place_of_a_lost_one(tmp_path, reference):
     """With a spare, the lost replica's place goes to a standby replica of two workers, set
     up ahead (its own FSDP group built, optimizer state made), which receives its shards."""
