@@ -219,7 +219,3 @@ def merge_setup(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str,
     return {**mine, "checksum": merge_checksums(mine["checksum"], [t["checksum"] for t in theirs]),
             "param_bytes": mine["param_bytes"] + sum(t["param_bytes"] for t in theirs),
             "follower_pids": [t["pid"] for t in theirs]}
-
-
-def merge_reinit(mine: int, theirs: list[int]) -> int:
-    return merge_checksums(mine, theirs)

@@ -58,9 +58,9 @@ from planaria.randomness import (
 )
 from planaria.replica import (
     fans_out,
+    merge_checksums,
     merge_join,
     merge_meta,
-    merge_reinit,
     merge_setup,
     merge_step,
     merge_sum,
@@ -340,7 +340,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                            self.backend, self._timeouts[1])
         self.model = shard_model(self.model, self.k, self.device, self.spec.shard)
 
-    @fans_out(merge_reinit)
+    @fans_out(merge_checksums)
     def reinit(self, gen: int) -> int:
         """Back to the initial state (after a restore that failed part-way); returns checksum."""
         self._check(gen)
@@ -864,7 +864,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self.steps_done = int(meta["steps_done"])
         return self.steps_done
 
-    @fans_out(merge_reinit)
+    @fans_out(merge_checksums)
     def checksum(self, gen: int) -> int:
         self._check(gen)
         return param_checksum(self.model)
