@@ -157,6 +157,28 @@ def test_faulty_storage_fails_once_when_armed(tmp_path, op):
     assert st.listdir() == []
 
 
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_faulty_storage_errors_armed_back_to_back_both_fire_in_order(tmp_path, op):
+    # A campaign run armed two write errors 0.12 s apart; the second replaced the first,
+    # which never fired (one of 1,000 faults lost). Each waits its turn now.
+    control = tmp_path / "control"
+    control.mkdir()
+    st = Storage(f"faulty://{tmp_path}/root", {"control": str(control)})
+    st.write_bytes(st.path("x"), b"data")
+    storage_faults.arm(control, op, fault_id="first")
+    storage_faults.arm(control, op, fault_id="second")
+    assert storage_faults.armed(control, op) == ["first", "second"]
+    for _ in range(2):
+        with pytest.raises(OSError, match="injected storage error"):
+            if op == "read":
+                st.read_bytes(st.path("x"))
+            else:
+                st.write_bytes(st.path("x"), b"other")
+    assert st.read_bytes(st.path("x")) == b"data"
+    assert [r["id"] for r in storage_faults.fired(control)] == ["first", "second"]
+    assert storage_faults.armed(control, op) == []
+
+
 def test_loss_trigger_fires_once_on_the_planned_micro_batch(tmp_path):
     loss = CampaignLoss(lambda model, batch: torch.tensor(1.0), delay_s=0.01, control=str(tmp_path))
     assert float(loss(None, None)) == 1.0  # nothing armed
@@ -373,6 +395,27 @@ def test_a_resumed_campaign_judges_again_the_runs_it_finished(tmp_path):
     assert _kept_run(tmp_path, run) == ("exit code 1: boom",)
     (tmp_path / "verdict.json").write_text("{half a fil")
     assert _kept_run(tmp_path, run) is None  # a torn file: the run is run again
+
+
+def test_a_campaign_in_parts_takes_finished_runs_from_its_record(tmp_path):
+    """`--record`: each finished run's line is appended; a later part takes the runs of the
+    same plan from it (a line of another plan, or torn by a kill, is not taken)."""
+    import dataclasses
+
+    from planaria.campaign.runner import _append_record, _recorded
+    from planaria.campaign.verdict import check_run
+
+    run, refs = _synthetic_run(tmp_path)
+    v = check_run(tmp_path, run, refs)
+    record = tmp_path / "parts" / "record.jsonl"
+    assert _recorded(record, [run]) == {}
+    _append_record(record, run, None, v)
+    other = dataclasses.replace(run, steps=5)
+    _append_record(record, other, None, dataclasses.replace(v, index=run.index))
+    with record.open("a") as f:
+        f.write('{"run": {"index": 1')  # torn
+    assert _recorded(record, [run]) == {run.index: v}
+    assert _recorded(record, [other]) == {run.index: dataclasses.replace(v, index=run.index)}
 
 
 def test_a_fault_cut_short_by_the_campaigns_job_kill_is_recovered_by_the_resume(tmp_path):

@@ -41,6 +41,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help="runs an earlier campaign in --workdir finished (same seed and options) "
                    "are judged again from their files, not run again; the rest are run")
+    p.add_argument("--record", type=Path, default=None,
+                   help="JSON-lines file of finished runs, appended as they finish; runs "
+                   "already in it are not run again (a campaign in parts, on the same commit)")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no run after this many seconds (the rest: a later part)")
     p.add_argument("--json-out", type=Path, default=None, help="also write the summary here")
 
 
@@ -64,7 +69,8 @@ def campaign_main(args: argparse.Namespace) -> int:
                     checkpoint_every=args.checkpoint_every, tail=args.tail)
     config = CampaignConfig(target=args.target, mix=mix, workdir=args.workdir,
                             replicas=args.replicas, parallel=args.parallel,
-                            resume=args.resume)
+                            resume=args.resume, record=args.record,
+                            time_budget_s=args.time_budget_s)
     summary = run_campaign(config, out=lambda line: print(line, flush=True))
     text = json.dumps(summary)
     if args.json_out is not None:
@@ -72,4 +78,6 @@ def campaign_main(args: argparse.Namespace) -> int:
     print(text, flush=True)
     ok = not (summary["unrecovered"] or summary["diverged"] or summary["samples_duplicated"]
               or summary["samples_missing"] or summary["healthy_evicted"])
-    return 0 if ok else 1
+    if not ok:
+        return 1
+    return 2 if summary["runs_left"] else 0  # a part of a campaign: not a finished campaign

@@ -61,6 +61,13 @@ class CampaignConfig:
     """Runs that an earlier campaign in the workdir finished (the same planned run, a
     ``verdict.json`` in its dir) are not run again but judged again from their files; the
     rest are run: a campaign stopped part-way goes on where it stopped."""
+    record: Path | None = None
+    """A JSON-lines file, one line per finished run (its plan, error and verdict), appended as
+    runs finish. Runs already in it (the same planned run) are taken from it and not run
+    again: a campaign of record can go on in several parts, on the same commit, on machines
+    that do not keep the run dirs (commit the file between parts)."""
+    time_budget_s: float | None = None
+    """No run starts after this many seconds; the summary counts the runs left."""
 
     def __post_init__(self) -> None:
         check(isinstance(self.target, str) and bool(self.target), "target", self.target,
@@ -71,7 +78,11 @@ class CampaignConfig:
         check(self.job_timeout_s > 0, "job_timeout_s", self.job_timeout_s, "seconds > 0")
         check(isinstance(self.parallel, int) and self.parallel >= 1, "parallel", self.parallel,
               "an integer >= 1 (runs at a time)")
+        check(self.time_budget_s is None or self.time_budget_s > 0, "time_budget_s",
+              self.time_budget_s, "seconds > 0, or None for no limit")
         object.__setattr__(self, "workdir", Path(self.workdir))
+        if self.record is not None:
+            object.__setattr__(self, "record", Path(self.record))
 
 
 def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) -> dict[str, Any]:
@@ -81,10 +92,17 @@ def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) 
     # The reference's weights at every step a fault is armed at, to tell where a run diverged.
     counts = {r.steps for r in runs} | {f.step for r in runs for f in r.faults}
     counts |= {f.step + k for r in runs for f in r.faults for k in range(1, config.mix.gap)}
-    references = _reference(config, sorted(counts), out)
+    recorded = _recorded(config.record, runs)
+    if recorded:
+        out(f"{len(recorded)} of {len(runs)} runs taken from the record {config.record}")
+    todo = [r for r in runs if r.index not in recorded]
+    references = _reference(config, sorted(counts), out) if todo else {}
     lock = threading.Lock()
+    deadline = None if config.time_budget_s is None else time.time() + config.time_budget_s
 
-    def one(run: PlannedRun) -> RunVerdict:
+    def one(run: PlannedRun) -> RunVerdict | None:
+        if deadline is not None and time.time() > deadline:
+            return None  # past the time budget: left for a later part
         run_dir = config.workdir / f"run-{run.index:04d}"
         kept = _kept_run(run_dir, run) if config.resume else None
         t0 = time.time()
@@ -94,6 +112,9 @@ def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) 
                             rtol=config.rtol)
         if kept is None:
             _keep_run(run_dir, run, error, verdict)
+        if config.record is not None:
+            with lock:
+                _append_record(config.record, run, error, verdict)
         kinds = ",".join(f.kind for f in run.faults)
         status = "ok" if verdict.ok else f"FAILED ({len(verdict.reasons)} checks)"
         took = "run by an earlier campaign" if kept else f"in {time.time() - t0:.0f} s"
@@ -105,8 +126,37 @@ def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) 
         return verdict
 
     with ThreadPoolExecutor(max_workers=config.parallel) as pool:
-        verdicts = list(pool.map(one, runs))
-    return summarize_campaign(verdicts)
+        done = list(pool.map(one, todo))
+    verdicts = [*recorded.values(), *(v for v in done if v is not None)]
+    summary = summarize_campaign(sorted(verdicts, key=lambda v: v.index))
+    summary["runs"] = len(runs)
+    summary["runs_left"] = sum(v is None for v in done)
+    return summary
+
+
+def _recorded(record: Path | None, runs: list[PlannedRun]) -> dict[int, RunVerdict]:
+    """The verdicts of this campaign's runs found in ``record`` (a line of another plan, or
+    torn by a kill, is ignored)."""
+    if record is None or not record.exists():
+        return {}
+    planned = {r.index: json.loads(json.dumps(r.to_json())) for r in runs}
+    out: dict[int, RunVerdict] = {}
+    for line in record.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            data = json.loads(line)
+            verdict = RunVerdict.from_json(data["verdict"])
+            if planned.get(verdict.index) == data["run"]:
+                out[verdict.index] = verdict
+    return out
+
+
+def _append_record(record: Path, run: PlannedRun, error: str | None, verdict: RunVerdict) -> None:
+    record.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"run": run.to_json(), "error": error, "verdict": verdict.to_json()})
+    with record.open("a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _kept_run(run_dir: Path, run: PlannedRun) -> tuple[str | None] | None:

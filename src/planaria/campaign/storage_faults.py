@@ -3,15 +3,18 @@
 A checkpoint root ``faulty:///abs/path`` stores real files under ``/abs/path``
 but goes through fsspec's generic (non-POSIX) path of
 :class:`~planaria.checkpoint.storage.Storage`, so every open is seen here. The
-campaign arms an error by creating ``CONTROL/arm-write`` or ``CONTROL/arm-read``
-(``control`` is a storage option, so every process that opens the root sees
-the same directory); the next open for that kind of access, in whichever
-process comes first, takes the file (an atomic rename), logs it to
-``CONTROL/fired.jsonl`` and raises ``OSError(EIO)``.
+campaign arms an error by creating ``CONTROL/arm-write-<seq>.json`` or
+``CONTROL/arm-read-<seq>.json`` (``control`` is a storage option, so every
+process that opens the root sees the same directory); the next open for that
+kind of access, in whichever process comes first, takes the oldest armed file
+it matches (an atomic rename), logs it to ``CONTROL/fired.jsonl`` and raises
+``OSError(EIO)``. Errors armed one after the other wait their turn: a second
+arming never replaces a first that has not fired.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -24,7 +27,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
-__all__ = ["PROTOCOL", "FaultyFileSystem", "arm", "fired", "log_fired"]
+__all__ = ["PROTOCOL", "FaultyFileSystem", "arm", "armed", "fired", "log_fired"]
 
 PROTOCOL = "faulty"
 FIRED_LOG = "fired.jsonl"
@@ -37,8 +40,10 @@ def arm(
     ``match``, in any process but ``skip_pid``, fail once."""
     if op not in ("read", "write"):
         raise ValueError(f"op={op!r} is not valid: 'read' or 'write'")
-    path = Path(control) / f"arm-{op}"
-    path.write_text(json.dumps({"id": fault_id, "match": match, "skip_pid": skip_pid}))
+    control = Path(control)
+    tmp = control / f".tmp-arm-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.write_text(json.dumps({"id": fault_id, "match": match, "skip_pid": skip_pid}))
+    os.replace(tmp, control / f"arm-{op}-{time.time_ns():020d}.json")  # its order: the name
 
 
 def log_fired(control: str | Path, record: dict[str, Any]) -> None:
@@ -72,24 +77,41 @@ def fired(control: str | Path) -> list[dict[str, Any]]:
     return read_jsonl(Path(control) / FIRED_LOG)
 
 
-def _take(control: str, op: str, path: str) -> None:
-    armed = os.path.join(control, f"arm-{op}")
+def armed(control: str | Path, op: str) -> list[str]:
+    """The errors armed for ``op`` and not fired yet, oldest first (their fault ids)."""
+    out = []
+    for name in _armed_files(str(control), op):
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            out.append(json.loads(Path(control, name).read_text()).get("id"))
+    return out
+
+
+def _armed_files(control: str, op: str) -> list[str]:
     try:
-        with open(armed) as f:
-            armed_for = json.load(f)
-        if armed_for.get("match", "") not in path or armed_for.get("skip_pid") == os.getpid():
-            return
-    except (FileNotFoundError, json.JSONDecodeError):
-        return
-    taken = f"{armed}.{os.getpid()}.{time.monotonic_ns()}"
-    try:
-        os.rename(armed, taken)  # atomic: one opener in one process wins
+        names = os.listdir(control)
     except FileNotFoundError:
-        return
-    with open(taken) as f:
-        fault_id = json.load(f).get("id")
-    log_fired(control, {"id": fault_id, "action": f"storage_{op}", "path": path})
-    raise OSError(errno.EIO, f"injected storage error on {op}", path)
+        return []
+    prefix = f"arm-{op}-"
+    return sorted(n for n in names if n.startswith(prefix) and n.endswith(".json"))
+
+
+def _take(control: str, op: str, path: str) -> None:
+    for name in _armed_files(control, op):
+        armed_file = os.path.join(control, name)
+        try:
+            with open(armed_file) as f:
+                armed_for = json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+        if armed_for.get("match", "") not in path or armed_for.get("skip_pid") == os.getpid():
+            continue
+        taken = os.path.join(control, f"taken-{name}.{os.getpid()}.{time.monotonic_ns()}")
+        try:
+            os.rename(armed_file, taken)  # atomic: one opener in one process wins
+        except FileNotFoundError:
+            continue
+        log_fired(control, {"id": armed_for.get("id"), "action": f"storage_{op}", "path": path})
+        raise OSError(errno.EIO, f"injected storage error on {op}", path)
 
 
 class FaultyFileSystem(AbstractFileSystem):
