@@ -268,3 +268,57 @@ def test_staging_budget_writes_over_budget_shares_without_a_copy(tmp_path) -> No
     assert_same(load_checkpoint(path)[0], state)
     w.close()
     w2.close()
+
+
+def _chunks(t: torch.Tensor, k: int) -> list[tuple[int, torch.Tensor]]:
+    """FSDP2's dim-0 sharding over k workers: (first row, shard), ceil-sized, the last ones
+    shorter or empty."""
+    per = -(-t.shape[0] // k)
+    return [(min(i * per, t.shape[0]), t[i * per : (i + 1) * per]) for i in range(k)]
+
+
+@pytest.mark.parametrize(("saved_k", "read_k"), [(2, 1), (2, 3), (3, 2), (4, 4)])
+def test_row_shards_saved_at_one_k_load_at_another(tmp_path, saved_k, read_k):
+    """A sharded replica's workers write rows of the whole tensors (each shard once, spread
+    over the replicas); a worker of another sharding reads its own rows, through slices
+    that are wholly, partly or not at all in its window."""
+    from planaria.checkpoint import plan_row_shards
+
+    g = torch.Generator().manual_seed(3)
+    whole = {"model/w": torch.randn(7, 5, generator=g), "model/b": torch.randn(3, generator=g),
+             "optim/0/exp_avg": torch.randn(7, 5, generator=g, dtype=torch.float64),
+             "optim/0/step": torch.tensor(4.0)}  # held whole by every worker
+    sharded = ("model/w", "model/b", "optim/0/exp_avg")
+    replicas, sid, records = 2, new_save_id(), []
+    for i in range(saved_k):
+        mine, origins = {}, {}
+        for name, t in whole.items():
+            if name in sharded:
+                first, part = _chunks(t, saved_k)[i]
+                mine[name], origins[name] = part.clone(), (tuple(t.shape), first)
+            elif i == 0:
+                mine[name] = t.clone()
+        specs = {n: (t.shape, t.dtype) for n, t in mine.items()}
+        plans = plan_row_shards(specs, origins, replicas, first_index=i * replicas,
+                                num_files=replicas * saved_k)
+        records += [write_shard(str(tmp_path), 2, p.index, p.num_shards, take_share(mine, p),
+                                save_id=sid) for p in plans]
+    path = commit_checkpoint(str(tmp_path), 2, records, {"steps_done": 2},
+                             world_size=len(records))
+    manifest = read_manifest(path)
+    assert {n: t.shape for n, t in manifest.tensors.items()} == {
+        n: tuple(t.shape) for n, t in whole.items()}
+    assert verify_checkpoint(path).ok
+    back, _ = load_checkpoint(path)  # whole, as export reads it
+    for name, t in whole.items():
+        assert back[name].equal(t), name
+    for i in range(read_k):
+        rows = {n: (first, first + len(part))
+                for n in sharded for first, part in [_chunks(whole[n], read_k)[i]]}
+        into = {n: torch.full((b - a, *whole[n].shape[1:]), -1.0, dtype=whole[n].dtype)
+                for n, (a, b) in rows.items()}
+        got, _ = load_checkpoint(path, rows=rows, into=into)
+        for name, (a, b) in rows.items():
+            assert got[name].equal(whole[name][a:b]), (name, i)
+            assert got[name].data_ptr() == into[name].data_ptr()  # filled in place
+        assert got["optim/0/step"].equal(whole["optim/0/step"])

@@ -146,12 +146,101 @@ def test_a_fault_of_one_worker_takes_its_replica_out(tmp_path, reference, worker
     assert of(evs, "joined"), "a replacement replica joined"
 
 
-def test_sharded_replicas_refuse_what_they_do_not_support(tmp_path):
+SAVED = 6  # the 2 x 2 job's checkpoint: every 3 steps, the last at step 6
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory, ray_cluster):
+    """A 2 x 2 job's checkpoints (steps 3 and 6) and its final weights (gathered whole)."""
     from planaria.checkpointing import CheckpointConfig
 
-    with pytest.raises(ConfigError, match="workers_per_replica=2 is not valid with checkpoints"):
-        Job(spec(), RunConfig(steps=2, replicas=2, workers_per_replica=2, run_dir=tmp_path),
-            checkpoint=CheckpointConfig(every=2))
+    run_dir = tmp_path_factory.mktemp("saved")
+    result = fit(spec(), steps=SAVED, replicas=2, workers_per_replica=2, run_dir=run_dir,
+                 checkpoint=CheckpointConfig(every=3), ledger=True)
+    return run_dir / "checkpoints", result.state_dict
+
+
+def test_a_sharded_checkpoint_holds_the_whole_model(tmp_path, sharded_checkpoint):
+    """Each shard saved once (2 x 2 workers: four files, every replica writing half of its
+    shard index's rows); exported, the whole model the job ended with."""
+    from safetensors.torch import load_file
+
+    from planaria.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
+    from planaria.checkpoint.cli import export
+
+    root, state = sharded_checkpoint
+    last = [c for c in list_checkpoints(str(root)) if c.committed][-1]
+    assert last.step == SAVED
+    manifest = read_manifest(last.path)
+    assert len(manifest.files) == 4
+    assert manifest.meta["workers_per_replica"] == 2
+    assert verify_checkpoint(last.path).ok
+    sliced = [n for n, t in manifest.tensors.items() if len(t.slices) > 1]
+    assert sliced, "the sharded tensors are stored as row slices of the whole"
+    out = export(last.path, str(tmp_path / "model.safetensors"))
+    weights = load_file(out["out_file"])
+    assert sorted(weights) == sorted(state)
+    for name, tensor in state.items():
+        assert weights[name].shape == tensor.shape
+        assert weights[name].equal(tensor), name
+
+
+@pytest.mark.parametrize(("replicas", "k"), [(2, 1), (1, 2), (1, 4)],
+                         ids=["into-2x1", "into-1x2", "into-1x4"])
+def test_a_sharded_checkpoint_restores_at_another_k(tmp_path, reference, sharded_checkpoint,
+                                                     replicas, k):
+    """The 2 x 2 job's checkpoint at step 6, restored into 2 one-worker replicas, one replica
+    of 2 and one of 4 workers (each worker reads its rows of the whole tensors), trains on
+    to step 10 and ends with the fault-free weights."""
+    import shutil
+
+    from planaria.checkpointing import CheckpointConfig
+
+    root, _ = sharded_checkpoint
+    shutil.copytree(root, tmp_path / "checkpoints")
+    result = fit(spec(), steps=STEPS, replicas=replicas, workers_per_replica=k,
+                 run_dir=tmp_path, checkpoint=CheckpointConfig(resume=True))
+    assert_same_state(reference, result.state_dict, atol=ATOL)
+    evs = events(tmp_path)
+    restored = of(evs, "restore")
+    assert [r["step"] for r in restored] == [SAVED]
+    assert [e["step"] for e in of(evs, "step_committed")] == list(range(SAVED, STEPS))
+
+
+def test_a_lone_sharded_replica_lost_is_restored_from_its_checkpoint(tmp_path, reference):
+    """One replica of two workers, checkpoints every 3 steps: a kill of its second worker
+    at step 7 leaves no replica holding the state; a new replica of two workers restores
+    the newest committed checkpoint in the same process (each worker its shards), re-runs
+    the lost steps, and ends with the fault-free weights, every sample served once."""
+    from planaria.checkpointing import CheckpointConfig
+
+    marker = str(tmp_path / "fired")
+    run_dir = tmp_path / "run"
+    config = RunConfig(steps=STEPS, replicas=1, workers_per_replica=2, run_dir=run_dir,
+                       ledger=True)
+    with Job(spec(), config, checkpoint=CheckpointConfig(every=3)) as job:
+        job.run_steps(1)
+        _install(job, "w0.1", _SignalSelfAt(7, "computed", signal.SIGKILL, marker))
+        while job.steps_done < STEPS:
+            try:
+                job.run_steps(STEPS)
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+        state = finish(job)
+    assert Path(marker).read_text() == "w0.1"
+    assert_same_state(reference, state, atol=ATOL)
+    assert_exactly_once(run_dir, num_samples=_num_samples(), global_batch_size=G, steps=STEPS)
+    evs = events(run_dir)
+    fault = of(evs, "fault")
+    assert [f["kind"] for f in fault] == ["worker_lost"]
+    committed = [e["step"] for e in of(evs, "checkpoint_saved") if e["t"] < fault[0]["t"]]
+    assert committed, "a checkpoint committed before the fault"
+    restored = of(evs, "restore")
+    assert [r["step"] for r in restored] == [committed[-1]]
+    assert restored[0]["lost_steps"] > 0  # the steps since that checkpoint, run again
+
+
+def test_sharded_replicas_refuse_what_they_do_not_support(tmp_path):
     with pytest.raises(ConfigError, match="fewer than the 8 workers"):
         Job(spec(), RunConfig(steps=2, replicas=4, workers_per_replica=2, run_dir=tmp_path))
     with pytest.raises(ConfigError, match="placement"):

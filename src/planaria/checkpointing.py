@@ -218,7 +218,8 @@ class _Save:
     wait_s: float = 0.0  # of stall_s, waiting for the previous save to commit
     nbytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
-    records: dict[str, ShardRecord] = field(default_factory=dict)
+    records: dict[str, list[ShardRecord]] = field(default_factory=dict)
+    """Per writer, its shard records (a sharded replica's: one per worker)."""
     polls: dict[str, Any] = field(default_factory=dict)  # name -> outstanding ckpt_poll ref
     commit: Future[str] | None = None
 
@@ -620,6 +621,7 @@ class Checkpointer:
             data_plan=job.plan.describe(),
             deadline=job.deadline.state_dict(),
             world_size=width,
+            workers_per_replica=job.config.workers_per_replica,
             run_id=self.run_id,
             lineage=list(self.lineage),
         )
@@ -654,7 +656,8 @@ class Checkpointer:
                     self._abandon(save, f"writer {name} failed: {type(err).__name__}: {err}")
                     return
                 if out is not None:
-                    save.records[name] = ShardRecord.from_dict(out["record"])
+                    save.records[name] = [ShardRecord.from_dict(r)
+                                          for r in out.get("records") or [out["record"]]]
             if len(save.records) < len(save.writers):
                 return
             save.commit = self._committer.submit(self._commit, save)
@@ -679,13 +682,13 @@ class Checkpointer:
         self._retain()
 
     def _commit(self, save: _Save) -> str:
-        records = [save.records[n] for n in save.writers]
+        records = [r for n in save.writers for r in save.records[n]]
         # Fenced: LeaseHeld if another controller took the root. Renewed (a write) only
         # past a third of its time; otherwise checked (a read).
         stale = time.time() - self.lease.renewed_t > self.config.lease_ttl_s / 3
         self._storage_call(self.lease.renew if stale else self.lease.check, "checking the lease")
         return commit_checkpoint(
-            self.root, save.step, records, save.meta, world_size=len(save.writers),
+            self.root, save.step, records, save.meta, world_size=len(records),
             storage_options=self.options, run_id=self.run_id,
         )
 
@@ -848,8 +851,8 @@ class Checkpointer:
         system: one server) read one share each and broadcast; on object stores always a
         share each (every replica reading everything multiplies egress). A non-strict
         restore reads everything (each replica skips what does not fit)."""
-        if not self.config.strict:
-            return "read_all"
+        if not self.config.strict or self.job.config.workers_per_replica > 1:
+            return "read_all"  # a sharded replica's workers each read their own shards
         if self.config.restore_strategy != "auto":
             return self.config.restore_strategy
         if not self.local:

@@ -171,7 +171,8 @@ class RunConfig:
     """Workers per replica: with k > 1 a replica's k workers shard its parameters,
     gradients and optimizer state with FSDP2 (hybrid sharding: data parallel across
     replicas), and the replica is the unit of width, failure and replacement (see
-    :mod:`planaria.sharded`); a spare is a whole replica. Not yet with checkpoints,
+    :mod:`planaria.sharded`); a spare is a whole replica. Checkpoints store the shards as
+    rows of the whole tensors (a restore works at any k). Not yet with
     placement, the GPU, compile, fp16, overlap_reduction or models with persistent buffers."""
     spares: int = 0
     """Hot spares: standby workers started and warmed ahead of need (imports, model,

@@ -112,7 +112,7 @@ class Job:
                 f"replicas={config.replicas}"
             )
         micro_batches = spec.global_batch_size // spec.micro_batch_size
-        _check_sharded(spec, config, checkpoint, micro_batches)
+        _check_sharded(spec, config, micro_batches)
         if config.replicas > micro_batches:
             raise ConfigError(
                 f"replicas={config.replicas} is not valid: a rank runs whole micro-batches and "
@@ -964,13 +964,12 @@ def _describe(cfg: RunConfig, policy: RecoveryPolicy) -> dict[str, Any]:
     }
 
 
-def _check_sharded(spec: TrainSpec, config: RunConfig, checkpoint: Any, micro_batches: int) -> None:
+def _check_sharded(spec: TrainSpec, config: RunConfig, micro_batches: int) -> None:
     """What sharded replicas (``workers_per_replica`` > 1) need and do not support yet."""
     k = config.workers_per_replica
     if k == 1:
         return
     unsupported = [
-        ("checkpoints", checkpoint is not None),
         ("spec.compile", spec.compile),
         ("spec.precision='fp16'", spec.precision == "fp16"),
     ]
@@ -979,8 +978,6 @@ def _check_sharded(spec: TrainSpec, config: RunConfig, checkpoint: Any, micro_ba
             raise ConfigError(
                 f"workers_per_replica={k} is not valid with {what}: sharded replicas do not "
                 "support it yet; use workers_per_replica=1"
-                + (" (planaria run: --no-resume, and no --checkpoint-every)"
-                   if what == "checkpoints" else "")
             )
     if config.replicas * k > micro_batches:
         raise ConfigError(

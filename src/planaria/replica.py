@@ -219,3 +219,51 @@ def merge_setup(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str,
     return {**mine, "checksum": merge_checksums(mine["checksum"], [t["checksum"] for t in theirs]),
             "param_bytes": mine["param_bytes"] + sum(t["param_bytes"] for t in theirs),
             "follower_pids": [t["pid"] for t in theirs]}
+
+
+# ---- checkpoints: every worker of the replica saves and reads its own shard ----------------
+
+
+def merge_ckpt_start(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    parts = [mine, *theirs]
+    stalls = [p["stall_s"] for p in parts]
+    return {**mine, "busy": any(p.get("busy") for p in parts),
+            "stall_s": None if any(s is None for s in stalls) else max(stalls),
+            "bytes": sum(int(p["bytes"]) for p in parts)}
+
+
+def merge_ckpt_poll(
+    mine: dict[str, Any] | None, theirs: list[dict[str, Any] | None]
+) -> dict[str, Any] | None:
+    """Every worker's shard record once all are written (None while one still writes)."""
+    parts = [mine, *theirs]
+    if any(p is None for p in parts):
+        return None
+    return {"records": [p["record"] for p in parts if p is not None],
+            "write_s": max(p["write_s"] for p in parts if p is not None)}
+
+
+def _first_failure(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((p for p in parts if not p.get("ok", True)), None)
+
+
+def merge_probe(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    return _first_failure([mine, *theirs]) or mine
+
+
+def merge_ckpt_read(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    parts = [mine, *theirs]
+    failed = _first_failure(parts)
+    if failed is not None:
+        return failed
+    out = {**mine, "bytes": sum(p["bytes"] for p in parts),
+           "read_s": max(p["read_s"] for p in parts)}
+    mismatch = next((p["mismatch"] for p in parts if p.get("mismatch")), None)
+    if mismatch:
+        out["mismatch"] = mismatch
+    return out
+
+
+def merge_ckpt_apply(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**mine, "bcast_s": max(p["bcast_s"] for p in [mine, *theirs]),
+            "checksum": merge_checksums(mine["checksum"], [t["checksum"] for t in theirs])}

@@ -16,7 +16,7 @@ import torch
 
 from planaria.sharded import local as _local
 
-__all__ = ["TrainState", "flatten_state", "load_state", "tensor_layout"]
+__all__ = ["TrainState", "flatten_state", "load_state", "shard_origins", "tensor_layout"]
 
 TrainState = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
@@ -65,6 +65,37 @@ def flatten_state(
         else _jsonable(scheduler.state_dict(), "lr scheduler state"),
     }
     return tensors, meta
+
+
+def shard_origins(model: torch.nn.Module, optimizer: Any) -> dict[str, tuple[tuple[int, ...], int]]:
+    """For each tensor of :func:`flatten_state` that is this worker's shard of a sharded
+    replica's tensor: ``(whole shape, the shard's first row)`` (FSDP2 shards along dim 0)."""
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        origin = _shard_origin(tensor)
+        if origin is not None:
+            out[f"model/{name}"] = origin
+    for pid, pstate in optimizer.state_dict()["state"].items():
+        for key, value in pstate.items():
+            origin = _shard_origin(value) if isinstance(value, torch.Tensor) else None
+            if origin is not None:
+                out[f"optim/{pid}/{key}"] = origin
+    return out
+
+
+def _shard_origin(tensor: torch.Tensor) -> tuple[tuple[int, ...], int] | None:
+    mesh = getattr(tensor, "device_mesh", None)
+    if mesh is None:
+        return None
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tensor.placements  # type: ignore[attr-defined]
+    if any(not (isinstance(p, Shard) and p.dim == 0) for p in placements):
+        raise ValueError(f"a sharded tensor placed {placements}: planaria stores shards of "
+                         "dim 0 only (FSDP2's fully_shard without shard_placement_fn)")
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    return tuple(int(d) for d in tensor.shape), int(offset[0])
 
 
 def tensor_layout(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[list[int], str]]:

@@ -39,6 +39,7 @@ from planaria.checkpoint import (
     plan_shards,
     read_manifest,
 )
+from planaria.checkpoint.plan import ShardPlan, plan_row_shards
 from planaria.checkpoint.backoff import is_storage_error
 from planaria.checkpoint.checksum import byte_view, crc32c
 from planaria.checkpoint.compat import compare_layouts
@@ -46,7 +47,16 @@ from planaria.checkpoint.device_load import load_to_device
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
 from planaria.checkpoint.storage import Storage
 from planaria.errors import PlanariaError
-from planaria.state import _jsonable, flatten_state, load_state
+from planaria.replica import (
+    fans_out,
+    merge_ckpt_apply,
+    merge_ckpt_poll,
+    merge_ckpt_read,
+    merge_ckpt_start,
+    merge_probe,
+)
+from planaria.sharded import local
+from planaria.state import _jsonable, flatten_state, load_state, shard_origins
 
 if TYPE_CHECKING:
     from planaria.collective import Collective
@@ -101,6 +111,8 @@ class CheckpointWorkerMixin:
     if TYPE_CHECKING:  # provided by Worker
         spec: TrainSpec
         name: str
+        k: int
+        shard_index: int
         model: torch.nn.Module
         optimizer: Any
         scheduler: Any
@@ -155,6 +167,7 @@ class CheckpointWorkerMixin:
 
     # ---- saving ------------------------------------------------------------------------------
 
+    @fans_out(merge_ckpt_start)
     def ckpt_start(
         self,
         gen: int,
@@ -191,7 +204,7 @@ class CheckpointWorkerMixin:
             )
         self._set_phase("snapshot", step)
         tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
-        plan = plan_shards({k: (t.shape, t.dtype) for k, t in tensors.items()}, num_shards)[index]
+        plan = self._ckpt_plan(tensors, index, num_shards)
         writer = self._writer(root, storage_options, if_busy, fsync)
         writer.attempts = attempts
         writer.staging_budget_bytes = staging_budget_bytes
@@ -200,9 +213,27 @@ class CheckpointWorkerMixin:
         if stall is not None:
             self._ckpt_save_id = save_id
         self._set_phase("idle", step)
-        meta = self._extra_state_get(meta) if index == 0 else meta
-        return {"stall_s": stall, "bytes": plan.nbytes, "meta": meta if index == 0 else None}
+        first = index == 0 and self.shard_index == 0
+        meta = self._extra_state_get(meta) if first else meta
+        return {"stall_s": stall, "bytes": plan.nbytes, "meta": meta if first else None}
 
+    def _ckpt_plan(self, tensors: Mapping[str, torch.Tensor], index: int, num_shards: int
+                   ) -> ShardPlan:
+        """What this worker writes as writer ``index`` of ``num_shards`` replicas. A sharded
+        replica's worker i writes its share of shard i (file ``i * num_shards + index`` of
+        ``num_shards * k``), as rows of the whole tensors; the tensors every worker of a
+        replica holds whole (Adam's step) are written by shard 0's workers only."""
+        specs = {k: (t.shape, t.dtype) for k, t in tensors.items()}
+        if self.k == 1:
+            return plan_shards(specs, num_shards)[index]
+        origins = shard_origins(self.model, self.optimizer)
+        if self.shard_index:
+            specs = {n: v for n, v in specs.items() if n in origins}
+        return plan_row_shards(specs, origins, num_shards,
+                               first_index=self.shard_index * num_shards,
+                               num_files=num_shards * self.k)[index]
+
+    @fans_out(merge_ckpt_poll)
     def ckpt_poll(self, save_id: str) -> dict[str, Any] | None:
         """The shard record of save ``save_id`` once written (None while writing); raises
         the write's error if it failed. Not fenced by generation: it only reads what this
@@ -233,6 +264,7 @@ class CheckpointWorkerMixin:
         self._ckpt_writer.if_busy = if_busy
         return self._ckpt_writer
 
+    @fans_out(merge_probe)
     def ckpt_probe(
         self, root: str, name: str, storage_options: Mapping[str, Any] | None, size: int
     ) -> dict[str, Any]:
@@ -251,6 +283,7 @@ class CheckpointWorkerMixin:
 
     # ---- restoring ---------------------------------------------------------------------------
 
+    @fans_out(merge_ckpt_read)
     def ckpt_read(
         self,
         gen: int,
@@ -282,6 +315,11 @@ class CheckpointWorkerMixin:
                 return _read_failure(err)
             saved = {n: (tuple(t.shape), t.dtype) for n, t in manifest.tensors.items()}
             mine = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in live.items()}
+            # A sharded replica's worker holds rows of the whole tensors: it reads those.
+            origins = shard_origins(self.model, self.optimizer) if self.k > 1 else {}
+            rows = {n: (first, first + int(live[n].shape[0]))
+                    for n, (_, first) in origins.items()}
+            mine.update({n: (whole, mine[n][1]) for n, (whole, _) in origins.items()})
             diff = compare_layouts(saved, mine)
             if diff and strict:
                 return {"ok": False, "mismatch": "; ".join(diff), "error": "; ".join(diff)}
@@ -292,7 +330,7 @@ class CheckpointWorkerMixin:
             self.ckpt_dirty = True
             try:
                 tensors, meta = self._load_into_live(path, names, live, manifest,
-                                                     storage_options)
+                                                     storage_options, rows)
             except Exception as err:
                 return _read_failure(err)
         finally:
@@ -312,6 +350,7 @@ class CheckpointWorkerMixin:
         live: Mapping[str, torch.Tensor],
         manifest: Manifest,
         storage_options: Mapping[str, Any] | None,
+        rows: Mapping[str, tuple[int, int]] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Reads tensors ``names`` (None: all) into the live ones: host tensors in place, in
         one pass; tensors on a device (GPU) through a bounded host window, a batch at a time
@@ -321,7 +360,8 @@ class CheckpointWorkerMixin:
         on_device = [n for n in wanted if n in live and live[n].device.type != "cpu"]
         if not on_device:
             return load_checkpoint(path, names=names, storage_options=storage_options,
-                                   into=live, on_progress=self._bytes_moved, manifest=manifest)
+                                   into=live, on_progress=self._bytes_moved, manifest=manifest,
+                                   rows=rows)
         device_names = set(on_device)
         host = [n for n in wanted if n not in device_names]
         tensors: dict[str, torch.Tensor] = {}
@@ -338,6 +378,7 @@ class CheckpointWorkerMixin:
         """A chunk was read: the heartbeat's progress moves (see planaria.liveness)."""
         self.progress += 1
 
+    @fans_out(merge_ckpt_apply)
     def ckpt_apply(
         self, gen: int, path: str, owners: dict[str, int] | None = None
     ) -> dict[str, Any]:
@@ -379,7 +420,7 @@ class CheckpointWorkerMixin:
         replica after a restore, or the restore went wrong."""
         crc = 0
         for _, tensor in sorted(self.model.state_dict().items()):
-            crc = crc32c(byte_view(tensor.detach().cpu().contiguous()), crc)
+            crc = crc32c(byte_view(local(tensor.detach()).cpu().contiguous()), crc)
         return crc
 
     def _broadcast(

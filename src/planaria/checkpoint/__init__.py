@@ -27,7 +27,7 @@ from planaria.checkpoint.errors import (
 from planaria.checkpoint.interval import CheckpointInterval, young_daly_interval
 from planaria.checkpoint.layout import new_save_id
 from planaria.checkpoint.manifest import Manifest, parse_manifest
-from planaria.checkpoint.plan import ShardPlan, SliceSpec, plan_shards
+from planaria.checkpoint.plan import ShardPlan, SliceSpec, plan_row_shards, plan_shards
 from planaria.checkpoint.restore import (
     CheckpointInfo,
     Restored,
@@ -67,6 +67,7 @@ __all__ = [
     "load_latest",
     "new_save_id",
     "parse_manifest",
+    "plan_row_shards",
     "plan_shards",
     "read_manifest",
     "take_share",

@@ -4,6 +4,10 @@ Large tensors are cut into row slices along dim 0 so that N writers get near
 equal bytes. Each writer stores its slices under a safetensors key: the tensor's
 name for a whole tensor, ``name[begin:end]`` for a row slice (see
 :func:`slice_key`).
+
+A sharded replica's worker holds rows of each sharded tensor (FSDP2 shards
+along dim 0): :func:`plan_row_shards` plans those rows as slices of the whole
+tensor, so the checkpoint looks the same whatever the sharding that wrote it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ShardPlan", "SliceSpec", "parse_slice_key", "plan_shards", "slice_key"]
+__all__ = [
+    "ShardPlan",
+    "SliceSpec",
+    "parse_slice_key",
+    "plan_row_shards",
+    "plan_shards",
+    "slice_key",
+]
 
 _SLICE_KEY_RE = re.compile(r"^(.+)\[(\d+):(\d+)\]$")
 _MIN_SPLIT_BYTES = 1 << 20
@@ -28,6 +39,9 @@ class SliceSpec:
     name: str
     rows: tuple[int, int] | None
     nbytes: int
+    origin: int = 0
+    """The row of the whole tensor where the writer's own tensor starts (a shard of it);
+    ``rows`` are of the whole tensor."""
 
     @property
     def key(self) -> str:
@@ -117,3 +131,38 @@ def plan_shards(
         ShardPlan(i, num_writers, tuple(sorted(a, key=lambda s: (s.name, s.rows or (0, 0)))))
         for i, a in enumerate(assigned)
     ]
+
+
+def plan_row_shards(
+    specs: Mapping[str, tuple[Sequence[int], torch.dtype]],
+    origins: Mapping[str, tuple[Sequence[int], int]],
+    num_writers: int,
+    *,
+    first_index: int,
+    num_files: int,
+) -> list[ShardPlan]:
+    """:func:`plan_shards` for tensors some of which are row shards of whole tensors.
+
+    ``specs``: this worker's tensors (the shards' shapes); ``origins``: for a shard,
+    ``(whole shape, first row)``. The plan over ``num_writers`` writers is made on the
+    shards; its slices name rows of the whole tensors (a shard that is the whole tensor
+    is stored whole), and writer ``i`` writes file ``first_index + i`` of ``num_files``.
+    Empty shards are left out.
+    """
+    present = {n: v for n, v in specs.items() if n not in origins or math.prod(v[0]) > 0}
+    out = []
+    for plan in plan_shards(present, num_writers):
+        slices = []
+        for s in plan.slices:
+            if s.name not in origins:
+                slices.append(s)
+                continue
+            whole, first = origins[s.name]
+            local_rows = int(specs[s.name][0][0])
+            begin, end = s.rows if s.rows is not None else (0, local_rows)
+            rows: tuple[int, int] | None = (first + begin, first + end)
+            if rows == (0, int(whole[0])):
+                rows = None
+            slices.append(SliceSpec(s.name, rows, s.nbytes, origin=first))
+        out.append(ShardPlan(first_index + plan.index, num_files, tuple(slices)))
+    return out

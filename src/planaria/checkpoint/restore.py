@@ -215,32 +215,61 @@ def _read_file(
             for seg, got in bad]
 
 
+Fixup = tuple[torch.Tensor, torch.Tensor]
+"""(rows read into a scratch buffer, where they go): a slice only partly in a window."""
+
+
 def _destinations(
     chosen: Mapping[str, TensorEntry],
     into: Mapping[str, torch.Tensor] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, memoryview]]:
-    """Tensors for ``chosen`` and, by slice key, the bytes each slice is read into.
+    rows: Mapping[str, tuple[int, int]] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, memoryview], dict[str, list[SliceEntry]],
+           list[Fixup]]:
+    """Tensors for ``chosen``, by slice key the bytes each slice is read into, the slices to
+    read per tensor, and the copies to make after reading.
 
     A tensor of ``into`` with the same shape and dtype (contiguous, on the CPU) is
-    filled in place; the others are fresh.
+    filled in place; the others are fresh. With ``rows[name] = (begin, end)`` only those
+    rows of the tensor (dim 0) are wanted: the slices that hold none are not read, those
+    wholly inside go straight to their place, the others through a scratch buffer.
     """
     tensors: dict[str, torch.Tensor] = {}
     dest: dict[str, memoryview] = {}
+    slices: dict[str, list[SliceEntry]] = {}
+    fixups: list[Fixup] = []
     for name, t in chosen.items():
+        window = (rows or {}).get(name)
+        shape = t.shape if window is None else (window[1] - window[0], *t.shape[1:])
+        if window is not None and (not t.shape or not 0 <= window[0] <= window[1] <= t.shape[0]):
+            raise KeyError(f"rows {window} of tensor {name!r} {t.shape}: not in the tensor")
         full = into.get(name) if into is not None else None
         if (
             full is None
-            or tuple(full.shape) != tuple(t.shape)
+            or tuple(full.shape) != tuple(shape)
             or full.dtype != DTYPES[t.dtype]
             or not full.is_contiguous()
             or full.device.type != "cpu"
         ):
-            full = torch.empty(t.shape, dtype=DTYPES[t.dtype])
+            full = torch.empty(shape, dtype=DTYPES[t.dtype])
         tensors[name] = full
+        first = 0 if window is None else window[0]
+        slices[name] = []
         for s in t.slices:
-            part = full if s.rows is None else full[s.rows[0] : s.rows[1]]
-            dest[s.key] = byte_view(part)
-    return tensors, dest
+            begin, end = s.rows if s.rows is not None else (0, t.shape[0] if t.shape else 1)
+            lo, hi = (begin, end) if window is None else (max(begin, window[0]),
+                                                          min(end, window[1]))
+            if window is not None and lo >= hi:
+                continue  # none of its rows are wanted
+            slices[name].append(s)
+            if s.rows is None and window is None:
+                dest[s.key] = byte_view(full)
+            elif (lo, hi) == (begin, end):
+                dest[s.key] = byte_view(full[begin - first : end - first])
+            else:
+                scratch = torch.empty((end - begin, *t.shape[1:]), dtype=DTYPES[t.dtype])
+                dest[s.key] = byte_view(scratch)
+                fixups.append((scratch[lo - begin : hi - begin], full[lo - first : hi - first]))
+    return tensors, dest, slices, fixups
 
 
 def _read_all(
@@ -253,22 +282,29 @@ def _read_all(
     storage_options: Mapping[str, Any] | None,
     into: Mapping[str, torch.Tensor] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    rows: Mapping[str, tuple[int, int]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     st = Storage(path, storage_options)
+    if rows and names is None:
+        names = list(manifest.tensors)  # windows: only the slices that hold wanted rows
     if names is not None:
         unknown = sorted(set(names) - set(manifest.tensors))
         if unknown:
             raise KeyError(f"{path} holds no tensor named {unknown[:5]}")
     chosen = manifest.tensors if names is None else {n: manifest.tensors[n] for n in names}
+    fixups: list[Fixup] = []
+    if keep:
+        tensors, dest, read, fixups = _destinations(chosen, into, rows)
+    else:
+        tensors, dest, read = {}, None, {n: list(t.slices) for n, t in chosen.items()}
     wanted: dict[str, list[tuple[str, SliceEntry]]] = {fe.name: [] for fe in manifest.files}
-    for name, t in chosen.items():
-        for s in t.slices:
+    for name, slices in read.items():
+        for s in slices:
             wanted[s.file].append((name, s))
     jobs = [(fe, wanted[fe.name]) for fe in manifest.files if names is None or wanted[fe.name]]
     problems = _check_sizes(st, manifest, {fe.name for fe, _ in jobs})
     if problems:
         return {}, problems
-    tensors, dest = _destinations(chosen, into) if keep else ({}, None)
     with ThreadPoolExecutor(max_workers=max(1, min(_IO_THREADS, len(jobs)))) as pool:
         futures = [pool.submit(_read_file, st, _file_path(st, manifest, fe), fe, w, dest,
                                whole=names is None, verify=verify, algorithm=manifest.checksum,
@@ -278,6 +314,8 @@ def _read_all(
             problems += fut.result()
     if problems or not keep:
         return {}, problems
+    for scratch, target in fixups:
+        target.copy_(scratch)
     return tensors, problems
 
 
@@ -290,6 +328,7 @@ def load_checkpoint(
     into: Mapping[str, torch.Tensor] | None = None,
     on_progress: Callable[[int], None] | None = None,
     manifest: Manifest | None = None,
+    rows: Mapping[str, tuple[int, int]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Loads the committed checkpoint at ``path``: ``(tensors by name, meta)``.
 
@@ -301,6 +340,9 @@ def load_checkpoint(
     are read (only their byte ranges; e.g. a replica reading its share), else
     everything. With ``verify`` every byte read is checksummed (overlapped with
     reading); a whole-checkpoint load then covers every byte of every file.
+    ``rows[name] = (begin, end)``: only those rows (dim 0) of that tensor (a sharded
+    replica's worker reads its shard, whatever sharding wrote the checkpoint); a stored
+    slice that holds some of them is read, and verified, whole.
     ``manifest``: the one :func:`read_manifest` returned for ``path``, when the caller
     has it already (a load in several parts reads it once).
     Raises :class:`IncompleteCheckpoint`, :class:`ManifestError` or
@@ -312,7 +354,7 @@ def load_checkpoint(
         manifest = read_manifest(path, storage_options=storage_options)
     tensors, problems = _read_all(path, manifest, names, keep=True, verify=verify,
                                   storage_options=storage_options, into=into,
-                                  on_progress=on_progress)
+                                  on_progress=on_progress, rows=rows)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         missing = problems[0].endswith(_MISSING)

@@ -161,11 +161,11 @@ class ShardImage:
 
 def slice_of(tensors: Mapping[str, torch.Tensor], spec: SliceSpec) -> torch.Tensor:
     """The plan's slice ``spec`` of ``tensors`` as a view (``ValueError`` if its rows do not
-    fit the tensor)."""
+    fit the tensor, a shard starting at row ``spec.origin`` of the whole)."""
     src = tensors[spec.name].detach()
     if spec.rows is not None:
-        begin, end = spec.rows
-        if src.dim() == 0 or end > src.shape[0]:
+        begin, end = spec.rows[0] - spec.origin, spec.rows[1] - spec.origin
+        if src.dim() == 0 or begin < 0 or end > src.shape[0]:
             raise ValueError(f"rows {spec.rows} do not fit {spec.name!r} {tuple(src.shape)}")
         src = src[begin:end]
     return src
