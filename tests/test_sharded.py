@@ -185,8 +185,11 @@ def test_a_sharded_checkpoint_holds_the_whole_model(tmp_path, sharded_checkpoint
         assert weights[name].equal(tensor), name
 
 
-@pytest.mark.parametrize(("replicas", "k"), [(2, 1), (1, 2), (1, 4)],
-                         ids=["into-2x1", "into-1x2", "into-1x4"])
+@pytest.mark.parametrize(("replicas", "k"), [
+    pytest.param(2, 1, marks=pytest.mark.extended),
+    pytest.param(1, 2, marks=pytest.mark.extended),
+    (1, 4),
+], ids=["into-2x1", "into-1x2", "into-1x4"])
 def test_a_sharded_checkpoint_restores_at_another_k(tmp_path, reference, sharded_checkpoint,
                                                      replicas, k):
     """The 2 x 2 job's checkpoint at step 6, restored into 2 one-worker replicas, one replica
@@ -207,6 +210,7 @@ def test_a_sharded_checkpoint_restores_at_another_k(tmp_path, reference, sharded
     assert [e["step"] for e in of(evs, "step_committed")] == list(range(SAVED, STEPS))
 
 
+@pytest.mark.extended
 def test_a_lone_sharded_replica_lost_is_restored_from_its_checkpoint(tmp_path, reference):
     """One replica of two workers, checkpoints every 3 steps: a kill of its second worker
     at step 7 leaves no replica holding the state; a new replica of two workers restores

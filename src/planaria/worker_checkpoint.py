@@ -39,12 +39,12 @@ from planaria.checkpoint import (
     plan_shards,
     read_manifest,
 )
-from planaria.checkpoint.plan import ShardPlan, plan_row_shards
 from planaria.checkpoint.backoff import is_storage_error
 from planaria.checkpoint.checksum import byte_view, crc32c
 from planaria.checkpoint.compat import compare_layouts
 from planaria.checkpoint.device_load import load_to_device
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
+from planaria.checkpoint.plan import ShardPlan, plan_row_shards
 from planaria.checkpoint.storage import Storage
 from planaria.errors import PlanariaError
 from planaria.replica import (
