@@ -31,6 +31,7 @@ from planaria.errors import StepAborted, UserCodeError
 from planaria.examples import bn_mlp
 from planaria.fit import _finish as finish
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.loop_faults import SignalSelfAt
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -89,18 +90,6 @@ def _drive(job: Job, steps: int) -> dict:
     return finish(job)
 
 
-class _SignalSelfAt:
-    """At ``step``, in ``phase`` of this worker's loop: send this worker ``signum`` (once)."""
-
-    def __init__(self, step: int, phase: str, signum: int, marker: str) -> None:
-        self.step, self.phase, self.signum, self.marker = step, phase, signum, marker
-
-    def __call__(self, worker: Any, step: int, phase: str) -> None:
-        if phase == self.phase and step == self.step and not os.path.exists(self.marker):
-            Path(self.marker).write_text(worker.name)
-            os.kill(os.getpid(), self.signum)
-
-
 class _KillPeerAndFailHere:
     """At ``step``, once the reduction completed here: SIGKILL ``peer_pid`` and abandon the
     step here as if this rank's collective had failed (the case of a rank dying mid-ring,
@@ -126,7 +115,7 @@ def _signal_w1_at(tmp_path: Path, reference: dict, phase: str, signum: int) -> l
     config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
     with Job(spec(), config) as job:
         job.run_steps(1)  # the first step, alone: the metrics are named
-        _install(job, "w1", _SignalSelfAt(FAULT_STEP, phase, signum, marker))
+        _install(job, "w1", SignalSelfAt(FAULT_STEP, phase, signum, marker))
         state = _drive(job, STEPS)
     assert Path(marker).read_text() == "w1"
     assert_same_state(reference, state)

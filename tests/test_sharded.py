@@ -10,7 +10,6 @@ receives its shards, and the weights are still the fault-free ones.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from planaria.errors import ConfigError
 from planaria.examples import tiny_gpt
 from planaria.fit import _finish as finish
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.loop_faults import SignalSelfAt
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -65,18 +65,6 @@ def test_two_replicas_of_two_workers_equal_one_worker(tmp_path, reference):
     assert of(evs, "run_ahead"), "the autonomous loop ran"
 
 
-class _SignalSelfAt:
-    """At ``step``, in ``phase`` of this worker's loop: send this worker ``signum`` (once)."""
-
-    def __init__(self, step: int, phase: str, signum: int, marker: str) -> None:
-        self.step, self.phase, self.signum, self.marker = step, phase, signum, marker
-
-    def __call__(self, worker: Any, step: int, phase: str) -> None:
-        if phase == self.phase and step == self.step and not os.path.exists(self.marker):
-            Path(self.marker).write_text(worker.name)
-            os.kill(os.getpid(), self.signum)
-
-
 def _install(job: Job, worker: str, hook: Any) -> None:
     """``hook`` as the loop_fault of ``worker``: a replica's leader (``w1``) or another of its
     workers (``w1.1``, reached through its leader, which owns it)."""
@@ -107,7 +95,7 @@ def _run_with_fault(
             while not job.pool.standby:  # the spare replica stands by before the fault
                 job.pool.poll(timeout_s=1.0)
         job.run_steps(1)  # the first step, alone: the metrics are named
-        _install(job, worker, _SignalSelfAt(FAULT_STEP, phase, signum, marker))
+        _install(job, worker, SignalSelfAt(FAULT_STEP, phase, signum, marker))
         while job.steps_done < STEPS:
             try:
                 if job.steps_done == STEPS - 2:
@@ -224,7 +212,7 @@ def test_a_lone_sharded_replica_lost_is_restored_from_its_checkpoint(tmp_path, r
                        ledger=True)
     with Job(spec(), config, checkpoint=CheckpointConfig(every=3)) as job:
         job.run_steps(1)
-        _install(job, "w0.1", _SignalSelfAt(7, "computed", signal.SIGKILL, marker))
+        _install(job, "w0.1", SignalSelfAt(7, "computed", signal.SIGKILL, marker))
         while job.steps_done < STEPS:
             try:
                 job.run_steps(STEPS)

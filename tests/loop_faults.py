@@ -1,0 +1,26 @@
+"""Faults a test installs in a worker's loop (``worker.loop_fault``), sent to the workers by
+value (the workers cannot import the tests package)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import ray
+
+
+class SignalSelfAt:
+    """At ``step``, in ``phase`` of this worker's loop: send this worker ``signum`` (once)."""
+
+    def __init__(self, step: int, phase: str, signum: int, marker: str) -> None:
+        self.step, self.phase, self.signum, self.marker = step, phase, signum, marker
+
+    def __call__(self, worker: Any, step: int, phase: str) -> None:
+        if phase == self.phase and step == self.step and not os.path.exists(self.marker):
+            Path(self.marker).write_text(worker.name)
+            os.kill(os.getpid(), self.signum)
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
