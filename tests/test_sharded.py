@@ -10,6 +10,7 @@ receives its shards, and the weights are still the fault-free ones.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -230,6 +231,58 @@ def test_a_lone_sharded_replica_lost_is_restored_from_its_checkpoint(tmp_path, r
     restored = of(evs, "restore")
     assert [r["step"] for r in restored] == [committed[-1]]
     assert restored[0]["lost_steps"] > 0  # the steps since that checkpoint, run again
+
+
+class _KillFollowerDuringSave:
+    """At the save of step ``step``, once its writers started: SIGKILL replica ``w1``'s
+    second worker (its pid from the leader's setup answer)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.fired = step, False
+
+    def __call__(self, job: Job, phase: str, **info: Any) -> None:
+        if phase == "save" and job.steps_done == self.step and not self.fired:
+            self.fired = True
+            handle = next(h for h in job.members if h.name == "w1")
+            os.kill(handle.info["follower_pids"][0], signal.SIGKILL)
+
+
+@pytest.mark.extended
+def test_a_worker_killed_during_a_sharded_save(tmp_path, reference):
+    """A worker of a 2 x 2 job killed while the replicas write the step-6 checkpoint: that
+    save is not committed (a shard is missing); the other replica goes on and saves step 6
+    again alone, a replacement joins, the next saves commit (each verifies), and the
+    weights are the fault-free ones."""
+    from planaria.checkpoint import list_checkpoints, verify_checkpoint
+    from planaria.checkpointing import CheckpointConfig
+
+    run_dir = tmp_path / "run"
+    config = RunConfig(steps=STEPS, replicas=2, workers_per_replica=2, run_dir=run_dir,
+                       ledger=True)
+    hook = _KillFollowerDuringSave(6)
+    with Job(spec(), config, checkpoint=CheckpointConfig(every=3, keep_last=None)) as job:
+        job.hooks.append(hook)
+        while job.steps_done < STEPS:
+            try:
+                if job.steps_done == STEPS - 2:
+                    job.wait_for_width(2, timeout_s=180)
+                job.run_steps(STEPS - job.steps_done)
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+        state = finish(job)
+    assert hook.fired
+    assert_same_state(reference, state, atol=ATOL)
+    assert_exactly_once(run_dir, num_samples=_num_samples(), global_batch_size=G, steps=STEPS)
+    evs = events(run_dir)
+    assert [f["kind"] for f in of(evs, "fault")] == ["worker_lost"]
+    assert 6 in [e["step"] for e in of(evs, "checkpoint_failed")]
+    assert not of(evs, "restore"), "the surviving replica held the state"
+    saved = of(evs, "checkpoint_saved")
+    assert [e["step"] for e in saved] == [3, 6, 9, STEPS]
+    failed_t = next(e["t"] for e in of(evs, "checkpoint_failed") if e["step"] == 6)
+    assert saved[1]["t"] > failed_t and saved[1]["writers"] == 1  # saved again, by the survivor
+    for c in list_checkpoints(str(run_dir / "checkpoints")):
+        assert c.committed and verify_checkpoint(c.path).ok
 
 
 def test_sharded_replicas_refuse_what_they_do_not_support(tmp_path):
