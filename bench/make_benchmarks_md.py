@@ -34,7 +34,10 @@ from bench import common  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
 BENCHES = ("overhead", "recovery", "goodput", "checkpoint", "spares", "overlap", "warm_join",
-           "campaign", "dispatch", "gpu")
+           "sharded", "campaign", "dispatch", "gpu")
+MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "goodput": "goodput_vs_torchft"}
+"""``--ingest NAME=A,B,C``: the figure whose median run is NAME's result (the others are kept
+under ``repeats``)."""
 
 
 def machine() -> dict[str, Any]:
@@ -457,6 +460,41 @@ CAMPAIGN_ZERO = ("unrecovered", "diverged", "samples_duplicated", "samples_missi
                  "healthy_evicted")
 
 
+def render_sharded(rec: dict[str, Any]) -> list[str]:
+    """``bench/sharded.py``: per-worker state against k, the step time against torchrun's
+    HSDP on the same 2 x 2 mesh, and one worker's kill."""
+    r = rec["result"]
+    state = r.get("state_ratio") or {}
+    ratio = r.get("ratio")
+    lost = (r.get("recovery") or {}).get("lost_steps")
+    repeats = r.get("repeats")
+    runs = (f" The median of {len(repeats)} runs ({', '.join(_f(x, '.3f') for x in repeats)})."
+            if repeats else " One run.")
+    out = [
+        "## Sharded replicas", "", *_header(rec), "",
+        "2 replicas x 2 workers (FSDP2 inside a replica, planaria's elastic groups across) "
+        "against FSDP2 HSDP under torchrun on the same (2, 2) mesh, model, data and batches; "
+        "per-worker state (parameters, gradients and optimizer state) at 1 x k." + runs, "",
+        "| figure | value | target | met |", "|---|---:|---|:-:|",
+    ]
+    for k, v in (r.get("state_bytes_per_worker") or {}).items():
+        target = {"2": 0.55, "4": 0.3}.get(str(k))
+        got = state.get(str(k), state.get(k))
+        out.append(f"| state per worker at k = {k} (bytes; ÷ k = 1) | {v:,} "
+                   f"({_f(got, '.3f')}) | {'≤ ' + str(target) if target else ''} | "
+                   f"{_ok(None if target is None or got is None else got <= target)} |")
+    out += [
+        f"| planaria step (ms) | {_f(r.get('step_ms'))} | | |",
+        f"| torchrun HSDP step (ms) | {_f(r.get('torchrun_hsdp_step_ms'))} | | |",
+        f"| ratio | {_f(ratio, '.3f')} | ≤ 1.10 | "
+        f"{_ok(None if ratio is None else ratio <= 1.10)} |",
+        f"| a worker killed: recover (s) | {_f(r.get('recover_s'), '.2f')} | | |",
+        f"| back at full width (s) | {_f(r.get('back_at_full_width_s'), '.2f')} | | |",
+        f"| lost steps | {_f(lost)} | 0 | {_ok(None if lost is None else lost == 0)} |",
+    ]
+    return [*out, ""]
+
+
 def render_campaign(rec: dict[str, Any]) -> list[str]:
     """``planaria campaign``'s summary, saved with ``--ingest campaign=OUT --command CMD``."""
     r = rec["result"]
@@ -600,6 +638,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_goodput(rec)
         elif name == "campaign":
             out += render_campaign(rec)
+        elif name == "sharded":
+            out += render_sharded(rec)
         elif name == "checkpoint":
             out += render_checkpoint(rec)
         elif name == "spares":
@@ -651,13 +691,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(_REPO / "BENCHMARKS.md"))
     args = p.parse_args(argv)
     for item in args.ingest:
-        name, _, path = item.partition("=")
-        text = Path(path).read_text()
+        name, _, paths = item.partition("=")
+        texts = [Path(path).read_text() for path in paths.split(",")]
+        results = [last_json(text) for text in texts]
+        chosen = 0
+        if len(results) > 1:  # several runs: the one with the median figure, all kept
+            key = MEDIAN_OF.get(name)
+            if key is None:
+                raise SystemExit(f"--ingest {name}=A,B,...: no figure to take the median of; "
+                                 f"one of {', '.join(MEDIAN_OF)} or one output")
+            order = sorted(range(len(results)), key=lambda i: results[i][key])
+            chosen = order[len(order) // 2]
+            results[chosen] = {**results[chosen], "repeats": [r[key] for r in results],
+                               "repeats_of": key}
         save(
             name,
-            last_json(text),
+            results[chosen],
             args.command or f"python bench/{name}.py",
-            table=_table_lines(text),
+            table=_table_lines(texts[chosen]),
             machine_info=json.loads(args.machine) if args.machine else None,
         )
     if args.run:

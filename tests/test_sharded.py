@@ -1,11 +1,11 @@
 """Sharded replicas (planaria.sharded, planaria.replica): 2 replicas x 2 workers, FSDP2 inside a
 replica, planaria's elastic groups across replicas, the replica the unit of failure.
 
-A tiny transformer (LayerNorm, attention, AdamW, a warm-up schedule, clipping) trained 2 x 2
-must end with the weights one worker gets on the whole batch, every sample served once;
-a worker killed, stopped or preempted takes its whole replica out, the other goes on at
-half the width with the same global batch, a replacement replica of two workers joins and
-receives its shards, and the weights are still the fault-free ones.
+A tiny transformer (LayerNorm, attention, dropout, AdamW, a warm-up schedule, clipping)
+trained 2 x 2 must end with the weights one worker gets on the whole batch, every sample
+served once; a worker killed, stopped or preempted takes its whole replica out, the other
+goes on at half the width with the same global batch, a replacement replica of two workers
+joins and receives its shards, and the weights are still the fault-free ones.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ ATOL = 1e-4
 
 
 def spec() -> planaria.TrainSpec:
-    return tiny_gpt.make_spec(dim=32, layers=2, global_batch_size=G)
+    # Dropout: its masks are seeded per micro-batch (its index in the global batch), so a
+    # sharded replica's workers, a re-run after a fault and one worker draw the same ones.
+    return tiny_gpt.make_spec(dim=32, layers=2, global_batch_size=G, dropout=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -59,27 +59,31 @@ class CharWindows(Dataset[torch.Tensor]):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
+        x = x + self.drop(self.attn(h, h, h, attn_mask=mask, need_weights=False)[0])
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class TinyGPT(nn.Module):
-    """A small decoder-only transformer (no dropout, so every width computes the same)."""
+    """A small decoder-only transformer. Dropout (none by default) draws from torch's
+    generator, which planaria seeds per micro-batch from (seed, step, its index in the
+    global batch): every width and every sharding computes the same masks."""
 
-    def __init__(self, dim: int = 256, layers: int = 4, heads: int = 4) -> None:
+    def __init__(self, dim: int = 256, layers: int = 4, heads: int = 4,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         self.tok = nn.Embedding(VOCAB, dim)
         self.pos = nn.Parameter(torch.zeros(BLOCK, dim))
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
         nn.init.normal_(self.pos, std=0.02)
@@ -130,9 +134,10 @@ def make_spec(
     lr: float = 3e-3,
     dim: int = 256,
     layers: int = 4,
+    dropout: float = 0.0,
 ) -> TrainSpec:
     return TrainSpec(
-        model=lambda: TinyGPT(dim=dim, layers=layers),
+        model=lambda: TinyGPT(dim=dim, layers=layers, dropout=dropout),
         optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: min(1.0, (s + 1) / 20)
