@@ -122,7 +122,7 @@ def test_strategy_follows_the_replicas_topology(tmp_path: Path) -> None:
     from planaria.checkpointing import Checkpointer
 
     def strategy(nodes: list[str], **cfg: object) -> str:
-        job = SimpleNamespace(run_dir=str(tmp_path),
+        job = SimpleNamespace(run_dir=str(tmp_path), config=SimpleNamespace(workers_per_replica=1),
                               members=[SimpleNamespace(info={"node": n}) for n in nodes])
         ck = Checkpointer(job, CheckpointConfig(**cfg))  # type: ignore[arg-type]
         try:

@@ -219,29 +219,48 @@ Fixup = tuple[torch.Tensor, torch.Tensor]
 """(rows read into a scratch buffer, where they go): a slice only partly in a window."""
 
 
+def _extent(t: TensorEntry, s: SliceEntry) -> tuple[int, int]:
+    return s.rows if s.rows is not None else (0, t.shape[0] if t.shape else 1)
+
+
+def _selected(
+    chosen: Mapping[str, TensorEntry], rows: Mapping[str, tuple[int, int]] | None
+) -> dict[str, list[SliceEntry]]:
+    """The slices to read per tensor: all of them, or with ``rows[name] = (begin, end)``
+    those holding some of those rows (dim 0). Allocates nothing."""
+    out: dict[str, list[SliceEntry]] = {}
+    for name, t in chosen.items():
+        window = (rows or {}).get(name)
+        if window is None:
+            out[name] = list(t.slices)
+            continue
+        if not t.shape or not 0 <= window[0] <= window[1] <= t.shape[0]:
+            raise KeyError(f"rows {window} of tensor {name!r} {t.shape}: not in the tensor")
+        out[name] = [s for s in t.slices
+                     if max(_extent(t, s)[0], window[0]) < min(_extent(t, s)[1], window[1])]
+    return out
+
+
 def _destinations(
     chosen: Mapping[str, TensorEntry],
+    read: Mapping[str, list[SliceEntry]],
     into: Mapping[str, torch.Tensor] | None = None,
     rows: Mapping[str, tuple[int, int]] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, memoryview], dict[str, list[SliceEntry]],
-           list[Fixup]]:
-    """Tensors for ``chosen``, by slice key the bytes each slice is read into, the slices to
-    read per tensor, and the copies to make after reading.
+) -> tuple[dict[str, torch.Tensor], dict[str, memoryview], list[Fixup]]:
+    """Tensors for ``chosen``, by slice key the bytes each slice of ``read`` is read into,
+    and the copies to make after reading.
 
     A tensor of ``into`` with the same shape and dtype (contiguous, on the CPU) is
     filled in place; the others are fresh. With ``rows[name] = (begin, end)`` only those
-    rows of the tensor (dim 0) are wanted: the slices that hold none are not read, those
-    wholly inside go straight to their place, the others through a scratch buffer.
+    rows of the tensor are wanted: a slice wholly inside goes straight to its place, one
+    partly inside through a scratch buffer.
     """
     tensors: dict[str, torch.Tensor] = {}
     dest: dict[str, memoryview] = {}
-    slices: dict[str, list[SliceEntry]] = {}
     fixups: list[Fixup] = []
     for name, t in chosen.items():
         window = (rows or {}).get(name)
         shape = t.shape if window is None else (window[1] - window[0], *t.shape[1:])
-        if window is not None and (not t.shape or not 0 <= window[0] <= window[1] <= t.shape[0]):
-            raise KeyError(f"rows {window} of tensor {name!r} {t.shape}: not in the tensor")
         full = into.get(name) if into is not None else None
         if (
             full is None
@@ -253,14 +272,10 @@ def _destinations(
             full = torch.empty(shape, dtype=DTYPES[t.dtype])
         tensors[name] = full
         first = 0 if window is None else window[0]
-        slices[name] = []
-        for s in t.slices:
-            begin, end = s.rows if s.rows is not None else (0, t.shape[0] if t.shape else 1)
+        for s in read[name]:
+            begin, end = _extent(t, s)
             lo, hi = (begin, end) if window is None else (max(begin, window[0]),
                                                           min(end, window[1]))
-            if window is not None and lo >= hi:
-                continue  # none of its rows are wanted
-            slices[name].append(s)
             if s.rows is None and window is None:
                 dest[s.key] = byte_view(full)
             elif (lo, hi) == (begin, end):
@@ -269,7 +284,7 @@ def _destinations(
                 scratch = torch.empty((end - begin, *t.shape[1:]), dtype=DTYPES[t.dtype])
                 dest[s.key] = byte_view(scratch)
                 fixups.append((scratch[lo - begin : hi - begin], full[lo - first : hi - first]))
-    return tensors, dest, slices, fixups
+    return tensors, dest, fixups
 
 
 def _read_all(
@@ -292,19 +307,16 @@ def _read_all(
         if unknown:
             raise KeyError(f"{path} holds no tensor named {unknown[:5]}")
     chosen = manifest.tensors if names is None else {n: manifest.tensors[n] for n in names}
-    fixups: list[Fixup] = []
-    if keep:
-        tensors, dest, read, fixups = _destinations(chosen, into, rows)
-    else:
-        tensors, dest, read = {}, None, {n: list(t.slices) for n, t in chosen.items()}
+    read = _selected(chosen, rows)
     wanted: dict[str, list[tuple[str, SliceEntry]]] = {fe.name: [] for fe in manifest.files}
     for name, slices in read.items():
         for s in slices:
             wanted[s.file].append((name, s))
     jobs = [(fe, wanted[fe.name]) for fe in manifest.files if names is None or wanted[fe.name]]
     problems = _check_sizes(st, manifest, {fe.name for fe, _ in jobs})
-    if problems:
+    if problems:  # checked before any memory is allocated (a forged shape may be any size)
         return {}, problems
+    tensors, dest, fixups = _destinations(chosen, read, into, rows) if keep else ({}, None, [])
     with ThreadPoolExecutor(max_workers=max(1, min(_IO_THREADS, len(jobs)))) as pool:
         futures = [pool.submit(_read_file, st, _file_path(st, manifest, fe), fe, w, dest,
                                whole=names is None, verify=verify, algorithm=manifest.checksum,
