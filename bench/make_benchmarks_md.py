@@ -10,7 +10,9 @@ and, when it exists, ``bench/checkpoint.py``) prints one JSON object as its last
 ``--run`` runs a script and saves that object to ``bench/results/NAME.json``
 with the command, the date, the machine and the load average around the run;
 ``--ingest NAME=PATH`` saves the last line of an output captured earlier (the
-command recorded is ``python bench/NAME.py``, or ``--command``). BENCHMARKS.md
+command recorded is ``python bench/NAME.py``, or ``--command``);
+``--ingest NAME=A,B,C`` takes several runs' outputs and saves the run with the
+median figure (``MEDIAN_OF``), the others' figures beside it. BENCHMARKS.md
 is then written from every saved result.
 """
 
