@@ -492,7 +492,8 @@ def render_sharded(rec: dict[str, Any]) -> list[str]:
         f"{_ok(None if ratio is None else ratio <= 1.10)} |",
         f"| a worker killed: recover (s) | {_f(r.get('recover_s'), '.2f')} | | |",
         f"| back at full width (s) | {_f(r.get('back_at_full_width_s'), '.2f')} | | |",
-        f"| lost steps | {_f(lost)} | 0 | {_ok(None if lost is None else lost == 0)} |",
+        f"| lost steps | {'—' if lost is None else lost} | 0 "
+        f"| {_ok(None if lost is None else lost == 0)} |",
     ]
     return [*out, ""]
 
