@@ -10,6 +10,7 @@ scheduler's state, the step), all JSON-serialisable. No pickle.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,17 +44,13 @@ def flatten_state(
     from every worker of the replica (each must call it: it is a collective).
     """
     local = _whole if whole else _local
-    tensors: dict[str, torch.Tensor] = {}
-    # A sharded replica's tensors are DTensors: each worker names and moves its own shards.
-    for name, tensor in model.state_dict(keep_vars=False).items():
-        tensors[f"model/{name}"] = local(tensor.detach())
     opt_state = optimizer.state_dict()
+    # A sharded replica's tensors are DTensors: each worker names and moves its own shards.
+    tensors = {name: local(t.detach()) for name, t in _state_tensors(model, opt_state)}
     opt_scalars: dict[str, dict[str, Any]] = {}
     for pid, pstate in opt_state["state"].items():
         for key, value in pstate.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optim/{pid}/{key}"] = local(value.detach())
-            else:
+            if not isinstance(value, torch.Tensor):
                 opt_scalars.setdefault(str(pid), {})[key] = _jsonable(
                     value, f"optimizer state {key}"
                 )
@@ -70,17 +67,21 @@ def flatten_state(
 def shard_origins(model: torch.nn.Module, optimizer: Any) -> dict[str, tuple[tuple[int, ...], int]]:
     """For each tensor of :func:`flatten_state` that is this worker's shard of a sharded
     replica's tensor: ``(whole shape, the shard's first row)`` (FSDP2 shards along dim 0)."""
-    out = {}
+    return {name: origin for name, t in _state_tensors(model, optimizer.state_dict())
+            if (origin := _shard_origin(t)) is not None}
+
+
+def _state_tensors(
+    model: torch.nn.Module, opt_state: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model's and the optimizer's state, under its name in a
+    checkpoint or a state transfer (``model/<name>``, ``optim/<param index>/<key>``)."""
     for name, tensor in model.state_dict(keep_vars=False).items():
-        origin = _shard_origin(tensor)
-        if origin is not None:
-            out[f"model/{name}"] = origin
-    for pid, pstate in optimizer.state_dict()["state"].items():
+        yield f"model/{name}", tensor
+    for pid, pstate in opt_state["state"].items():
         for key, value in pstate.items():
-            origin = _shard_origin(value) if isinstance(value, torch.Tensor) else None
-            if origin is not None:
-                out[f"optim/{pid}/{key}"] = origin
-    return out
+            if isinstance(value, torch.Tensor):
+                yield f"optim/{pid}/{key}", value
 
 
 def _shard_origin(tensor: torch.Tensor) -> tuple[tuple[int, ...], int] | None:

@@ -139,7 +139,7 @@ def _recorded(record: Path | None, runs: list[PlannedRun]) -> dict[int, RunVerdi
     torn by a kill, is ignored)."""
     if record is None or not record.exists():
         return {}
-    planned = {r.index: json.loads(json.dumps(r.to_json())) for r in runs}
+    planned = {r.index: _plan_json(r) for r in runs}
     out: dict[int, RunVerdict] = {}
     for line in record.read_text().splitlines():
         with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -150,9 +150,19 @@ def _recorded(record: Path | None, runs: list[PlannedRun]) -> dict[int, RunVerdi
     return out
 
 
+def _plan_json(run: PlannedRun) -> Any:
+    """The planned run as it reads back from JSON (tuples become lists)."""
+    return json.loads(json.dumps(run.to_json()))
+
+
+def _run_record(run: PlannedRun, error: str | None, verdict: RunVerdict) -> str:
+    """A finished run as ``verdict.json`` and a line of the record hold it."""
+    return json.dumps({"run": run.to_json(), "error": error, "verdict": verdict.to_json()})
+
+
 def _append_record(record: Path, run: PlannedRun, error: str | None, verdict: RunVerdict) -> None:
     record.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"run": run.to_json(), "error": error, "verdict": verdict.to_json()})
+    line = _run_record(run, error, verdict)
     with record.open("a", encoding="utf-8") as f:
         f.write(line + "\n")
         f.flush()
@@ -166,7 +176,7 @@ def _kept_run(run_dir: Path, run: PlannedRun) -> tuple[str | None] | None:
         return None
     with contextlib.suppress(ValueError, KeyError, TypeError):
         data = json.loads(path.read_text())  # torn, or without its error: run it again
-        if data["run"] == json.loads(json.dumps(run.to_json())):
+        if data["run"] == _plan_json(run):
             return (data["error"],)
     return None
 
@@ -174,8 +184,7 @@ def _kept_run(run_dir: Path, run: PlannedRun) -> tuple[str | None] | None:
 def _keep_run(run_dir: Path, run: PlannedRun, error: str | None, verdict: RunVerdict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f"{VERDICT_FILE}.tmp"
-    tmp.write_text(json.dumps({"run": run.to_json(), "error": error,
-                               "verdict": verdict.to_json()}))
+    tmp.write_text(_run_record(run, error, verdict))
     os.replace(tmp, run_dir / VERDICT_FILE)
 
 
