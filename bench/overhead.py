@@ -11,8 +11,10 @@ interleaved (planaria, DDP, planaria, ...; the per-step protocol too in the firs
 ``--per-step-rounds``) so that all see the same load, and the figures are
 medians over the steady steps of every round pooled (``--warmup`` steps of each
 run left out), with 95% intervals bootstrapped over the rounds. Neither side
-prefetches on this machine (planaria's ``prefetch`` is off where no core is
-spare; DDP's loop loads in line).
+prefetches in a background thread on this machine (planaria's ``prefetch`` is off
+where no core is spare; DDP's loop loads in line); a planaria worker loads the next
+step's share on its own thread while the all-reduce is in flight (see
+bench/README.md).
 
 Figures:
 

@@ -27,6 +27,7 @@ import ray
 import planaria
 from planaria import Job, RunConfig, fit
 from planaria.checkpointing import CheckpointConfig
+from planaria.data_plan import DataPlan
 from planaria.errors import StepAborted, UserCodeError
 from planaria.examples import bn_mlp
 from planaria.fit import _finish as finish
@@ -239,6 +240,38 @@ def test_a_user_error_on_one_rank_stops_the_job_without_a_hang(tmp_path):
     assert [f["kind"] for f in of(evs, "fault")] == ["user_code_error"]
     failed = [r for r in of(evs, "run_ahead") if r["ended"] == "failed"]
     assert [(r["committed"], r["behind"]) for r in failed] == [(FAULT_STEP, [])]
+
+
+class _FailsAtStep:
+    """The spec's dataset, raising for the samples of step ``step`` (the data plan's): a
+    worker loads a step's samples while the previous step's all-reduce is in flight, and
+    the error must still be that step's, after the one before it commits."""
+
+    def __init__(self, s: planaria.TrainSpec, step: int) -> None:
+        self.make, self.step = s.dataset, step
+        self.ids = {int(i) for i in DataPlan(N, s.global_batch_size, s.seed).batch(step)}
+
+    def __call__(self) -> Any:
+        inner, step, ids = self.make(), self.step, self.ids
+
+        class Failing(type(inner)):  # type: ignore[misc]
+            def __getitem__(self, i: int) -> Any:
+                if i in ids:
+                    raise ValueError(f"sample {i} of step {step} cannot be read")
+                return super().__getitem__(i)
+
+        inner.__class__ = Failing
+        return inner
+
+
+def test_a_dataset_error_loaded_during_the_reduction_is_the_next_steps(tmp_path):
+    s = spec()
+    failing = dataclasses.replace(s, dataset=_FailsAtStep(s, FAULT_STEP))
+    with pytest.raises(UserCodeError, match=f"of step {FAULT_STEP} cannot be read"):
+        fit(failing, steps=STEPS, replicas=2, run_dir=tmp_path)
+    evs = events(tmp_path)
+    assert [e["step"] for e in of(evs, "step_committed")] == list(range(FAULT_STEP))
+    assert [f["kind"] for f in of(evs, "fault")] == ["user_code_error"]
 
 
 class _SlowLoss:

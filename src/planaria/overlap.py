@@ -98,9 +98,19 @@ class OverlappedReduce:
             self._works += self._comm.allreduce_start([self.buckets[self._next]])
             self._next += 1
 
+    def launch_rest(self) -> None:
+        """Starts the buckets still waiting (parameters without a gradient), in order."""
+        assert self._comm is not None, "launch_rest without arm"
+        self._ready = [True] * len(self.buckets)
+        try:
+            self._launch_ready()
+        except BaseException:
+            self._comm, self._works = None, []
+            raise
+
     def finish(self) -> None:
-        """Starts the buckets still waiting (parameters without a gradient), in order, and
-        waits for every bucket's reduction; raises as the collective does."""
+        """Starts the buckets still waiting (:meth:`launch_rest`) and waits for every
+        bucket's reduction; raises as the collective does."""
         comm = self._comm
         assert comm is not None, "finish without arm"
         try:

@@ -511,8 +511,12 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             self._attempt = {"gen": gen, "step": step, "ids": served.ids, "digests": served.digests}
             self._record_served(step)  # the autonomous loop's ledger, before the collective
             data_wait_s = time.perf_counter() - t0
+            ahead: np.ndarray | None = None  # the next step's share, loaded during the reduce
             if next_ids is not None and len(next_ids):
-                self._prefetch(self._own_share(next_ids)[2], step + 1)
+                ahead = self._own_share(next_ids)[2]
+                if self._prefetch_on:
+                    self._prefetch(ahead, step + 1)
+                    ahead = None
             self._set_phase("compute", step)
             self.buffer_sync.begin()  # buffers are pending too: put back unless the step commits
             self.model.train()
@@ -587,10 +591,14 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             if overlap is not None:
                 if not overlap.armed:  # no micro-batch here: the same buckets, the same order
                     overlap.arm(comm)
-                overlap.finish()  # the buckets still in flight, and any not started yet
+                overlap.launch_rest()
+                self._load_ahead(ahead, step + 1)
+                overlap.finish()  # the buckets still in flight
                 comm.allreduce_sum(extra)
             else:
-                comm.allreduce_sum(self._reduced + extra)
+                works = comm.allreduce_start(self._reduced + extra)
+                self._load_ahead(ahead, step + 1)
+                comm.wait_all(works)
         except BaseException:
             self._abort_generation(step)  # no peer waits on this rank in the next collective
             raise
@@ -745,6 +753,20 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             return
         key = ids.tobytes() + step.to_bytes(8, "little")
         self._prefetched = (key, self._loader.submit(self._load, ids, step))
+
+    def _load_ahead(self, ids: np.ndarray | None, step: int) -> None:
+        """Loads step ``step``'s share now, on this thread, while the gradient's all-reduce
+        is in flight: the thread would only wait for it (without a spare core there is no
+        loader thread, see :meth:`_want_prefetch`); the next :meth:`_take` finds it. A
+        dataset error is kept for that step, which raises it as its own."""
+        if ids is None:
+            return
+        future: Future[_Loaded] = Future()
+        try:
+            future.set_result(self._load(ids, step))
+        except Exception as err:  # the next step's error, not this one's
+            future.set_exception(err)
+        self._prefetched = (ids.tobytes() + step.to_bytes(8, "little"), future)
 
     def _take(self, ids: np.ndarray, step: int) -> _Loaded:
         key = ids.tobytes() + step.to_bytes(8, "little")
