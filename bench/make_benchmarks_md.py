@@ -37,7 +37,8 @@ from bench import common  # noqa: E402
 RESULTS = _REPO / "bench" / "results"
 BENCHES = ("overhead", "recovery", "goodput", "checkpoint", "spares", "overlap", "warm_join",
            "sharded", "campaign", "dispatch", "gpu")
-MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "goodput": "goodput_vs_torchft"}
+MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "goodput": "goodput_vs_torchft",
+             "dispatch": "growth_last_over_first"}
 """``--ingest NAME=A,B,C``: the figure whose median run is NAME's result (the others are kept
 under ``repeats``)."""
 
@@ -158,11 +159,21 @@ def _ci(pair: list[float] | None, fmt: str) -> str:
     return "" if not pair else f" ({_f(pair[0], fmt)} to {_f(pair[1], fmt)})"
 
 
+def _runs(r: dict[str, Any], what: str = "") -> str:
+    """The sentence naming the runs a result was taken from (ingested from several)."""
+    repeats = r.get("repeats")
+    if not repeats:
+        return " One run."
+    return (f" The median run of {len(repeats)}{what} "
+            f"({', '.join(_f(x, '.3f') for x in repeats)}).")
+
+
 def render_overhead(rec: dict[str, Any]) -> list[str]:
     r = rec["result"]
     b = r.get("breakdown_ms") or {}
     ratio = r.get("ratio")
     out = ["## Steady-state overhead: planaria vs DDP", "", *_header(rec), ""]
+    paragraph = len(out)
     out += [
         f"Model `{r.get('size')}`, {r.get('replicas')} replicas x {r.get('threads')} torch "
         f"thread, global batch 64 (micro-batch 16), {r.get('steps')} steps per run with "
@@ -181,6 +192,8 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
         f"| {_f(r.get('fixed_ms'), '+.2f')}{_ci(r.get('fixed_ms_ci95'), '+.2f')} | ≤ 1.03: "
         f"{_ok(None if ratio is None else ratio <= 1.03)} |",
     ]
+    if r.get("repeats"):
+        out[paragraph] += _runs(r, ", by the small model's ratio")
     if r.get("per_step_protocol_step_ms") is not None:
         out.append(
             f"| the same, per-step protocol | {_f(r['per_step_protocol_step_ms'], '.2f')} | "
@@ -469,9 +482,7 @@ def render_sharded(rec: dict[str, Any]) -> list[str]:
     state = r.get("state_ratio") or {}
     ratio = r.get("ratio")
     lost = (r.get("recovery") or {}).get("lost_steps")
-    repeats = r.get("repeats")
-    runs = (f" The median of {len(repeats)} runs ({', '.join(_f(x, '.3f') for x in repeats)})."
-            if repeats else " One run.")
+    runs = _runs(r)
     out = [
         "## Sharded replicas", "", *_header(rec), "",
         "2 replicas x 2 workers (FSDP2 inside a replica, planaria's elastic groups across) "
@@ -559,7 +570,8 @@ def render_dispatch(rec: dict[str, Any]) -> list[str]:
         out += ["", f"Targets (autonomous loop): ≤ 0.5 ms a step at 3 workers: "
                 f"{_f(first, '.3f')} ms {_ok(first is not None and first <= 0.5)}; at "
                 f"{list(new)[-1]} within 1.5x of at {next(iter(new))}: {_f(growth, '.2f')}x "
-                f"{_ok(growth <= 1.5)}."]
+                f"{_ok(growth <= 1.5)}." + (_runs(r, ", by that growth") if r.get("repeats")
+                                             else "")]
     auto, per = r.get("real_autonomous") or {}, r.get("real_per_step") or {}
     if auto:
         out += ["", "With 3 real workers on the tiny model: step "
