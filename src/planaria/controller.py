@@ -846,9 +846,9 @@ class Job:
     def _chaos_by_time(self) -> None:
         if self.chaos is None:
             return
-        for ev in self.chaos.due(step=None, elapsed_s=self.elapsed_s):
-            if ev.step is None:
-                self._inject(ev.action, ev.target, self.steps_done)
+        self._inject([(ev.action, ev.target) for ev in
+                      self.chaos.due(step=None, elapsed_s=self.elapsed_s) if ev.step is None],
+                     self.steps_done)
 
     def _chaos_during_step(self, step: int) -> None:
         if self.chaos is None:
@@ -859,19 +859,25 @@ class Job:
             # faults planned for one step land together.
             typical = self.deadline.typical_step_s or 0.05
             time.sleep(min(0.5, typical / 3))
-        for ev in due:
-            self._inject(ev.action, ev.target, step)
+        self._inject([(ev.action, ev.target) for ev in due], step)
 
-    def _inject(self, action: str, target: str, step: int) -> None:
+    def _inject(self, faults: list[tuple[str, str]], step: int) -> None:
+        """Sends the (action, target) faults' signals back to back, then logs them: faults
+        planned together land together (a survivor of the first must not have answered
+        before the next lands, or a whole-job loss would read as one worker's)."""
         assert self.chaos is not None
-        name = self.chaos.pick(target, self.names)
-        handle = next((h for h in self.members if h.name == name), None)
-        if handle is None or handle.pid is None:
-            _log.warning("chaos %s:%s skipped: no such live worker", action, target)
-            return
-        self._chaos_at[handle.name] = time.time()
-        send_signal(action, handle.pid, slow_s=self.chaos.slow_s)
-        self.log.emit("chaos", action=action, worker=handle.name, pid=handle.pid, step=step)
+        sent = []
+        for action, target in faults:
+            name = self.chaos.pick(target, self.names)
+            handle = next((h for h in self.members if h.name == name), None)
+            if handle is None or handle.pid is None:
+                _log.warning("chaos %s:%s skipped: no such live worker", action, target)
+                continue
+            self._chaos_at[handle.name] = time.time()
+            send_signal(action, handle.pid, slow_s=self.chaos.slow_s)
+            sent.append((action, handle))
+        for action, handle in sent:
+            self.log.emit("chaos", action=action, worker=handle.name, pid=handle.pid, step=step)
 
     def fault_time(self, names: tuple[str, ...]) -> float:
         """Best estimate of when a fault happened: the chaos signal, else the last heartbeat
