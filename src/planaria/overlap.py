@@ -114,8 +114,7 @@ class OverlappedReduce:
         comm = self._comm
         assert comm is not None, "finish without arm"
         try:
-            self._ready = [True] * len(self.buckets)
-            self._launch_ready()
+            self.launch_rest()
             comm.wait_all(self._works)
         finally:
             self._comm, self._works = None, []

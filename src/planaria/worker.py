@@ -751,8 +751,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     def _prefetch(self, ids: np.ndarray, step: int) -> None:
         if not self._prefetch_on:
             return
-        key = ids.tobytes() + step.to_bytes(8, "little")
-        self._prefetched = (key, self._loader.submit(self._load, ids, step))
+        self._prefetched = (_share_key(ids, step), self._loader.submit(self._load, ids, step))
 
     def _load_ahead(self, ids: np.ndarray | None, step: int) -> None:
         """Loads step ``step``'s share now, on this thread, while the gradient's all-reduce
@@ -766,11 +765,10 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             future.set_result(self._load(ids, step))
         except Exception as err:  # the next step's error, not this one's
             future.set_exception(err)
-        self._prefetched = (ids.tobytes() + step.to_bytes(8, "little"), future)
+        self._prefetched = (_share_key(ids, step), future)
 
     def _take(self, ids: np.ndarray, step: int) -> _Loaded:
-        key = ids.tobytes() + step.to_bytes(8, "little")
-        if self._prefetched is not None and self._prefetched[0] == key:
+        if self._prefetched is not None and self._prefetched[0] == _share_key(ids, step):
             future = self._prefetched[1]
             self._prefetched = None
             return future.result()
@@ -1023,6 +1021,11 @@ def _global_norm(buffers: list[torch.Tensor]) -> float:
         for b in buffers
     ]
     return float(torch.stack(squares).sum().sqrt())
+
+
+def _share_key(ids: np.ndarray, step: int) -> bytes:
+    """What a share loaded ahead is found by: its ids and its step."""
+    return ids.tobytes() + step.to_bytes(8, "little")
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
