@@ -35,3 +35,29 @@ def test_batch_ids_is_a_permutation_per_epoch():
     assert sorted(ids.tolist()) == list(range(n))
     parts = [common.split_ids(common.batch_ids(5, g, n, 3), r, 3) for r in range(3)]
     assert np.concatenate(parts).tolist() == common.batch_ids(5, g, n, 3).tolist()
+
+
+def test_a_launch_that_lost_its_port_is_retried_and_other_failures_are_not(tmp_path):
+    from bench.baselines import runners
+
+    def launcher(first_words: str):
+        launches = []
+
+        def cmd():
+            launches.append(1)
+            # The first launch prints ``first_words`` and fails; the next ones succeed.
+            code = f"import sys; print({first_words!r}); sys.exit(1)" if len(launches) == 1 else ""
+            return [sys.executable, "-c", code]
+
+        return cmd, launches
+
+    cmd, launches = launcher("DistNetworkError: ... code: -98, name: EADDRINUSE")
+    log = tmp_path / "a.log"
+    runners._run_torchrun_to_end(cmd, {}, log, 60, "job", "x.py", tmp_path / "none.jsonl")
+    assert len(launches) == 2
+
+    cmd, launches = launcher("ValueError: the model is wrong")
+    log = tmp_path / "b.log"
+    with pytest.raises(RuntimeError, match="the model is wrong"):  # the log's tail is in it
+        runners._run_torchrun_to_end(cmd, {}, log, 60, "job", "x.py", tmp_path / "none.jsonl")
+    assert len(launches) == 1

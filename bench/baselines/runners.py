@@ -173,14 +173,55 @@ def _wait_for(
         time.sleep(_POLL_S)
 
 
-def _wait_exit(procs: list[subprocess.Popen], deadline: float, what: str) -> None:
+def _wait_exit(
+    procs: list[subprocess.Popen], deadline: float, what: str, log: Path | None = None
+) -> None:
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.time()))
         except subprocess.TimeoutExpired as err:
             raise TimeoutError(f"{what}: {p.args!r} still running at the deadline") from err
         if p.returncode != 0:
-            raise RuntimeError(f"{what}: {p.args!r} exited with {p.returncode}")
+            raise RuntimeError(
+                f"{what}: {p.args!r} exited with {p.returncode}{_log_tail(log)}"
+            )
+
+
+def _log_tail(log: Path | None, lines: int = 25) -> str:
+    """The last ``lines`` of a process's log, for an error message ('' if there is none)."""
+    if log is None or not log.exists():
+        return ""
+    tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
+    return f"; the last lines of {log}:\n" + "\n".join(tail)
+
+
+# A port picked free can be taken before torchrun binds it (Ray's workers bind ports
+# of their own at any time); such a launch is retried on other ports.
+_PORT_TAKEN = ("address already in use", "eaddrinuse")
+_LAUNCHES = 3
+
+
+def _run_torchrun_to_end(
+    cmd: Callable[[], list[str]], env: dict[str, str], log: Path, timeout_s: float, what: str,
+    script: str, records: Path,
+) -> None:
+    """Runs a fault-free torchrun job to its end; a launch that lost its port to another
+    process is retried (up to ``_LAUNCHES`` launches), anything else raises at once."""
+    for launch in range(1, _LAUNCHES + 1):
+        start = log.stat().st_size if log.exists() else 0
+        proc = _spawn(cmd(), env, log)
+        try:
+            _wait_exit([proc], time.time() + timeout_s, what, log)
+            return
+        except RuntimeError:
+            with open(log, "rb") as f:
+                f.seek(start)
+                printed = f.read().decode("utf-8", errors="replace").lower()
+            if launch == _LAUNCHES or not any(m in printed for m in _PORT_TAKEN):
+                raise
+        finally:
+            _kill_tree(proc, grace_s=2.0)
+            _kill_logged(records, script)
 
 
 def _workdir(workdir: str | os.PathLike | None, prefix: str) -> Path:
@@ -282,8 +323,7 @@ def run_ddp_steady(
         raise ValueError(f"steps={steps} must exceed warmup={warmup}")
     wd = _workdir(workdir, "ddp_steady_")
     log = wd / "ddp.jsonl"
-    cmd = [
-        *_torchrun(nproc),
+    args = [
         str(_HERE / "ddp_train.py"),
         f"--steps={steps}",
         f"--size={size}",
@@ -293,12 +333,11 @@ def run_ddp_steady(
         f"--device={device}",
         f"--backend={backend}",
     ]
-    proc = _spawn(cmd, _env(threads, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), wd / "torchrun.log")
-    try:
-        _wait_exit([proc], time.time() + timeout_s, "ddp_train")
-    finally:
-        _kill_tree(proc, grace_s=2.0)
-        _kill_logged(log, "ddp_train.py")
+    _run_torchrun_to_end(
+        lambda: [*_torchrun(nproc), *args],
+        _env(threads, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+        wd / "torchrun.log", timeout_s, "ddp_train", "ddp_train.py", log,
+    )
     rows = [r for r in _read_jsonl(log) if r["event"] == "step" and not r["warmup"]]
     step_ms = [r["step_ms"] for r in rows]
     return {
@@ -338,8 +377,7 @@ def run_hsdp_steady(
     wd = _workdir(workdir, "hsdp_steady_")
     log = wd / "hsdp.jsonl"
     nproc = replicas * shards
-    cmd = [
-        *_torchrun(nproc),
+    args = [
         str(_HERE / "hsdp_train.py"),
         f"--steps={steps}",
         f"--warmup={warmup}",
@@ -354,12 +392,11 @@ def run_hsdp_steady(
         f"--out={log}",
         *(["--global-loss"] if global_loss else []),
     ]
-    proc = _spawn(cmd, _env(threads, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), wd / "torchrun.log")
-    try:
-        _wait_exit([proc], time.time() + timeout_s, "hsdp_train")
-    finally:
-        _kill_tree(proc, grace_s=2.0)
-        _kill_logged(log, "hsdp_train.py")
+    _run_torchrun_to_end(
+        lambda: [*_torchrun(nproc), *args],
+        _env(threads, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+        wd / "torchrun.log", timeout_s, "hsdp_train", "hsdp_train.py", log,
+    )
     rows = [r for r in _read_jsonl(log) if r["event"] == "step"]
     step_ms = [r["step_ms"] for r in rows if not r["warmup"]]
     return {
