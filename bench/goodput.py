@@ -40,13 +40,21 @@ The systems, each configured as its maintainers would for this fault rate:
   ``sqrt(2 x save time x time between kills)`` from the measured save time is
   printed beside, to show the sweep brackets it (``runners.run_torchrun_faults``).
 
-How the workload is sized, honestly. The default ``medium`` model takes about
-100 ms a step with 3 replicas x 1 thread on the 2-core development machine; the
-3 workers share 2 cores, so they oversubscribe it, and the survivors of a kill
-get the core time the dead one used: a missing replica costs less than a third
-of the throughput here (on a machine with a core or a GPU per replica it costs
-a third). How much it does cost is measured, not assumed: ``step_ms_by_width``
-is each system's median step time at each width it ran at.
+How the workload is sized, honestly. The default ``medium`` model takes 26-29 ms
+a step (planaria, idle machine; 100 ms or more on a loaded one) with 3 replicas x
+1 thread on the 2-core development machine; the 3 workers share 2 cores, so they
+oversubscribe it, and the survivors of a kill get the core time the dead one
+used: a missing replica costs less than a third of the throughput here (measured:
+26 ms a step at width 3, 35-38 ms at width 2; on a machine with a core or a GPU
+per replica it costs a third). How much it does cost is measured, not assumed:
+``step_ms_by_width`` is each system's median step time at each width it ran at.
+Every process started after a kill (planaria's new standby spare or
+replacement, torchft's replacement group, torchrun's restarted workers) also
+runs on these 2 cores: starting one (Ray's worker or Python, importing torch,
+building the model) slows the training steps beside it for its ~5 s. Measured
+for planaria with a spare: ~1 s of training time lost per kill while the next
+spare starts, against ~0.05 s when no new spare is started; on a cluster a
+spare starts on resources of its own and that cost is not there.
 
 Figures (per system, same definitions for all; times are ``time.time()`` in this
 process and the workers, one clock). A *commit* is a step committed (planaria's
