@@ -224,3 +224,23 @@ def test_make_benchmarks_md_renders_goodput(tmp_path, monkeypatch):
     assert "| planaria with a spare, goodput | 0.970 | ≥ 0.95 | met |" in text
     assert "| ÷ torchft's best | 0.970 | > 1 | **missed** |" in text
     assert "heartbeat 250 ms: goodput 0.800" in text
+
+
+def test_goodput_takes_the_fault_free_step_from_the_whole_window():
+    """A machine that speeds up after the first kill (30 ms steps, then 27 ms) must not read
+    as a goodput above 1: the baseline comes from the whole window, not its first 30 s."""
+    from bench import goodput
+
+    commits, wall, step = [], 0.0, 0
+    kills = [30.0, 60.0, 90.0]
+    while wall < 120.0:
+        ms = 0.030 if wall < 30.0 else 0.027
+        recovering = any(k <= wall < k + 0.2 for k in kills)
+        wall += 0.2 if recovering else ms
+        step += 1
+        commits.append({"step": step, "wall": wall, "width": 3, "started": wall - ms})
+    run = {"t0": 0.0, "t1": 120.0, "commits": commits,
+           "kills": [{"t_kill": k, "worker": "w1"} for k in kills]}
+    figures = goodput.window_figures(run, 3)
+    assert figures["step_ms"] == pytest.approx(27.0)
+    assert 0.9 < figures["goodput"] <= 1.0
