@@ -460,7 +460,7 @@ def run_torchrun_kill(
         victim = _wait_for("torchrun kill_at_step", reached, deadline, [proc])
         os.kill(victim["pid"], signal.SIGKILL)
         t_kill = time.time()
-        _wait_exit([proc], deadline, "ddp_ckpt_restart")
+        _wait_exit([proc], deadline, "ddp_ckpt_restart", wd / "torchrun.log")
     finally:
         _kill_tree(proc, grace_s=2.0)
         _kill_logged(log, "ddp_ckpt_restart.py")
