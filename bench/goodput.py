@@ -51,10 +51,14 @@ per replica it costs a third). How much it does cost is measured, not assumed:
 Every process started after a kill (planaria's new standby spare or
 replacement, torchft's replacement group, torchrun's restarted workers) also
 runs on these 2 cores: starting one (Ray's worker or Python, importing torch,
-building the model) slows the training steps beside it for its ~5 s. Measured
-for planaria with a spare: ~1 s of training time lost per kill while the next
-spare starts, against ~0.05 s when no new spare is started; on a cluster a
-spare starts on resources of its own and that cost is not there.
+building the model) slows the training steps beside it. Started cold, ~2
+CPU-seconds a worker: measured for planaria with a spare, ~1 s of training time
+lost per kill while the next spare started, against ~0.05 s when none was
+started. planaria forks its workers from a server that imported torch once
+(``RunConfig.warm_start``, on by default on one node; ``planaria.forkserver``):
+~0.7 CPU-seconds a start, the steps back at full speed ~2 s after a kill. The
+peers start their processes as their maintainers do (a fresh Python each). On
+a cluster a spare starts on resources of its own and that cost is not there.
 
 Figures (per system, same definitions for all; times are ``time.time()`` in this
 process and the workers, one clock). A *commit* is a step committed (planaria's

@@ -74,6 +74,8 @@ def test_a_warm_spare_takes_the_place_with_no_step_at_reduced_width(
     assert [e["worker"] for e in of(evs, "spare_requested")] == ["w3", "w4"]  # replenished
     (joined,) = of(evs, "joined")
     assert joined["worker"] == "w3" and joined["step"] == fault["step"]
+    # One node: every worker, spares included, was forked warm by the fork server.
+    assert [e["forked"] for e in of(evs, "worker_started")] == [True] * 5
 
 
 @pytest.mark.extended

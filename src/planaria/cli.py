@@ -181,6 +181,10 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
         help="standby workers kept warm, which take a lost worker's place at once",
     )
     p.add_argument(
+        "--warm-start", default="auto", choices=["auto", "on", "off"],
+        help="fork workers from a server that imported torch once (auto: on a one-node Ray)",
+    )
+    p.add_argument(
         "--workers-per-replica", type=int, default=1,
         help="workers per replica, sharding its state with FSDP2 (a replica fails as one)",
     )
@@ -254,6 +258,7 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             ledger=args.ledger,
             verify_every=args.verify_every,
             spares=args.spares,
+            warm_start={"auto": None, "on": True, "off": False}[args.warm_start],
             workers_per_replica=args.workers_per_replica,
             overlap_reduction=args.overlap_reduction,
             use_gpu=args.gpu,

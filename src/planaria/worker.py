@@ -31,6 +31,7 @@ import ray
 import torch
 
 from planaria import compile_cache as compile_cache_mod
+from planaria import forkserver
 from planaria.buffers import BufferSync
 from planaria.collective import Collective, connect_store
 from planaria.config import TrainSpec
@@ -276,7 +277,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             "threads": torch.get_num_threads(),
             "init_t": self._init_t,
             "start": {"build_s": t1 - t0, "data_s": t2 - t1, "compile_s": t3 - t2,
-                      "setup_s": time.time() - t0},
+                      "setup_s": time.time() - t0, "forked": forkserver.forked()},
         }
 
     def _warm_compile(self) -> None:

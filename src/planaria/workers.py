@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import ray
 import torch.distributed as dist
 
+from planaria import forkserver
 from planaria.config import RunConfig, TrainSpec
 from planaria.errors import DataMismatch, UserCodeError
 from planaria.events import EventLog
@@ -23,9 +25,23 @@ from planaria.placement import Placement
 from planaria.policy import HangConfig
 from planaria.worker import Worker
 
-__all__ = ["WorkerHandle", "WorkerPool"]
+__all__ = ["WorkerHandle", "WorkerPool", "warm_start_enabled"]
 
 _log = logging.getLogger("planaria.membership")
+# A job runtime_env with one of these runs workers in a Python of its own: no fork server.
+_OWN_PYTHON = ("conda", "pip", "uv", "container", "image_uri", "py_executable")
+
+
+def warm_start_enabled(config: RunConfig) -> bool:
+    """Whether workers start through the fork server (``RunConfig.warm_start``)."""
+    if config.warm_start is False or not sys.platform.startswith("linux"):
+        return False
+    job_env = ray.get_runtime_context().runtime_env or {}
+    if any(job_env.get(key) for key in _OWN_PYTHON):
+        return False
+    if config.warm_start:
+        return True
+    return sum(1 for node in ray.nodes() if node.get("Alive")) == 1
 
 
 @dataclass
@@ -94,6 +110,7 @@ class WorkerPool:
         # A sharded replica's leader hands the spec to its other workers as pickled here.
         self._spec_blob = (ray.cloudpickle.dumps(spec) if config.workers_per_replica > 1
                            else None)
+        self.warm_start = warm_start_enabled(config)
 
     def start(
         self,
@@ -116,8 +133,13 @@ class WorkerPool:
         where: dict[str, Any] = {}
         if self.placement is not None:
             where.update(self.placement.options(name))
+        runtime_env: dict[str, Any] = {}
         if self.env:
-            where["runtime_env"] = {"env_vars": dict(self.env)}
+            runtime_env["env_vars"] = dict(self.env)
+        if self.warm_start and attempt == 1:  # a retry starts cold, whatever failed
+            runtime_env["py_executable"] = forkserver.py_executable()
+        if runtime_env:
+            where["runtime_env"] = runtime_env
         resources: dict[str, Any] = {
             "num_cpus": cfg.cpus_per_worker,
             "num_gpus": cfg.gpus_per_worker if cfg.use_gpu else 0,
