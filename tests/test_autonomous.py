@@ -328,8 +328,10 @@ def test_a_replacement_ends_a_run_early_and_joins(tmp_path, reference_long):
         if record["event"] == "joined":
             marker.unlink(missing_ok=True)
 
+    # A cold start (~2 s): a warm one can be ready before the survivors' next run begins,
+    # and then joins at that boundary with no run to stop.
     result = fit(slow, steps=LONG, replicas=3, run_dir=tmp_path, ledger=True,
-                 chaos="kill:w2@step3", listeners=[listen])
+                 chaos="kill:w2@step3", listeners=[listen], warm_start=False)
     assert_same_state(reference_long, result.state_dict)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=LONG)
     evs = events(tmp_path)
