@@ -185,9 +185,10 @@ class RunConfig:
     """Fork workers from a per-node server that has imported torch once (see
     planaria.forkserver): a worker starts in ~0.3 CPU-seconds instead of ~2, which on a
     node whose cores are training is time taken from the steps. None (auto): on when the
-    Ray cluster has one node and the job's runtime_env installs no Python environment of
-    its own (conda, pip, uv, container, py_executable); True: on every node as well (every
-    node must run the controller's Python, at the same path); False: off."""
+    Ray cluster has one node, the workers train on the CPU (not yet measured on a GPU) and
+    the job's runtime_env installs no Python environment of its own (conda, pip, uv,
+    container, py_executable); True: on there too (every node must run the controller's
+    Python, at the same path); False: off."""
     share_compile_cache: bool = True
     """With ``spec.compile``: hand a running worker's compile cache to every worker started
     later (and keep it in ``RUN_DIR/compile_cache.tar.gz`` for a resumed job); False: every

@@ -20,8 +20,9 @@ its C++ configuration reads the environment once per process (the job id among
 it), so each child imports it fresh (~0.25 s).
 
 Safety. A fork copies one thread: the server forks only while it has a single
-thread (checked before every fork; else it answers "cold" and the launcher
-starts the worker as Ray would). The child starts a session of its own (Ray
+thread and no CUDA context (checked before every fork; else it answers "cold"
+and the launcher starts the worker as Ray would; torch's availability checks
+are made to ask NVML). The child starts a session of its own (Ray
 kills a worker's process group), takes the launcher's environment, reseeds
 numpy's global generator (torch's default generator is never drawn from here,
 so a child's starts where a cold process's does), and CUDA is never initialised
@@ -64,6 +65,13 @@ def single_threaded() -> bool:
         return len(os.listdir("/proc/self/task")) == 1
     except OSError:
         return False
+
+
+def fork_safe() -> bool:
+    """One thread, and no CUDA context (a child could not use it)."""
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_initialized()
+    return single_threaded() and not cuda
 
 
 def _alive(pid: int) -> bool:
@@ -130,6 +138,9 @@ def serve(address: str, raylet_pid: int) -> None:
     # numpy's BLAS would start a thread pool of a thread per core here, and a process with
     # threads cannot fork safely; the workers' compute is torch's, whose pools start later.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    # A CUDA context does not survive a fork: torch's availability checks during the
+    # imports must ask NVML, not initialise CUDA (children initialise it themselves).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     for name in PRELOAD:
         __import__(name)
     gc.freeze()  # the imported objects stay out of the children's collections (and pages)
@@ -156,9 +167,9 @@ def _accept(server: socket.socket, children: dict[int, socket.socket]) -> None:
     except (OSError, EOFError, ValueError):
         conn.close()
         return
-    if not single_threaded():
-        print(f"{len(os.listdir('/proc/self/task'))} threads here: a worker starts cold",
-              flush=True)
+    if not fork_safe():
+        print(f"{len(os.listdir('/proc/self/task'))} threads here, or CUDA initialised: a "
+              "worker starts cold", flush=True)
         with contextlib.suppress(OSError):
             conn.sendall(b"cold\n")
         conn.close()

@@ -41,6 +41,8 @@ def warm_start_enabled(config: RunConfig) -> bool:
         return False
     if config.warm_start:
         return True
+    if config.use_gpu:  # not yet measured on a GPU: on there only when asked for
+        return False
     return sum(1 for node in ray.nodes() if node.get("Alive")) == 1
 
 
