@@ -175,6 +175,11 @@ def _gaps(commits: list[dict[str, Any]], keep: Callable[[dict, dict], bool]) -> 
             if b["step"] == a["step"] + 1 and keep(a, b)]
 
 
+def _kill_near(a: dict, b: dict, kills: list[float], settle_s: float = 0.0) -> bool:
+    """A kill between commits a and b, or in the ``settle_s`` before a."""
+    return any(a["wall"] - settle_s < k <= b["wall"] for k in kills)
+
+
 def fault_free_step_s(window: list[dict[str, Any]], kills: list[float], replicas: int
                       ) -> float | None:
     """Median time between consecutive full-width commits over the whole window, leaving
@@ -184,14 +189,13 @@ def fault_free_step_s(window: list[dict[str, Any]], kills: list[float], replicas
     machine's speed drifts by a few percent over ten minutes, and a baseline from the first
     30 s read a run's goodput as 1.005."""
 
-    def full(a: dict, b: dict) -> bool:
-        return a["width"] >= replicas and b["width"] >= replicas
+    def steady(settle_s: float) -> Callable[[dict, dict], bool]:
+        return lambda a, b: (a["width"] >= replicas and b["width"] >= replicas
+                             and not _kill_near(a, b, kills, settle_s))
 
-    gaps = _gaps(window, lambda a, b: full(a, b) and not any(
-        a["wall"] - SETTLE_S < k <= b["wall"] for k in kills))
+    gaps = _gaps(window, steady(SETTLE_S))
     if len(gaps) < MIN_STEADY_GAPS:
-        gaps = _gaps(window, lambda a, b: full(a, b) and not any(
-            a["wall"] < k <= b["wall"] for k in kills))
+        gaps = _gaps(window, steady(0.0))
     return percentile(gaps, 0.5)
 
 
@@ -201,8 +205,7 @@ def step_ms_by_width(window: list[dict[str, Any]], kills: list[float]) -> dict[s
     for width in sorted({c["width"] for c in window}):
 
         def at_width(a: dict, b: dict, w: int = width) -> bool:
-            return a["width"] == w == b["width"] and not any(
-                a["wall"] < k <= b["wall"] for k in kills)
+            return a["width"] == w == b["width"] and not _kill_near(a, b, kills)
 
         gaps = _gaps(window, at_width)
         if gaps:

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
 START_WAIT_S = 60.0  # a server's imports take ~2 s idle; much longer on a loaded node
@@ -48,7 +49,7 @@ def server_address(argv: list[str], env: dict[str, str], cwd: str) -> str:
     return f"\0planaria-forkserver-{digest}"
 
 
-def _cold(argv: list[str]) -> None:
+def _cold(argv: list[str]) -> NoReturn:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
@@ -93,7 +94,6 @@ def main(argv: list[str]) -> None:
             conn = _connect(address)
     if conn is None:
         _cold(argv)
-        return
     body = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
     try:
         socket.send_fds(conn, [len(body).to_bytes(8, "big")], [0, 1, 2])
@@ -105,7 +105,6 @@ def main(argv: list[str]) -> None:
     if not first.isdigit():  # refused ("cold") or the server died: start as Ray would
         conn.close()
         _cold(argv)
-        return
     child = int(first)
 
     def forward(sig: int, _frame: object) -> None:

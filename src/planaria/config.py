@@ -183,8 +183,8 @@ class RunConfig:
     """CPUs Ray reserves for each worker (spares included)."""
     warm_start: bool | None = None
     """Fork workers from a per-node server that has imported torch once (see
-    planaria.forkserver): a worker starts in ~0.3 CPU-seconds instead of ~2, which on a
-    node whose cores are training is time taken from the steps. None (auto): on when the
+    planaria.forkserver): a worker start costs the node ~0.7 CPU-seconds instead of ~2,
+    which on a node whose cores are training is time taken from the steps. None (auto): on when the
     Ray cluster has one node, the workers train on the CPU (not yet measured on a GPU) and
     the job's runtime_env installs no Python environment of its own (conda, pip, uv,
     container, py_executable); True: on there too (every node must run the controller's

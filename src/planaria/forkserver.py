@@ -5,7 +5,8 @@ interpreter and Ray (~0.3 s), ``import torch`` (~0.85 s) and, on the first
 optimizer, ``torch._dynamo`` (~0.75 s: ``Optimizer.add_param_group`` imports it).
 On a node whose cores are all training, that time is taken from the training
 steps beside it: measured on 2 cores, each spare started cost ~1 s of training.
-A fork of a process that has done those imports starts in ~0.3 CPU-seconds.
+A fork of a process that has done those imports starts in ~0.3 CPU-seconds (0.7 for
+the whole node, Ray's own ``setup_worker.py`` and the launcher included).
 
 How (the pattern of Python's ``forkserver`` and Android's zygote, fitted to Ray's
 worker launch): with ``RunConfig.warm_start`` the controller gives each worker
@@ -147,20 +148,24 @@ def serve(address: str, raylet_pid: int) -> None:
     server.listen(64)  # launchers that connected before now were refused, and retry
     print(f"planaria fork server {os.getpid()}: {', '.join(PRELOAD)} in {time.time() - t0:.2f} s",
           flush=True)
-    children: dict[int, socket.socket] = {}  # worker pid -> its launcher's connection
+    # worker pid -> its launcher's connection (None once the launcher is gone)
+    children: dict[int, socket.socket | None] = {}
     while _alive(raylet_pid):
-        readable, _, _ = select.select([server, *children.values()], [], [], 0.5)
+        watched = [c for c in children.values() if c is not None]
+        readable, _, _ = select.select([server, *watched], [], [], 0.5)
         for conn in readable:
             if conn is server:
                 _accept(server, children)
             else:  # a launcher's connection closed: the process Ray knows is gone
                 pid = next(p for p, c in children.items() if c is conn)
+                conn.close()
+                children[pid] = None  # reaped later, with no one to tell
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
         _reap(children)
 
 
-def _accept(server: socket.socket, children: dict[int, socket.socket]) -> None:
+def _accept(server: socket.socket, children: dict[int, socket.socket | None]) -> None:
     conn, _ = server.accept()
     try:
         request, fds = _receive(conn)
@@ -180,7 +185,8 @@ def _accept(server: socket.socket, children: dict[int, socket.socket]) -> None:
     if pid == 0:
         server.close()
         for other in children.values():
-            other.close()
+            if other is not None:
+                other.close()
         conn.close()
         code = 1
         try:
@@ -199,7 +205,7 @@ def _accept(server: socket.socket, children: dict[int, socket.socket]) -> None:
     children[pid] = conn
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _reap(children: dict[int, socket.socket | None]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
