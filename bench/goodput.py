@@ -2,6 +2,7 @@
 
     python bench/goodput.py                 # 600 s per run, "medium" model, sweeps: ~90 minutes
     python bench/goodput.py --quick         # smoke run: tiny model, 30 s per system, ~6 minutes
+    python bench/goodput.py --from-runs --workdir DIR   # the figures again, from DIR's runs
 
 What is measured. Each system trains the same workload (``bench.common``: the
 same model, samples per step, global batch 48 in micro-batches of 8, Adam) on
@@ -47,7 +48,7 @@ oversubscribe it, and the survivors of a kill get the core time the dead one
 used: a missing replica costs less than a third of the throughput here (measured:
 26 ms a step at width 3, 35-38 ms at width 2; on a machine with a core or a GPU
 per replica it costs a third). How much it does cost is measured, not assumed:
-``step_ms_by_width`` is each system's median step time at each width it ran at.
+``step_ms_by_width`` is each system's mean step time at each width it ran at.
 Every process started after a kill (planaria's new standby spare or
 replacement, torchft's replacement group, torchrun's restarted workers) also
 runs on these 2 cores: starting one (Ray's worker or Python, importing torch,
@@ -69,11 +70,18 @@ committed step under torchft); the window is ``[t0, t0 + duration_s]``.
   beyond every step committed before); ``lost_steps``: commits in the window of
   steps committed before (recomputed work: torchrun's steps since the
   checkpoint); ``steps_committed``: both.
-- ``step_ms``: the system's own fault-free step time, the median time between
-  full-width commits of consecutive steps over the whole window, leaving out the
-  10 s after each kill (if fewer than 5, every such pair with no kill between).
-- ``goodput`` = ``useful_steps x step_ms / window``: the share of the window the
-  system would have needed without faults for what it achieved.
+- fault-free step time: for each stretch of the window between kills, the mean
+  time between full-width commits of consecutive steps, leaving out the 10 s
+  after the kill that opens it (a stretch with fewer than 5 such gaps takes the
+  whole window's mean; with fewer than 5 in the window, every full-width pair
+  with no kill between counts). The mean, because n steps take n mean gaps (a
+  median reads a run without faults below 1 when the gaps are skewed); per
+  stretch, because this machine's speed drifts over ten minutes. What a system
+  pays without faults is in it: torchrun's checkpoint saves, planaria's run
+  boundaries. ``step_ms`` is its mean over the useful steps.
+- ``goodput`` = the sum over useful steps of their stretch's fault-free step
+  time, over the window (= ``useful_steps x step_ms / window``): the share of
+  the window the system would have needed without faults for what it achieved.
 - per kill, as in ``bench/baselines/runners.py``: ``s_max`` = highest step
   committed before the kill; ``recover_s`` = kill → next commit; ``mttr_s`` =
   ``back_s`` = kill → first commit of a step beyond ``s_max`` (new progress);
@@ -103,12 +111,17 @@ over each peer's best run. Targets: planaria with spares ≥ 0.95 and above each
 peer's best.
 
 The last line printed is one JSON object (``"bench": "goodput"``); without
-``--quick`` it is also saved to ``bench/results/goodput.json``.
+``--quick`` it is also saved to ``bench/results/goodput.json`` and to the
+``--workdir``. Each system's raw records (its commits, the kills, the window) are
+kept in ``WORKDIR/<system>/bench_run.json`` beside its logs: ``--from-runs``
+computes the figures again from them, running nothing (a change to how figures
+are computed applies to runs already made).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import json
 import os
@@ -128,6 +141,7 @@ from bench import common  # noqa: E402
 from bench.baselines.runners import run_torchft_faults, run_torchrun_faults  # noqa: E402
 from bench.kill_harness import KillHarness, plan_kills  # noqa: E402
 from bench.planaria_side import run_planaria_faults  # noqa: E402
+from planaria.events import read_events  # noqa: E402
 from planaria.metrics import percentile, summarize  # noqa: E402
 
 MIN_STEADY_GAPS = 5
@@ -152,10 +166,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torchrun-ckpt-every", default="5,10,20",
                    help="torchrun checkpoint intervals in steps to sweep (one run each)")
     p.add_argument("--workdir", default=None, help="where runs write (default: a temp dir)")
+    p.add_argument("--from-runs", action="store_true",
+                   help="run nothing: recompute the figures from the runs kept in --workdir "
+                   "by an earlier run of this bench (give it the same sweep options); the "
+                   "record goes to WORKDIR/goodput.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny model, 30 s per system, a kill every 10 s, no sweeps "
                    "(about 6 minutes with each system's start-up, measured on 2 loaded cores)")
     args = p.parse_args(argv)
+    if args.from_runs and not args.workdir:
+        p.error("--from-runs needs --workdir: the directory of the earlier run")
     if args.quick:
         args.size, args.duration_s, args.kill_every_s = "tiny", 30.0, 10.0
         args.torchft_heartbeats_ms, args.torchrun_ckpt_every = "500", "5"
@@ -180,27 +200,54 @@ def _kill_near(a: dict, b: dict, kills: list[float], settle_s: float = 0.0) -> b
     return any(a["wall"] - settle_s < k <= b["wall"] for k in kills)
 
 
-def fault_free_step_s(window: list[dict[str, Any]], kills: list[float], replicas: int
-                      ) -> float | None:
-    """Median time between consecutive full-width commits over the whole window, leaving
-    out the ``SETTLE_S`` after each kill (the recovery, and the replacement or spare that
-    starts then); with fewer than ``MIN_STEADY_GAPS`` of those, every full-width pair with
-    no kill between. The whole window, not only the time before the first kill: this
-    machine's speed drifts by a few percent over ten minutes, and a baseline from the first
-    30 s read a run's goodput as 1.005."""
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
-    def steady(settle_s: float) -> Callable[[dict, dict], bool]:
-        return lambda a, b: (a["width"] >= replicas and b["width"] >= replicas
-                             and not _kill_near(a, b, kills, settle_s))
 
-    gaps = _gaps(window, steady(SETTLE_S))
-    if len(gaps) < MIN_STEADY_GAPS:
-        gaps = _gaps(window, steady(0.0))
-    return percentile(gaps, 0.5)
+def _steady_gaps(window: list[dict[str, Any]], kills: list[float], replicas: int
+                 ) -> list[tuple[float, float]]:
+    """(end, gap) of consecutive full-width commits away from kills: none between them,
+    none in the ``SETTLE_S`` before (the recovery, and the replacement or spare that
+    starts then); with fewer than ``MIN_STEADY_GAPS`` of those, no kill between them."""
+    for settle_s in (SETTLE_S, 0.0):
+        steady = [(b["wall"], b["wall"] - a["wall"]) for a, b in itertools.pairwise(window)
+                  if b["step"] == a["step"] + 1 and a["width"] >= replicas
+                  and b["width"] >= replicas and not _kill_near(a, b, kills, settle_s)]
+        if len(steady) >= MIN_STEADY_GAPS:
+            break
+    return steady
+
+
+def stretch_step_s(window: list[dict[str, Any]], kills: list[float], replicas: int
+                   ) -> list[float] | None:
+    """The fault-free step time of each stretch of the window between kills (one more
+    than there are kills): the mean of its steady gaps, or of the whole window's where a
+    stretch has fewer than ``MIN_STEADY_GAPS``; None without steady gaps.
+
+    The mean, not the median: the time a run needs for n steps is n times the mean gap,
+    and a system whose gaps are skewed (planaria's 3 workers on 2 cores: mean/median
+    1.02, against 1.005 for torchft's slower steps) read ~0.98 for a run with no fault
+    at all against a median. Per stretch, not one figure for the window: this machine's
+    speed drifts by a few percent over ten minutes, and one baseline for the window
+    charges the slow stretches' steps too little and the fast ones' too much (a run
+    that sped up after its first kill read 1.005 with its first 30 s as baseline). Not
+    a window sliding across kills either: its commits are denser where steps are fast,
+    which weighs a fast stretch's steps with its slower neighbours' gaps (that read a
+    run that sped up at a kill above 1)."""
+    steady = _steady_gaps(window, kills, replicas)
+    if not steady:
+        return None
+    pooled = sum(gap for _, gap in steady) / len(steady)
+    bounds = sorted(kills)
+    stretches: list[list[float]] = [[] for _ in range(len(bounds) + 1)]
+    for end, gap in steady:
+        stretches[bisect.bisect_left(bounds, end)].append(gap)
+    return [sum(gaps) / len(gaps) if len(gaps) >= MIN_STEADY_GAPS else pooled
+            for gaps in stretches]
 
 
 def step_ms_by_width(window: list[dict[str, Any]], kills: list[float]) -> dict[str, float]:
-    """Median step time at each width (consecutive commits at that width, no kill between)."""
+    """Mean step time at each width (consecutive commits at that width, no kill between)."""
     out: dict[str, float] = {}
     for width in sorted({c["width"] for c in window}):
 
@@ -209,7 +256,7 @@ def step_ms_by_width(window: list[dict[str, Any]], kills: list[float]) -> dict[s
 
         gaps = _gaps(window, at_width)
         if gaps:
-            out[str(width)] = round((percentile(gaps, 0.5) or 0.0) * 1000, 2)
+            out[str(width)] = round((_mean(gaps) or 0.0) * 1000, 2)
     return out
 
 
@@ -245,20 +292,25 @@ def window_figures(run: dict[str, Any], replicas: int) -> dict[str, Any]:
     window = [c for c in commits if t0 < c["wall"] <= t1]
     kills = [k["t_kill"] for k in run["kills"] if t0 <= k["t_kill"] <= t1]
     high = max((c["step"] for c in commits if c["wall"] <= t0), default=-1)
+    per_stretch = stretch_step_s(window, kills, replicas)
+    bounds = sorted(kills)
     useful = lost = 0
+    needed = 0.0  # the fault-free time of the useful steps: each at its stretch's step time
     for c in window:
         if c["step"] > high:
             useful, high = useful + 1, c["step"]
+            if per_stretch:
+                needed += per_stretch[bisect.bisect_left(bounds, c["wall"])]
         else:
             lost += 1
-    step_s = fault_free_step_s(window, kills, replicas)
+    step_s = needed / useful if useful and per_stretch else None
     span = t1 - t0
     rows = [per_kill(window, t, replicas) for t in kills]
     back = [r["back_s"] for r in rows]
     full = [r["full_width_s"] for r in rows]
     recover = [r["recover_s"] for r in rows]
     return {
-        "goodput": round(useful * step_s / span, 4) if step_s else None,
+        "goodput": round(needed / span, 4) if step_s else None,
         "useful_steps": useful,
         "steps_committed": len(window),
         "lost_steps": lost,
@@ -325,29 +377,55 @@ def _harness(args: argparse.Namespace) -> KillHarness:
     return KillHarness(plan_kills(args.seed, args.kill_every_s, args.duration_s))
 
 
+RUN_RECORD = "bench_run.json"
+
+
+def _recorded(args: argparse.Namespace, wd: Path, name: str,
+              start: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """A system's raw records: ``start(its dir)`` now, kept in ``wd/name/bench_run.json``
+    (commits, kills, window); with ``--from-runs``, read back from there instead, so a
+    change to how figures are computed can be applied to runs already made."""
+    path = wd / name / RUN_RECORD
+    if args.from_runs:
+        if not path.exists():
+            raise SystemExit(f"--from-runs {wd}: no {name}/{RUN_RECORD} there; give the "
+                             "--workdir of a finished run of this bench (and its sweeps)")
+        run = json.loads(path.read_text())
+    else:
+        run = start(wd / name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({k: v for k, v in run.items() if k != "events"},
+                                   default=str))
+    if "run_dir" in run and "events" not in run:  # planaria's: its event log is beside
+        run["events"] = list(read_events(path.parent / "events.jsonl").events)
+    return run
+
+
 def run_planaria(args: argparse.Namespace, spares: int, wd: Path) -> dict[str, Any]:
-    run = run_planaria_faults(args.duration_s, _harness(args), args.size, args.replicas,
-                              spares, warmup=args.warmup, run_dir=wd / f"planaria_spares{spares}")
+    run = _recorded(args, wd, f"planaria_spares{spares}", lambda d: run_planaria_faults(
+        args.duration_s, _harness(args), args.size, args.replicas, spares,
+        warmup=args.warmup, run_dir=d))
     return {**window_figures(run, args.replicas), "spares": spares,
             "report": planaria_report(run), "run_dir": run["run_dir"]}
 
 
 def run_torchft(args: argparse.Namespace, heartbeat_ms: int, pg_timeout_s: float, wd: Path
                 ) -> dict[str, Any]:
-    run = run_torchft_faults(args.duration_s, _harness(args), args.size, args.replicas,
-                             heartbeat_timeout_ms=heartbeat_ms, pg_timeout_s=pg_timeout_s,
-                             warmup=args.warmup, workdir=wd / f"torchft_hb{heartbeat_ms}")
+    run = _recorded(args, wd, f"torchft_hb{heartbeat_ms}", lambda d: run_torchft_faults(
+        args.duration_s, _harness(args), args.size, args.replicas,
+        heartbeat_timeout_ms=heartbeat_ms, pg_timeout_s=pg_timeout_s, warmup=args.warmup,
+        workdir=d))
     rejoin = [r["rejoin_s"] for r in run["replacements"]]
     return {**window_figures(run, args.replicas), "heartbeat_ms": heartbeat_ms,
-            "pg_timeout_s": pg_timeout_s, "async_quorum": run["async_quorum"],
+            "pg_timeout_s": run["pg_timeout_s"], "async_quorum": run["async_quorum"],
             "replacements": len(run["replacements"]), "rejoin_s_p50": _p(rejoin, 0.5),
             "failed_iterations": run["failed_iterations"], "log": run["log"]}
 
 
 def run_torchrun(args: argparse.Namespace, ckpt_every: int, wd: Path) -> dict[str, Any]:
-    run = run_torchrun_faults(args.duration_s, _harness(args), args.size, args.replicas,
-                              ckpt_every=ckpt_every, warmup=args.warmup,
-                              workdir=wd / f"torchrun_ckpt{ckpt_every}")
+    run = _recorded(args, wd, f"torchrun_ckpt{ckpt_every}", lambda d: run_torchrun_faults(
+        args.duration_s, _harness(args), args.size, args.replicas, ckpt_every=ckpt_every,
+        warmup=args.warmup, workdir=d))
     figures = window_figures(run, args.replicas)
     save_s = percentile([ms / 1000 for ms in run["ckpt_save_ms"]], 0.5)
     young_daly = None
@@ -471,13 +549,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "loadavg": load,
         "nproc": os.cpu_count(),
     }
-    if not args.quick:
-        from bench import make_benchmarks_md
+    from bench import make_benchmarks_md
 
-        command = shlex.join(["python", "bench/goodput.py", *(argv or sys.argv[1:])])
-        make_benchmarks_md.save("goodput", out, command, loadavg_before=load["before"],
-                                loadavg_after=load["after"],
-                                wall_s=round(time.time() - t_start, 1), table=said)
+    command = shlex.join(["python", "bench/goodput.py", *(argv or sys.argv[1:])])
+    extra = {"loadavg_before": load["before"], "loadavg_after": load["after"],
+             "wall_s": round(time.time() - t_start, 1), "table": said}
+    if args.from_runs:  # the runs' own record, if this bench saved one there, keeps its load
+        kept = wd / "goodput.json"
+        first = json.loads(kept.read_text()) if kept.exists() else {}
+        extra = {**{k: first[k] for k in ("loadavg_before", "loadavg_after", "wall_s")
+                    if k in first}, "table": said, "recomputed_from": str(wd)}
+        make_benchmarks_md.save("goodput", out, first.get("command", command),
+                                path=kept, **extra)
+    elif not args.quick:
+        make_benchmarks_md.save("goodput", out, command, **extra)
+        make_benchmarks_md.save("goodput", out, command, path=wd / "goodput.json", **extra)
     print(json.dumps(out), flush=True)
     return out
 

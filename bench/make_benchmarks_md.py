@@ -75,9 +75,11 @@ def last_json(text: str) -> dict[str, Any]:
 
 def save(
     name: str, result: dict[str, Any], command: str, *, when: float | None = None,
-    machine_info: dict[str, Any] | None = None, **extra: Any
+    machine_info: dict[str, Any] | None = None, path: Path | None = None, **extra: Any
 ) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """Writes a bench's record (to ``bench/results/<name>.json`` unless ``path`` is given)."""
+    path = path or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.fromtimestamp(time.time() if when is None else when, dt.UTC)
     record = {
         "bench": name,
@@ -87,7 +89,6 @@ def save(
         **extra,
         "result": result,
     }
-    path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
 
