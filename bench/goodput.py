@@ -189,10 +189,17 @@ def _by_wall(commits: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(commits, key=lambda c: c["wall"])
 
 
-def _gaps(commits: list[dict[str, Any]], keep: Callable[[dict, dict], bool]) -> list[float]:
-    """Times between commits of consecutive steps (in wall order) that ``keep`` accepts."""
-    return [b["wall"] - a["wall"] for a, b in itertools.pairwise(commits)
+def _timed_gaps(commits: list[dict[str, Any]], keep: Callable[[dict, dict], bool]
+                ) -> list[tuple[float, float]]:
+    """(end, gap) between commits of consecutive steps (in wall order) that ``keep``
+    accepts."""
+    return [(b["wall"], b["wall"] - a["wall"]) for a, b in itertools.pairwise(commits)
             if b["step"] == a["step"] + 1 and keep(a, b)]
+
+
+def _gaps(commits: list[dict[str, Any]], keep: Callable[[dict, dict], bool]) -> list[float]:
+    """The gaps alone of :func:`_timed_gaps`."""
+    return [gap for _, gap in _timed_gaps(commits, keep)]
 
 
 def _kill_near(a: dict, b: dict, kills: list[float], settle_s: float = 0.0) -> bool:
@@ -210,9 +217,9 @@ def _steady_gaps(window: list[dict[str, Any]], kills: list[float], replicas: int
     none in the ``SETTLE_S`` before (the recovery, and the replacement or spare that
     starts then); with fewer than ``MIN_STEADY_GAPS`` of those, no kill between them."""
     for settle_s in (SETTLE_S, 0.0):
-        steady = [(b["wall"], b["wall"] - a["wall"]) for a, b in itertools.pairwise(window)
-                  if b["step"] == a["step"] + 1 and a["width"] >= replicas
-                  and b["width"] >= replicas and not _kill_near(a, b, kills, settle_s)]
+        steady = _timed_gaps(window, lambda a, b, s=settle_s: (
+            a["width"] >= replicas and b["width"] >= replicas
+            and not _kill_near(a, b, kills, s)))
         if len(steady) >= MIN_STEADY_GAPS:
             break
     return steady
@@ -235,9 +242,9 @@ def stretch_step_s(window: list[dict[str, Any]], kills: list[float], replicas: i
     which weighs a fast stretch's steps with its slower neighbours' gaps (that read a
     run that sped up at a kill above 1)."""
     steady = _steady_gaps(window, kills, replicas)
-    if not steady:
+    pooled = _mean([gap for _, gap in steady])
+    if pooled is None:
         return None
-    pooled = sum(gap for _, gap in steady) / len(steady)
     bounds = sorted(kills)
     stretches: list[list[float]] = [[] for _ in range(len(bounds) + 1)]
     for end, gap in steady:
@@ -552,18 +559,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from bench import make_benchmarks_md
 
     command = shlex.join(["python", "bench/goodput.py", *(argv or sys.argv[1:])])
-    extra = {"loadavg_before": load["before"], "loadavg_after": load["after"],
-             "wall_s": round(time.time() - t_start, 1), "table": said}
     if args.from_runs:  # the runs' own record, if this bench saved one there, keeps its load
         kept = wd / "goodput.json"
         first = json.loads(kept.read_text()) if kept.exists() else {}
-        extra = {**{k: first[k] for k in ("loadavg_before", "loadavg_after", "wall_s")
-                    if k in first}, "table": said, "recomputed_from": str(wd)}
-        make_benchmarks_md.save("goodput", out, first.get("command", command),
-                                path=kept, **extra)
+        make_benchmarks_md.save(
+            "goodput", out, first.get("command", command), path=kept, table=said,
+            recomputed_from=str(wd),
+            **{k: first[k] for k in ("loadavg_before", "loadavg_after", "wall_s") if k in first})
     elif not args.quick:
-        make_benchmarks_md.save("goodput", out, command, **extra)
-        make_benchmarks_md.save("goodput", out, command, path=wd / "goodput.json", **extra)
+        extra = {"loadavg_before": load["before"], "loadavg_after": load["after"],
+                 "wall_s": round(time.time() - t_start, 1), "table": said}
+        for path in (None, wd / "goodput.json"):  # bench/results/, and beside the runs
+            make_benchmarks_md.save("goodput", out, command, path=path, **extra)
     print(json.dumps(out), flush=True)
     return out
 
