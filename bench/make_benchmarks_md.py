@@ -23,6 +23,7 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +42,31 @@ MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "goodput": "goodput_vs_tor
              "dispatch": "growth_last_over_first"}
 """``--ingest NAME=A,B,C``: the figure whose median run is NAME's result (the others are kept
 under ``repeats``)."""
+TARGET_FIGURES = {"goodput": ("planaria_spares.goodput", "goodput_vs_torchft",
+                              "goodput_vs_torchrun", "planaria_spares.full_width_s_p50",
+                              "planaria_spares.full_width_s_p99")}
+"""``--ingest NAME=A,B,C``: the figures a target is set on, each kept with its own median over
+the runs under ``medians`` (the median run by one figure need not be the median of another)."""
+
+
+def _figure(result: dict[str, Any], path: str) -> Any:
+    """``result``'s value at a dotted ``path`` (``planaria_spares.goodput``), None if absent."""
+    value: Any = result
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def medians(results: list[dict[str, Any]], paths: tuple[str, ...]) -> dict[str, Any]:
+    """Each figure at ``paths``: its value in every run and their median (of the runs that
+    have it)."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        runs = [_figure(r, path) for r in results]
+        values = sorted(v for v in runs if isinstance(v, (int, float)))
+        if values:
+            out[path] = {"runs": runs, "median": statistics.median(values)}
+    return out
 
 
 def machine() -> dict[str, Any]:
@@ -408,9 +434,8 @@ def _pair(x: dict[str, Any], key: str) -> str:
 def render_goodput(rec: dict[str, Any]) -> list[str]:
     """``bench/goodput.py``: goodput under a SIGKILL every ``kill_every_s``, four systems."""
     r = rec["result"]
-    ft, tr, sp = r["torchft"], r["torchrun"], r["planaria_spares"]
-    goodput, target = sp.get("goodput"), (r.get("targets") or {}).get("goodput_spares_min", 0.95)
-    vs_ft, vs_tr = r.get("goodput_vs_torchft"), r.get("goodput_vs_torchrun")
+    ft, tr = r["torchft"], r["torchrun"]
+    target = (r.get("targets") or {}).get("goodput_spares_min", 0.95)
     out = [
         "## Goodput under repeated faults", "", *_header(rec), "",
         f"Model `{r.get('size')}`, {r.get('replicas')} replicas x 1 thread on "
@@ -445,14 +470,27 @@ def render_goodput(rec: dict[str, Any]) -> list[str]:
                 for k, v in sweep.items()) + "."]
     widths = "; ".join(f"{label}: {r[key].get('step_ms_by_width')}"
                        for label, key in GOODPUT_SYSTEMS)
-    out += ["", f"What a missing replica costs here, median step ms by width: {widths}.", "",
-            "| figure | value | target | met |", "|---|---:|---|:-:|",
-            f"| planaria with a spare, goodput | {_f(goodput, '.3f')} | ≥ {target} "
-            f"| {_ok(None if goodput is None else goodput >= target)} |",
-            f"| ÷ torchft's best | {_f(vs_ft, '.3f')} | > 1 "
-            f"| {_ok(None if vs_ft is None else vs_ft > 1)} |",
-            f"| ÷ torchrun's best | {_f(vs_tr, '.3f')} | > 1 "
-            f"| {_ok(None if vs_tr is None else vs_tr > 1)} |"]
+    out += ["", f"What a missing replica costs here, mean step ms by width: {widths}.", ""]
+    runs = r.get("medians") or {}
+    if runs:
+        n = len(next(iter(runs.values()))["runs"])
+        out += [f"The table above is the median run of {n} by `{r.get('repeats_of')}`; each "
+                f"figure below is its own median over the {n} runs (each run's value beside "
+                "it).", ""]
+    out += ["| figure | value | runs | target | met |", "|---|---:|---|---|:-:|"]
+    rows = (("planaria with a spare, goodput", "planaria_spares.goodput", ".3f", "≥", target),
+            ("÷ torchft's best", "goodput_vs_torchft", ".3f", ">", 1),
+            ("÷ torchrun's best", "goodput_vs_torchrun", ".3f", ">", 1),
+            ("planaria with a spare, full width p50 (s)", "planaria_spares.full_width_s_p50",
+             ".2f", "≤", 1),
+            ("planaria with a spare, full width p99 (s)", "planaria_spares.full_width_s_p99",
+             ".2f", "≤", 1))
+    for label, path, fmt, op, bound in rows:
+        value = runs[path]["median"] if path in runs else _figure(r, path)
+        each = ", ".join(_f(v, fmt) for v in runs[path]["runs"]) if path in runs else "one"
+        met = None if value is None else {"≥": value >= bound, ">": value > bound,
+                                          "≤": value <= bound}[op]
+        out.append(f"| {label} | {_f(value, fmt)} | {each} | {op} {bound} | {_ok(met)} |")
     return [*out, ""]
 
 
@@ -719,7 +757,8 @@ def main(argv: list[str] | None = None) -> None:
             order = sorted(range(len(results)), key=lambda i: results[i][key])
             chosen = order[len(order) // 2]
             results[chosen] = {**results[chosen], "repeats": [r[key] for r in results],
-                               "repeats_of": key}
+                               "repeats_of": key,
+                               "medians": medians(results, TARGET_FIGURES.get(name, ()))}
         save(
             name,
             results[chosen],

@@ -241,9 +241,31 @@ def test_make_benchmarks_md_renders_goodput(tmp_path, monkeypatch):
     mk.save("goodput", out, "python bench/goodput.py")
     text = mk.render(mk.load_results())
     assert "## Goodput under repeated faults" in text
-    assert "| planaria with a spare, goodput | 0.970 | ≥ 0.95 | met |" in text
-    assert "| ÷ torchft's best | 0.970 | > 1 | **missed** |" in text
+    assert "| planaria with a spare, goodput | 0.970 | one | ≥ 0.95 | met |" in text
+    assert "| ÷ torchft's best | 0.970 | one | > 1 | **missed** |" in text
+    assert "| planaria with a spare, full width p50 (s) | 1.00 | one | ≤ 1 | met |" in text
     assert "heartbeat 250 ms: goodput 0.800" in text
+
+    # Three runs: the table is the median run by the ratio to torchft, and every target figure
+    # is its own median over the runs (here the median run's goodput is not the median).
+    outputs = []
+    for i, (good, vs_ft, vs_tr) in enumerate(((0.99, 1.02, 1.1), (0.96, 1.01, 1.3),
+                                             (0.98, 0.99, 1.2))):
+        run = {**out, "planaria_spares": {**side, "goodput": good, "full_width_s_p50": 0.2 + i},
+               "goodput_vs_torchft": vs_ft, "goodput_vs_torchrun": vs_tr}
+        path = tmp_path / f"run{i}.out"
+        path.write_text("table line\n" + json.dumps(run) + "\n")
+        outputs.append(str(path))
+    mk.main(["--ingest", "goodput=" + ",".join(outputs), "--out", str(tmp_path / "B.md")])
+    saved = json.loads((tmp_path / "goodput.json").read_text())["result"]
+    assert saved["goodput_vs_torchft"] == 1.01 and saved["repeats"] == [1.02, 1.01, 0.99]
+    assert saved["medians"]["planaria_spares.goodput"] == {"runs": [0.99, 0.96, 0.98],
+                                                           "median": 0.98}
+    text = (tmp_path / "B.md").read_text()
+    assert "| planaria with a spare, goodput | 0.980 | 0.990, 0.960, 0.980 | ≥ 0.95 | met |" in text
+    assert "| ÷ torchrun's best | 1.200 | 1.100, 1.300, 1.200 | > 1 | met |" in text
+    assert ("| planaria with a spare, full width p50 (s) | 1.20 | 0.20, 1.20, 2.20 | ≤ 1 "
+            "| **missed** |") in text
 
 
 def _synthetic_run(step_ms, kills: list[float], span_s: float = 120.0,
