@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import operator
 import os
 import platform
 import statistics
@@ -42,9 +43,19 @@ MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "goodput": "goodput_vs_tor
              "dispatch": "growth_last_over_first"}
 """``--ingest NAME=A,B,C``: the figure whose median run is NAME's result (the others are kept
 under ``repeats``)."""
-TARGET_FIGURES = {"goodput": ("planaria_spares.goodput", "goodput_vs_torchft",
-                              "goodput_vs_torchrun", "planaria_spares.full_width_s_p50",
-                              "planaria_spares.full_width_s_p99")}
+GOODPUT_TARGETS = (
+    ("planaria with a spare, goodput", "planaria_spares.goodput", ".3f", "≥", None),
+    ("÷ torchft's best", "goodput_vs_torchft", ".3f", ">", 1),
+    ("÷ torchrun's best", "goodput_vs_torchrun", ".3f", ">", 1),
+    ("planaria with a spare, full width p50 (s)", "planaria_spares.full_width_s_p50", ".2f",
+     "≤", 1),
+    ("planaria with a spare, full width p99 (s)", "planaria_spares.full_width_s_p99", ".2f",
+     "≤", 1),
+)
+"""The goodput bench's targets: label, figure, format, comparison, bound (None: the record's
+own ``targets.goodput_spares_min``)."""
+COMPARE = {"≥": operator.ge, ">": operator.gt, "≤": operator.le}
+TARGET_FIGURES = {"goodput": tuple(path for _, path, *_ in GOODPUT_TARGETS)}
 """``--ingest NAME=A,B,C``: the figures a target is set on, each kept with its own median over
 the runs under ``medians`` (the median run by one figure need not be the median of another)."""
 
@@ -478,18 +489,11 @@ def render_goodput(rec: dict[str, Any]) -> list[str]:
                 f"figure below is its own median over the {n} runs (each run's value beside "
                 "it).", ""]
     out += ["| figure | value | runs | target | met |", "|---|---:|---|---|:-:|"]
-    rows = (("planaria with a spare, goodput", "planaria_spares.goodput", ".3f", "≥", target),
-            ("÷ torchft's best", "goodput_vs_torchft", ".3f", ">", 1),
-            ("÷ torchrun's best", "goodput_vs_torchrun", ".3f", ">", 1),
-            ("planaria with a spare, full width p50 (s)", "planaria_spares.full_width_s_p50",
-             ".2f", "≤", 1),
-            ("planaria with a spare, full width p99 (s)", "planaria_spares.full_width_s_p99",
-             ".2f", "≤", 1))
-    for label, path, fmt, op, bound in rows:
+    for label, path, fmt, op, bound in GOODPUT_TARGETS:
+        bound = target if bound is None else bound
         value = runs[path]["median"] if path in runs else _figure(r, path)
         each = ", ".join(_f(v, fmt) for v in runs[path]["runs"]) if path in runs else "one"
-        met = None if value is None else {"≥": value >= bound, ">": value > bound,
-                                          "≤": value <= bound}[op]
+        met = None if value is None else COMPARE[op](value, bound)
         out.append(f"| {label} | {_f(value, fmt)} | {each} | {op} {bound} | {_ok(met)} |")
     return [*out, ""]
 
