@@ -58,3 +58,22 @@ def s3_options():
     yield options
     server.stop()
     mp.undo()
+
+
+EVENTS_SHOWN = 60  # the last events of each run a failed test wrote
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test (a timeout included) shows the end of every event log it wrote: what
+    the job was doing when it failed, which the run directory under tmp_path no longer
+    holds on a CI machine."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when != "call" or not report.failed or tmp is None:
+        return
+    for log in sorted(tmp.rglob("events.jsonl")):
+        lines = log.read_text(errors="replace").splitlines()[-EVENTS_SHOWN:]
+        report.sections.append((f"events: {log.relative_to(tmp)}", "\n".join(
+            line[:400] for line in lines)))

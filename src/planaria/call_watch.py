@@ -7,6 +7,11 @@ training. Here each call gets one completion callback when the watch starts
 (``ObjectRef.future()``: Ray calls back when the result, or the worker's death,
 reaches this process), which puts the call on a queue; a wait takes what the
 queue holds. A death is known the moment Ray reports it, whichever call it ends.
+
+The callbacks are the fast path, not the only one: :meth:`CallWatch.recheck` asks
+Ray directly (one ``ray.wait`` over the calls still pending), which the
+controller does when no call has ended for a while, so a completion whose
+callback never came costs seconds, not the call's whole deadline.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import queue
 from collections.abc import Iterable
 from typing import Any
+
+import ray
 
 __all__ = ["CallWatch"]
 
@@ -37,9 +44,27 @@ class CallWatch:
                 ended.append(self._ended.get_nowait())
         except queue.Empty:
             pass
+        # Not those taken already (by recheck) or dropped: each call ends once.
+        ended = [r for r in ended if self._pending.pop(r, False) is None]
+        return ended
+
+    def recheck(self) -> list[Any]:
+        """The pending calls Ray says have ended (a ``ray.wait`` that does not block), taken
+        off the watch as :meth:`wait` would; for each, its callback had not come."""
+        if not self._pending:
+            return []
+        refs = list(self._pending)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ended = [r for r in done if r in self._pending]
         for ref in ended:
             self._pending.pop(ref, None)
         return ended
+
+    def drop(self, refs: Iterable[Any]) -> None:
+        """Stops waiting on ``refs`` (calls to workers the controller killed: their end is
+        known). A callback that comes later is ignored."""
+        for ref in refs:
+            self._pending.pop(ref, None)
 
     @property
     def pending(self) -> list[Any]:

@@ -64,6 +64,10 @@ _mlog = logging.getLogger("planaria.membership")
 RAY_START_ATTEMPTS = 3
 """Tries at starting a local Ray node (its start can time out on a loaded machine)."""
 LOSS_HISTORY = 100_000  # committed (step, loss) pairs kept in memory; the event log has all
+RECHECK_S = 2.0
+"""A wait in which no call has ended for this long asks Ray whether one has (see CallWatch)."""
+WAIT_REPORT_S = 30.0
+"""A wait logs whom it still waits for, and their heartbeats, this often."""
 
 
 @dataclass
@@ -644,6 +648,11 @@ class Job:
         micro-batch. Past ``deadline_s`` (the last resort), the workers not waiting
         on a peer are hung, or all of them if every one is. ``poll`` is called
         between waits (at least every 0.25 s) while no call has failed.
+
+        Calls end by Ray's notices (:class:`~planaria.call_watch.CallWatch`); when none
+        has come for :data:`RECHECK_S`, Ray is asked directly, so a lost notice costs
+        seconds. A worker evicted as hung is not waited for: it was killed. A long wait
+        logs, every :data:`WAIT_REPORT_S`, whom it waits for and what they are doing.
         """
         by_ref = {ref: name for name, ref in refs.items()}
         results: dict[str, Any] = {}
@@ -652,6 +661,7 @@ class Job:
         end = time.monotonic() + deadline_s
         calls = CallWatch(by_ref)  # a wait costs O(1) in the number of calls
         self.liveness.watch(list(refs))
+        began = last_end = last_report = time.monotonic()
         while len(calls):
             now = time.monotonic()
             if now >= end:
@@ -660,7 +670,15 @@ class Job:
                     hung += late
                     break
                 end = now + 1.0  # every one of them still moves checkpoint bytes
-            for ref in calls.wait(min(0.25, end - now)):
+            ended = calls.wait(min(0.25, end - now))
+            if not ended and time.monotonic() - last_end >= RECHECK_S:
+                ended = calls.recheck()  # a second source: Ray's callback may not have come
+                if ended:
+                    _log.warning("the calls to %s had ended without Ray's notice; found by "
+                                 "asking", ", ".join(by_ref[r] for r in ended))
+                last_end = time.monotonic()
+            for ref in ended:
+                last_end = time.monotonic()
                 name = by_ref[ref]
                 try:
                     results[name] = ray.get(ref)
@@ -669,6 +687,10 @@ class Job:
                     self._abort_generation()
             if not len(calls):
                 break
+            if time.monotonic() - last_report >= WAIT_REPORT_S:
+                last_report = time.monotonic()
+                self._report_wait([by_ref[r] for r in calls.pending], step,
+                                  last_report - began)
             if poll is not None and not errors:
                 poll()
                 if self.liveness.vouched_recently():
@@ -678,7 +700,8 @@ class Job:
             if stale:
                 hung += stale
                 self._abort_generation()
-                self._evict_hung(stale)  # killed: their calls end with ActorDiedError
+                self._evict_hung(stale)  # killed: nothing more to wait for from them
+                calls.drop(r for r in calls.pending if by_ref[r] in stale)
         if not errors and not hung:
             return results
         hung_set = [h for h in dict.fromkeys(hung) if h not in errors or _is_death(errors[h])]
@@ -703,6 +726,18 @@ class Job:
                 workers=list(failure.workers),
             )
         raise failure
+
+    def _report_wait(self, names: list[str], step: int | None, waited_s: float) -> None:
+        """A long wait says who it waits for and what each one's heartbeat says (a call that
+        is busy, not hung, can take this long: a checkpoint read, a long step)."""
+        self.liveness.observe(names)
+        seen = []
+        for n in names:
+            hb = self.liveness.last(n)
+            what = "no heartbeat" if hb is None else f"{hb.phase} at step {hb.step}, gen {hb.gen}"
+            seen.append(f"{n} ({what}, silent {self.liveness.silent_s(n):.1f} s)")
+        _log.warning("waited %.0f s%s on %s", waited_s,
+                     "" if step is None else f" for step {step}", "; ".join(seen))
 
     def _abort_generation(self) -> None:
         """Tells every member of this generation to abandon what it is doing: a call beside
