@@ -60,6 +60,19 @@ def s3_options():
     mp.undo()
 
 
+@pytest.fixture(autouse=True)
+def _planaria_logging_restored() -> Iterator[None]:
+    """A test that runs the CLI installs planaria's log handler on the stream of the moment
+    (pytest's capture, closed after the test): later tests' warnings must not go there."""
+    import logging
+
+    root = logging.getLogger("planaria")
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
 EVENTS_SHOWN = 60  # the last events of each run a failed test wrote
 
 

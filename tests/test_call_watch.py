@@ -10,7 +10,7 @@ import pytest
 import ray
 
 import planaria.controller
-from planaria import fit
+from planaria import HangConfig, fit
 from planaria.call_watch import CallWatch
 from planaria.examples import bn_mlp
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
@@ -113,7 +113,8 @@ def test_a_job_whose_call_notices_never_come_still_trains_and_recovers(
     monkeypatch.setattr(planaria.controller, "WAIT_REPORT_S", 1.0)
     run_dir = tmp_path / "run"
     result = fit(spec, steps=steps, replicas=3, run_dir=run_dir, ledger=True,
-                 chaos="kill:w1@step3,hang:w0@step8")
+                 chaos="kill:w1@step3,hang:w0@step8",
+                 hang=HangConfig(floor_s=1.0))  # the hang's wait outlasts a step's deadline
     assert result.final_step == steps
     assert_same_state(reference, result.state_dict)
     assert_exactly_once(run_dir, num_samples=n, global_batch_size=g, steps=steps)

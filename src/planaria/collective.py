@@ -11,11 +11,19 @@ host beside CUDA parameters; a restore reads into host memory; workers sharing
 one GPU talk over gloo) is staged chunk by chunk through a bounded pool of
 buffers on the group's device (pinned host memory for gloo), never a whole
 extra copy of the state.
+
+A rank waiting in a collective can be told to leave it (:meth:`Collective.interrupt`,
+from another thread: the controller's abort when a peer failed). The wait does not
+rest on the transport noticing a dead peer: a gloo wait ends on the operations'
+completion or on the interrupt, whichever comes first; a closed gloo group is
+released on a thread of its own, since its destructor joins threads that may still
+wait on the peer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -65,6 +73,8 @@ class Collective:
             else torch.device("cpu")
         )
         self._staging: list[torch.Tensor] = []
+        self._wake = threading.Condition()  # an operation ended, or the group was interrupted
+        self._interrupted = False
         prefixed = dist.PrefixStore(f"gen{gen}/{tag}", store)
         _wait_for_peers(store, prefixed, gen, rank, world_size, join_timeout_s)
         self.pg: Any
@@ -102,14 +112,51 @@ class Collective:
         committed) before its gradient is reduced, so the host waits for the stream too.
         """
         try:
+            self._raise_if_interrupted()
+            if works and self.backend == "gloo":
+                self._until_done_or_interrupted(works)
             for work in works:
-                work.wait()
+                work.wait()  # gloo's are done by now: this raises an operation's error
             if works:
                 _sync_cuda()
         except Exception:
             works.clear()  # pending work holds the group's connections too
             self.close()
             raise
+
+    def interrupt(self) -> None:
+        """Makes the wait in progress, and every later one, raise StepAborted (from another
+        thread: a peer failed, so the collective may never complete). Gloo waits end at
+        once; an NCCL group is left to its abort (:meth:`close`)."""
+        with self._wake:
+            self._interrupted = True
+            self._wake.notify_all()
+
+    def _raise_if_interrupted(self) -> None:
+        if self._interrupted:
+            from planaria.errors import StepAborted
+
+            raise StepAborted(f"generation {self.gen}'s collective was interrupted: a peer failed")
+
+    def _until_done_or_interrupted(self, works: list[Any]) -> None:
+        """Blocks until every one of ``works`` is done or :meth:`interrupt` is called.
+        Gloo's point-to-point operations have no future: those are waited for as they are."""
+        try:
+            futures = [w.get_future() for w in works]
+        except RuntimeError:  # "Work::getFuture not implemented" (send, recv)
+            return
+        done = torch.futures.collect_all(futures)
+
+        def wake(_: Any) -> None:  # on a gloo thread
+            with self._wake:
+                self._wake.notify_all()
+
+        done.add_done_callback(wake)
+        with self._wake:
+            while not done.done() and not self._interrupted:
+                self._wake.wait()
+        if not done.done():
+            self._raise_if_interrupted()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Broadcasts a contiguous tensor from rank ``src`` into every rank's ``tensor``."""
@@ -198,6 +245,7 @@ class Collective:
 
     def _start(self, issue: Any) -> list[Any]:
         """Issues the operations (``issue(pg)``) without waiting; on an error closes the group."""
+        self._raise_if_interrupted()
         if self.pg is None:
             raise RuntimeError(f"the process group of generation {self.gen} was closed")
         try:
@@ -214,14 +262,22 @@ class Collective:
         """
         pg, self.pg = self.pg, None
         self._staging = []
-        if pg is not None:
-            # A group whose peer died may refuse a clean shutdown.
-            with contextlib.suppress(Exception):
-                if self.backend == "nccl":
-                    pg.abort()
-                else:
-                    pg.shutdown()
-            del pg
+        if pg is None:
+            return
+        # A group whose peer died may refuse a clean shutdown.
+        with contextlib.suppress(Exception):
+            if self.backend == "nccl":
+                pg.abort()
+            else:
+                pg.shutdown()
+        if self.backend != "nccl":
+            # Its operations may still wait on a peer (until the collective timeout: a group
+            # closed on an error or an interrupt), and a gloo group's destructor joins the
+            # threads they run on: the last reference is dropped on a thread of its own.
+            holder, pg = [pg], None
+            threading.Thread(target=holder.clear, name="planaria-pg-release",
+                             daemon=True).start()
+        del pg
 
 
 def _wait_for_peers(

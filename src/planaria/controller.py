@@ -66,8 +66,12 @@ RAY_START_ATTEMPTS = 3
 LOSS_HISTORY = 100_000  # committed (step, loss) pairs kept in memory; the event log has all
 RECHECK_S = 2.0
 """A wait in which no call has ended for this long asks Ray whether one has (see CallWatch)."""
+CONFIRM_S = 1.0
+"""How long a failure's classification waits to learn whether a worker that answered with
+an error beside a peer's death is alive (see Job._confirm_survivors)."""
 WAIT_REPORT_S = 30.0
-"""A wait logs whom it still waits for, and their heartbeats, this often."""
+"""A wait longer than the step deadline logs whom it still waits for, and their heartbeats,
+this often (not while steps commit)."""
 
 
 @dataclass
@@ -651,8 +655,9 @@ class Job:
 
         Calls end by Ray's notices (:class:`~planaria.call_watch.CallWatch`); when none
         has come for :data:`RECHECK_S`, Ray is asked directly, so a lost notice costs
-        seconds. A worker evicted as hung is not waited for: it was killed. A long wait
-        logs, every :data:`WAIT_REPORT_S`, whom it waits for and what they are doing.
+        seconds. A worker evicted as hung is not waited for: it was killed. A wait past
+        the step deadline logs, every :data:`WAIT_REPORT_S`, whom it waits for and what
+        they are doing.
         """
         by_ref = {ref: name for name, ref in refs.items()}
         results: dict[str, Any] = {}
@@ -687,14 +692,14 @@ class Job:
                     self._abort_generation()
             if not len(calls):
                 break
-            if time.monotonic() - last_report >= WAIT_REPORT_S:
-                last_report = time.monotonic()
-                self._report_wait([by_ref[r] for r in calls.pending], step,
-                                  last_report - began)
             if poll is not None and not errors:
                 poll()
                 if self.liveness.vouched_recently():
                     continue  # steps commit: every rank of the run is alive and moving
+            now = time.monotonic()
+            if now - last_report >= WAIT_REPORT_S and now - began >= self.deadline.seconds:
+                last_report = now  # longer than a step should take: say what holds it
+                self._report_wait([by_ref[r] for r in calls.pending], step, now - began)
             stale = self.liveness.hung([by_ref[r] for r in calls.pending], self.deadline.seconds)
             stale = [n for n in stale if n not in hung]
             if stale:
@@ -704,6 +709,7 @@ class Job:
                 calls.drop(r for r in calls.pending if by_ref[r] in stale)
         if not errors and not hung:
             return results
+        self._confirm_survivors(errors, hung)
         hung_set = [h for h in dict.fromkeys(hung) if h not in errors or _is_death(errors[h])]
         if hung_set:
             self._evict_hung([h for h in hung_set if h in self.names])
@@ -726,6 +732,27 @@ class Job:
                 workers=list(failure.workers),
             )
         raise failure
+
+    def _confirm_survivors(self, errors: dict[str, BaseException], hung: list[str]) -> None:
+        """Workers killed together die a few milliseconds apart: one still running when its
+        peer's death broke the collective answers with that error, then dies itself. A
+        worker that failed beside a death or a hang is asked whether it is alive (a call
+        beside any step, up to :data:`CONFIRM_S`); if it died, its death is its error, so
+        the failure is classified as what happened, not as what it looked like."""
+        if not hung and not any(_is_death(e) for e in errors.values()):
+            return
+        suspects = [n for n, e in errors.items() if not _is_death(e) and n not in hung]
+        handles = {h.name: h for h in self.members if h.name in suspects}
+        if not handles:
+            return
+        pings = {h.actor.alive.remote(): name for name, h in handles.items()}
+        done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=CONFIRM_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as err:
+                if _is_death(err):
+                    errors[pings[ref]] = err
 
     def _report_wait(self, names: list[str], step: int | None, waited_s: float) -> None:
         """A long wait says who it waits for and what each one's heartbeat says (a call that

@@ -897,7 +897,12 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         """A peer of generation ``gen`` failed: abandon its step between micro-batches.
 
         The controller's call, run beside the step (the control concurrency group), so
-        no worker polls for it: nothing per step, nothing per second."""
+        no worker polls for it: nothing per step, nothing per second. A collective of that
+        generation in progress is interrupted: a survivor does not wait on the transport to
+        notice the dead peer."""
+        comm = self.comm
+        if comm is not None and comm.gen <= gen:
+            comm.interrupt()
         self._aborted_gen = max(self._aborted_gen, gen)
         for follower in self._followers:  # no answer awaited: the replica's abandon together
             follower.abort.remote(gen)
@@ -972,6 +977,11 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             raise PlanariaError(
                 f"{what} is not available for sharded replicas (workers_per_replica > 1) yet"
             )
+
+    @ray.method(concurrency_group="control")
+    def alive(self) -> bool:
+        """Answers beside any step: the controller's question after a peer's death."""
+        return True
 
     @ray.method(concurrency_group="control")
     def dump_stack(self) -> str:
