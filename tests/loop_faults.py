@@ -24,3 +24,24 @@ class SignalSelfAt:
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class DieLeavingSocketsOpen:
+    """At ``step``, once its gradient is computed (before the all-reduce): this worker dies
+    by SIGKILL, but a child it forked just before holds its sockets open, so its peers'
+    transport sees no closed connection (as when a dead process's descriptors outlive it).
+    The child exits after ``linger_s``."""
+
+    def __init__(self, step: int, marker: str, linger_s: float = 120.0) -> None:
+        self.step, self.marker, self.linger_s = step, marker, linger_s
+
+    def __call__(self, worker: Any, step: int, phase: str) -> None:
+        if phase == "computed" and step == self.step and not os.path.exists(self.marker):
+            Path(self.marker).write_text(worker.name)
+            if os.fork() == 0:  # the child only sleeps: nothing of the parent's state runs
+                os.setsid()
+                import time
+
+                time.sleep(self.linger_s)
+                os._exit(0)
+            os.kill(os.getpid(), 9)

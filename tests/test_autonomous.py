@@ -32,7 +32,7 @@ from planaria.errors import StepAborted, UserCodeError
 from planaria.examples import bn_mlp
 from planaria.fit import _finish as finish
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
-from tests.loop_faults import SignalSelfAt
+from tests.loop_faults import DieLeavingSocketsOpen, SignalSelfAt
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -165,6 +165,30 @@ def test_a_fault_at_each_phase_of_the_loop(tmp_path, reference, phase, signum):
     assert fault["kind"] == ("worker_lost" if signum == signal.SIGKILL else "worker_hung")
     assert fault["step"] == FAULT_STEP + (phase == "applied")
     assert all(r["lost_steps"] == 0 for r in of(evs, "recovered"))
+
+
+def test_a_death_whose_connections_stay_open_does_not_hold_the_survivors(tmp_path, reference):
+    """w1 dies before the reduction, but a child of it holds its connections open: the
+    survivors' transport never sees it go, and would wait in the all-reduce for the
+    collective timeout (300 s). The controller learns of the death (Ray, or the silent
+    heartbeat) and its abort interrupts their wait: seconds, the fault-free weights,
+    every sample once."""
+    marker = str(tmp_path / "fired")
+    run_dir = tmp_path / "run"
+    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
+    t0 = time.monotonic()
+    with Job(spec(), config) as job:
+        job.run_steps(1)
+        _install(job, "w1", DieLeavingSocketsOpen(FAULT_STEP, marker, linger_s=60))
+        state = _drive(job, STEPS)
+    assert Path(marker).read_text() == "w1"
+    assert time.monotonic() - t0 < 45  # its child keeps the connections open for 60 s
+    assert_same_state(reference, state)
+    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(run_dir)
+    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
+    fault = of(evs, "fault")[0]
+    assert fault["worker"] == "w1" and fault["kind"] in ("worker_lost", "worker_hung")
 
 
 def test_a_survivor_behind_receives_the_state(tmp_path, reference):
