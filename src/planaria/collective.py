@@ -14,10 +14,10 @@ extra copy of the state.
 
 A rank waiting in a collective can be told to leave it (:meth:`Collective.interrupt`,
 from another thread: the controller's abort when a peer failed). The wait does not
-rest on the transport noticing a dead peer: a gloo wait ends on the operations'
-completion or on the interrupt, whichever comes first; a closed gloo group is
-released on a thread of its own, since its destructor joins threads that may still
-wait on the peer.
+rest on the transport noticing a dead peer: a gloo all-reduce is waited for in
+slices, with a look at the interrupt between them; a closed gloo group is released
+on a thread of its own, since its destructor joins threads that may still wait on
+the peer.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ __all__ = ["Collective", "connect_store"]
 CHUNK_BYTES = 32 << 20  # big sends in chunks: gloo moves 8 chunks ~10x faster than one cold call
 STAGING_SLOTS = 4  # chunks of another device's tensor in flight at once (4 x 32 MB staged)
 PRESENCE_POLL_S = 0.1  # how often a rank waiting for its peers looks at the abort key
+WAIT_SLICE_S = 0.05  # how often a rank waiting in a gloo collective looks at its interrupt
+WAIT_SLICE = timedelta(seconds=WAIT_SLICE_S)
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -73,8 +75,7 @@ class Collective:
             else torch.device("cpu")
         )
         self._staging: list[torch.Tensor] = []
-        self._wake = threading.Condition()  # an operation ended, or the group was interrupted
-        self._interrupted = False
+        self._interrupted = False  # set from another thread (interrupt)
         prefixed = dist.PrefixStore(f"gen{gen}/{tag}", store)
         _wait_for_peers(store, prefixed, gen, rank, world_size, join_timeout_s)
         self.pg: Any
@@ -104,19 +105,22 @@ class Collective:
             return []
         return self._start(lambda pg: [pg.allreduce([t]) for t in tensors])
 
-    def wait_all(self, works: list[Any]) -> None:
+    def wait_all(self, works: list[Any], *, interruptible: bool = True) -> None:
         """Waits for operations :meth:`allreduce_start` started; on an error closes the group.
 
         On a GPU, ``work.wait()`` only orders the current stream after NCCL's: the host
         goes on before the reduction has finished. A step must not be reported (and
         committed) before its gradient is reduced, so the host waits for the stream too.
+        A gloo collective's wait ends early on :meth:`interrupt` (``interruptible``; not
+        for point-to-point transfers, whose timed waits gloo cannot resume).
         """
         try:
             self._raise_if_interrupted()
-            if works and self.backend == "gloo":
-                self._until_done_or_interrupted(works)
             for work in works:
-                work.wait()  # gloo's are done by now: this raises an operation's error
+                if interruptible and self.backend == "gloo":
+                    self._wait_interruptibly(work)
+                else:
+                    work.wait()
             if works:
                 _sync_cuda()
         except Exception:
@@ -126,11 +130,9 @@ class Collective:
 
     def interrupt(self) -> None:
         """Makes the wait in progress, and every later one, raise StepAborted (from another
-        thread: a peer failed, so the collective may never complete). Gloo waits end at
-        once; an NCCL group is left to its abort (:meth:`close`)."""
-        with self._wake:
-            self._interrupted = True
-            self._wake.notify_all()
+        thread: a peer failed, so the collective may never complete). A gloo wait ends
+        within :data:`WAIT_SLICE_S`; an NCCL group is left to its abort (:meth:`close`)."""
+        self._interrupted = True
 
     def _raise_if_interrupted(self) -> None:
         if self._interrupted:
@@ -138,24 +140,18 @@ class Collective:
 
             raise StepAborted(f"generation {self.gen}'s collective was interrupted: a peer failed")
 
-    def _until_done_or_interrupted(self, works: list[Any]) -> None:
-        """Blocks until every one of ``works`` is done or :meth:`interrupt` is called.
-        Gloo's point-to-point operations have no future: those are waited for as they are."""
-        try:
-            futures = [w.get_future() for w in works]
-        except RuntimeError:  # "Work::getFuture not implemented" (send, recv)
-            return
-        done = torch.futures.collect_all(futures)
-
-        def wake(_: Any) -> None:  # on a gloo thread
-            with self._wake:
-                self._wake.notify_all()
-
-        done.add_done_callback(wake)
-        with self._wake:
-            while not done.done() and not self._interrupted:
-                self._wake.wait()
-        if not done.done():
+    def _wait_interruptibly(self, work: Any) -> None:
+        """``work.wait()`` in slices of :data:`WAIT_SLICE_S`, looking at the interrupt between
+        them: a gloo collective's timed wait that expires leaves the operation running, and
+        the next wait takes it up (as fast as one plain wait when the operation is done
+        within the first slice)."""
+        while True:
+            try:
+                work.wait(timeout=WAIT_SLICE)
+                return
+            except RuntimeError as err:
+                if "timed out" not in str(err).lower() or work.is_completed():
+                    raise
             self._raise_if_interrupted()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -241,7 +237,7 @@ class Collective:
         from it (not from the dead rank) only notices when its sockets close, and
         would otherwise wait for the whole collective timeout.
         """
-        self.wait_all(self._start(issue))
+        self.wait_all(self._start(issue), interruptible=False)
 
     def _start(self, issue: Any) -> list[Any]:
         """Issues the operations (``issue(pg)``) without waiting; on an error closes the group."""
