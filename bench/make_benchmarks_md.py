@@ -344,7 +344,10 @@ def render_recovery(rec: dict[str, Any]) -> list[str]:
     if sc:
         out += [
             f"planaria's recovery against state size ({sc['replicas_for_sizes']} replicas) and "
-            f"replica count (`{sc['size_for_replicas']}`): a kill at step {sc['kill_at_step']} of "
+            f"replica count (`{sc['size_for_replicas']}`"
+            + (f", micro-batches of {sc['micro_batch_for_replicas']} so that every rank gets one"
+               if sc.get("micro_batch_for_replicas") else "")
+            + f"): a kill at step {sc['kill_at_step']} of "
             f"{sc['steps']}; back at full width = kill → first commit at the width before it "
             "(the replacement started, received the state and stepped). Above "
             f"{sc['cores']} replicas they share this machine's cores (oversubscribed).",

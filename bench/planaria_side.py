@@ -64,8 +64,9 @@ def _mean_loss(model: Any, batch: Any) -> Any:
     return common.loss_fn(model, batch) / len(batch[1])
 
 
-def make_spec(size: str = "small") -> Any:
-    """The benchmark workload as a planaria TrainSpec (global batch 64, micro-batch 16)."""
+def make_spec(size: str = "small", micro_batch_size: int = common.MICRO_BATCH) -> Any:
+    """The benchmark workload as a planaria TrainSpec (global batch 48, micro-batch 8 unless
+    given: more replicas than 6 need smaller micro-batches, one at least per rank)."""
     import planaria
 
     return planaria.TrainSpec(
@@ -75,7 +76,7 @@ def make_spec(size: str = "small") -> Any:
         dataset=functools.partial(common.make_dataset, size=size),
         collate=common.collate,
         global_batch_size=common.GLOBAL_BATCH,
-        micro_batch_size=common.MICRO_BATCH,
+        micro_batch_size=micro_batch_size,
         seed=common.SEED,
         name=f"bench-{size}",
     )
@@ -339,6 +340,7 @@ def run_planaria_kill(
     victim: str = "w1",
     join_wait_s: float = 180.0,
     run_dir: str | os.PathLike | None = None,
+    micro_batch_size: int = common.MICRO_BATCH,
     **run_options: Any,
 ) -> dict[str, Any]:
     """Resize policy; ``kill:<victim>@step<kill_at_step>`` through planaria's chaos plan.
@@ -359,7 +361,7 @@ def run_planaria_kill(
     config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads,
                        **run_options)
     chaos = planaria.ChaosPlan.parse(f"kill:{victim}@step{kill_at_step}")
-    job = planaria.Job(make_spec(size), config, chaos=chaos)
+    job = planaria.Job(make_spec(size, micro_batch_size), config, chaos=chaos)
     with job:
         while job.steps_done < steps:
             try:

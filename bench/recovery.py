@@ -30,9 +30,10 @@ Then, planaria alone (``--no-scaling`` skips it), recovery against the state's
 size and the replica count: the kill → first commit back at full width
 (``full_width_s``: the replacement started, received the state and stepped)
 with ~10 MB, ~130 MB and ~0.9 GB of state (parameters and Adam's moments) at 2
-replicas, and with 2, 4 and 8 replicas of the ~10 MB model (above this
-machine's cores the replicas share them: labelled oversubscribed), each with
-its state transfer's size and throughput.
+replicas, and with 2, 4 and 8 replicas of the ~10 MB model (in micro-batches
+of 6, so that 8 ranks get one each; above this machine's cores the replicas
+share them: labelled oversubscribed), each with its state transfer's size and
+throughput.
 
 The last line printed is one JSON object (``"bench": "recovery"``).
 """
@@ -106,8 +107,13 @@ def _scaling(args: argparse.Namespace, wd: Path) -> dict[str, Any]:
     kill = steps // 2
     cores = os.cpu_count() or 1
 
-    def one(size: str, n: int) -> dict[str, Any]:
-        r = run_planaria_kill(steps, kill, size, n, run_dir=wd / f"scaling_{size}_{n}")
+    # Every replica count runs the same workload, in micro-batches small enough that the
+    # largest count gives each rank one (48 samples: 8 replicas -> micro-batches of 6).
+    micro = min(common.MICRO_BATCH, common.GLOBAL_BATCH // max(counts, default=1))
+
+    def one(size: str, n: int, micro_batch_size: int = common.MICRO_BATCH) -> dict[str, Any]:
+        r = run_planaria_kill(steps, kill, size, n, run_dir=wd / f"scaling_{size}_{n}",
+                              micro_batch_size=micro_batch_size)
         row = {k: r[k] for k in ("full_width_s", "back_s", "recover_s", "lost_steps",
                                  "replacement_s", "join_s", "transfer_bytes", "transfer_s",
                                  "transfer_gb_per_s", "step_ms_median")}
@@ -121,10 +127,10 @@ def _scaling(args: argparse.Namespace, wd: Path) -> dict[str, Any]:
 
     print("recovery against state size (2 replicas) and replica count", flush=True)
     by_size = {size: one(size, 2) for size in sizes}
-    by_replicas = {str(n): one(sizes[0], n) for n in counts}
+    by_replicas = {str(n): one(sizes[0], n, micro) for n in counts}
     return {"by_size": by_size, "by_replicas": by_replicas, "replicas_for_sizes": 2,
-            "size_for_replicas": sizes[0], "steps": steps, "kill_at_step": kill,
-            "cores": cores}
+            "size_for_replicas": sizes[0], "micro_batch_for_replicas": micro, "steps": steps,
+            "kill_at_step": kill, "cores": cores}
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
