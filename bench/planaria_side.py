@@ -293,7 +293,8 @@ def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
     signal's time (the ``fault`` record's ``fault_t``), ``s_max`` the highest step
     committed before it, ``recover_s`` = kill → next committed step, ``back_s`` =
     kill → first commit of a step beyond ``s_max``, ``full_width_s`` = kill → first
-    commit at the width before the kill (the replacement in), ``lost_steps`` = steps
+    commit, of a step begun after the kill, at the width before it (the replacement
+    in), ``lost_steps`` = steps
     ``<= s_max`` committed again after the kill.
     """
     faults = [e for e in events if e["event"] == "fault"]
@@ -306,7 +307,9 @@ def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
     s_max = max((e["step"] for e in before), default=-1)
     beyond = [e for e in after if e["step"] > s_max]
     full = max((e["width"] for e in before), default=None)
-    at_full = [e for e in after if e["width"] == full]
+    # Begun after the kill: a step in flight at the kill that still committed at full width
+    # (its reductions were done when the signal landed) is not the replacement's.
+    at_full = [e for e in after if e["width"] == full and e["t"] - e["duration_s"] > t_kill]
     joined = [e for e in events if e["event"] == "joined"]
     transfer = [e for e in events if e["event"] == "state_transfer"]
     ready = [e for e in events if e["event"] == "replacement_ready"]

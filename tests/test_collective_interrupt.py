@@ -3,7 +3,8 @@
 The controller interrupts a generation's collectives when one of its workers failed
 (Worker.abort). Here a real two-rank gloo group where rank 1 is alive but never
 joins the all-reduce rank 0 waits in (as when a dead peer's connection stays open):
-rank 0's wait ends on the interrupt, the abandoned group is released without
+a wait longer than its slices still ends with the operation's result; rank 0's
+wait ends on the interrupt, the abandoned group is released without
 blocking, and every later wait on the group raises at once.
 """
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planaria.collective import Collective
+from planaria.collective import WAIT_SLICE_S, Collective
 from planaria.errors import StepAborted
 
 pytestmark = pytest.mark.multiprocess
@@ -32,6 +33,14 @@ def _rank(rank: int, port: int, q: mp.Queue) -> None:
         x = torch.ones(1000)
         comm.allreduce_sum([x])  # the group works
         q.put(("sum", rank, float(x[0])))
+        sums = []
+        for k in range(12):  # a peer late by several wait slices, and by a slice's edges
+            if rank == 1:
+                time.sleep(WAIT_SLICE_S * (k / 4) + 0.001 * (k % 3))
+            y = torch.ones(1000)
+            comm.allreduce_sum([y])
+            sums.append(float(y[0]))
+        q.put(("late peer", rank, float(sum(sums))))
         if rank == 1:
             time.sleep(20)  # alive, connections open, never in the next collective
             return
@@ -59,12 +68,13 @@ def test_an_interrupt_ends_a_wait_whose_peer_never_comes():
     for p in procs:
         p.start()
     try:
-        got = [q.get(timeout=60) for _ in range(4)]
+        got = [q.get(timeout=60) for _ in range(6)]
     finally:
         for p in procs:
             p.kill()
     assert not [g for g in got if g[0] == "error"], got
     assert sorted(g[2] for g in got if g[0] == "sum") == [2.0, 2.0]
+    assert [g[2] for g in got if g[0] == "late peer"] == [24.0, 24.0]  # every wait ended well
     waited = next(g[2] for g in got if g[0] == "interrupted")
     assert 0.4 < waited < 3.0  # the interrupt's 0.5 s, not the collective timeout's 60
     assert next(g[2] for g in got if g[0] == "later") < 0.5

@@ -38,6 +38,7 @@ STAGING_SLOTS = 4  # chunks of another device's tensor in flight at once (4 x 32
 PRESENCE_POLL_S = 0.1  # how often a rank waiting for its peers looks at the abort key
 WAIT_SLICE_S = 0.05  # how often a rank waiting in a gloo collective looks at its interrupt
 WAIT_SLICE = timedelta(seconds=WAIT_SLICE_S)
+SLICE_EXPIRED = "Operation timed out!"  # c10d's Work.wait(timeout) when the timeout passes
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -150,8 +151,10 @@ class Collective:
                 work.wait(timeout=WAIT_SLICE)
                 return
             except RuntimeError as err:
-                if "timed out" not in str(err).lower() or work.is_completed():
-                    raise
+                if SLICE_EXPIRED not in str(err):
+                    raise  # the operation's own error (its own timeout included)
+            # The slice expired (the operation may have ended just after: the next wait
+            # returns at once, or raises the operation's error).
             self._raise_if_interrupted()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
