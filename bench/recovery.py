@@ -112,7 +112,8 @@ def _scaling(args: argparse.Namespace, wd: Path) -> dict[str, Any]:
     micro = min(common.MICRO_BATCH, common.GLOBAL_BATCH // max(counts, default=1))
 
     def one(size: str, n: int, micro_batch_size: int = common.MICRO_BATCH) -> dict[str, Any]:
-        r = run_planaria_kill(steps, kill, size, n, run_dir=wd / f"scaling_{size}_{n}",
+        run_dir = wd / f"scaling_{size}_{n}x_mb{micro_batch_size}"  # one run, one directory
+        r = run_planaria_kill(steps, kill, size, n, run_dir=run_dir,
                               micro_batch_size=micro_batch_size)
         row = {k: r[k] for k in ("full_width_s", "back_s", "recover_s", "lost_steps",
                                  "replacement_s", "join_s", "transfer_bytes", "transfer_s",
