@@ -709,7 +709,7 @@ class Job:
                 calls.drop(r for r in calls.pending if by_ref[r] in stale)
         if not errors and not hung:
             return results
-        self._confirm_survivors(errors, hung)
+        self._confirm_survivors(errors, hung, list(results))
         hung_set = [h for h in dict.fromkeys(hung) if h not in errors or _is_death(errors[h])]
         if hung_set:
             self._evict_hung([h for h in hung_set if h in self.names])
@@ -733,15 +733,19 @@ class Job:
             )
         raise failure
 
-    def _confirm_survivors(self, errors: dict[str, BaseException], hung: list[str]) -> None:
+    def _confirm_survivors(
+        self, errors: dict[str, BaseException], hung: list[str], answered: list[str]
+    ) -> None:
         """Workers killed together die a few milliseconds apart: one still running when its
-        peer's death broke the collective answers with that error, then dies itself. A
-        worker that failed beside a death or a hang is asked whether it is alive (a call
-        beside any step, up to :data:`CONFIRM_S`); if it died, its death is its error, so
-        the failure is classified as what happened, not as what it looked like."""
+        peer's death broke the collective answers with that error (or, done already, with
+        its result), then dies itself. Beside a death or a hang, every other worker that
+        answered is asked whether it is alive (a call beside any step, up to
+        :data:`CONFIRM_S`); one that died gets its death as its error, so the failure is
+        classified as what happened, not as what it looked like."""
         if not hung and not any(_is_death(e) for e in errors.values()):
             return
         suspects = [n for n, e in errors.items() if not _is_death(e) and n not in hung]
+        suspects += [n for n in answered if n not in errors and n not in hung]
         handles = {h.name: h for h in self.members if h.name in suspects}
         if not handles:
             return
