@@ -44,9 +44,7 @@ class CallWatch:
                 ended.append(self._ended.get_nowait())
         except queue.Empty:
             pass
-        # Not those taken already (by recheck) or dropped: each call ends once.
-        ended = [r for r in ended if self._pending.pop(r, False) is None]
-        return ended
+        return self._take(ended)
 
     def recheck(self) -> list[Any]:
         """The pending calls Ray says have ended (a ``ray.wait`` that does not block), taken
@@ -55,10 +53,12 @@ class CallWatch:
             return []
         refs = list(self._pending)
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        ended = [r for r in done if r in self._pending]
-        for ref in ended:
-            self._pending.pop(ref, None)
-        return ended
+        return self._take(done)
+
+    def _take(self, refs: list[Any]) -> list[Any]:
+        """Of ``refs``, those still pending, taken off the watch: each call ends once (not
+        again when its callback comes after a recheck took it, nor after a drop)."""
+        return [r for r in refs if self._pending.pop(r, False) is None]
 
     def drop(self, refs: Iterable[Any]) -> None:
         """Stops waiting on ``refs`` (calls to workers the controller killed: their end is

@@ -681,9 +681,10 @@ class Job:
                 if ended:
                     _log.warning("the calls to %s had ended without Ray's notice; found by "
                                  "asking", ", ".join(by_ref[r] for r in ended))
+                last_end = time.monotonic()  # asked: the next ask is RECHECK_S away
+            if ended:
                 last_end = time.monotonic()
             for ref in ended:
-                last_end = time.monotonic()
                 name = by_ref[ref]
                 try:
                     results[name] = ray.get(ref)
