@@ -110,6 +110,19 @@ def last_json(text: str) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
+def commit() -> str | None:
+    """The checkout's commit (``-dirty`` when tracked files differ from it), or None outside
+    a git checkout: every result records what it measured."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=_REPO, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty.strip() else "")
+
+
 def save(
     name: str, result: dict[str, Any], command: str, *, when: float | None = None,
     machine_info: dict[str, Any] | None = None, path: Path | None = None, **extra: Any
@@ -121,6 +134,7 @@ def save(
     record = {
         "bench": name,
         "command": command,
+        "commit": extra.pop("commit", None) or commit(),
         "date": stamp.isoformat(timespec="seconds"),
         "machine": machine_info or machine(),
         **extra,
@@ -179,12 +193,23 @@ def _f(x: Any, spec: str = ".2f") -> str:
     return str(x)
 
 
+def _within(value: float | None, ci: Any, bound: float) -> bool | None:
+    """A "<= bound" target is met only where the 95 % interval's upper end is within it
+    (the point estimate where no interval was measured)."""
+    if value is None:
+        return None
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and ci[1] is not None:
+        return float(ci[1]) <= bound
+    return value <= bound
+
+
 def _ok(met: bool | None) -> str:
     return "—" if met is None else ("met" if met else "**missed**")
 
 
 def _header(rec: dict[str, Any]) -> list[str]:
-    lines = [f"Command: `{rec['command']}` — {rec['date']}"]
+    lines = [f"Command: `{rec['command']}` — {rec['date']}"
+             + (f", commit `{rec['commit'][:12]}`" if rec.get("commit") else "")]
     load = rec["result"].get("loadavg") or {}
     before = rec.get("loadavg_before") or load.get("before")
     after = rec.get("loadavg_after") or load.get("after")
@@ -214,7 +239,8 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
     paragraph = len(out)
     out += [
         f"Model `{r.get('size')}`, {r.get('replicas')} replicas x {r.get('threads')} torch "
-        f"thread, global batch 64 (micro-batch 16), {r.get('steps')} steps per run with "
+        f"thread, global batch {r.get('global_batch', 48)} "
+        f"(micro-batch {r.get('micro_batch', 8)}), {r.get('steps')} steps per run with "
         f"{r.get('warmup')} warm-up steps left out, {len(r.get('rounds') or [])} interleaved "
         + ("rounds (planaria, DDP, ...; the per-step protocol too in the first "
            f"{r['per_step_rounds']}); medians over every steady step, 95% intervals "
@@ -228,7 +254,7 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
         f"| median step time (ms), `{r.get('size')}` model | {_f(r['planaria_step_ms'], '.2f')} "
         f"| {_f(r['ddp_step_ms'], '.2f')} | {_f(ratio, '.3f')}{_ci(r.get('ratio_ci95'), '.3f')} "
         f"| {_f(r.get('fixed_ms'), '+.2f')}{_ci(r.get('fixed_ms_ci95'), '+.2f')} | ≤ 1.03: "
-        f"{_ok(None if ratio is None else ratio <= 1.03)} |",
+        f"{_ok(_within(ratio, r.get('ratio_ci95'), 1.03))} |",
     ]
     if r.get("repeats"):
         out[paragraph] += _runs(r, ", by the small model's ratio")
@@ -246,7 +272,7 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
             f"{_f(tiny['ddp_step_ms'], '.2f')} | {_f(tr, '.3f')}"
             f"{_ci(tiny.get('ratio_ci95'), '.3f')} | {_f(tiny.get('fixed_ms'), '+.2f')}"
             f"{_ci(tiny.get('fixed_ms_ci95'), '+.2f')} | ≤ 1.15: "
-            f"{_ok(None if tr is None else tr <= 1.15)} |"
+            f"{_ok(_within(tr, tiny.get('ratio_ci95'), 1.15))} |"
         )
         if tiny.get("per_step_protocol_step_ms") is not None:
             out.append(
@@ -297,7 +323,11 @@ def render_recovery(rec: dict[str, Any]) -> list[str]:
         f"Model `{r.get('size')}`, {r.get('replicas')} replicas x 1 thread, {r.get('steps')} "
         f"steps, one worker SIGKILLed at step {r.get('kill_at_step')}. planaria: resize policy, "
         "kill by its chaos plan, replacement hot-joins; torchrun: DDP, checkpoint every "
-        f"{tr.get('ckpt_every')} steps, `--max-restarts`; torchft: replica groups + lighthouse. "
+        f"{tr.get('ckpt_every')} steps, `--max-restarts`; torchft: replica groups + lighthouse "
+        f"at a {ft.get('heartbeat_ms', 1000)} ms heartbeat with a synchronous quorum (not its "
+        "best configuration: measured side by side and interleaved, torchft was back in 0.35 s "
+        "at a 250 ms heartbeat and 0.17 s at 100 ms, planaria in 0.15 s; the peers are to be "
+        "swept before a ratio against torchft is claimed). "
         f"{r.get('repeat', 1)} kill run(s) per system, interleaved; the table shows each "
         "system's median run (by back_s); every run's back_s below.",
         "",
@@ -498,6 +528,13 @@ def render_goodput(rec: dict[str, Any]) -> list[str]:
         each = ", ".join(_f(v, fmt) for v in runs[path]["runs"]) if path in runs else "one"
         met = None if value is None else COMPARE[op](value, bound)
         out.append(f"| {label} | {_f(value, fmt)} | {each} | {op} {bound} | {_ok(met)} |")
+    out += ["", "Restated after an outside audit: at this regime (23 ms steps, 10 MB of state) "
+            "every system is near 1. torchft's gloo timeout (2 s) was not swept, its heartbeat "
+            "sweep was best at its edge (250 ms), its replacement starts cold where planaria's "
+            "spare forks from a warm server, and the three runs likely drew the same kills; "
+            "with a median instead of the per-stretch mean estimator the ratio against torchft "
+            "reads about 1.000. So no lead over torchft is claimed from this table; the ratio "
+            "against torchrun (interval swept) stands."]
     return [*out, ""]
 
 
