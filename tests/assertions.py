@@ -31,12 +31,15 @@ def assert_exactly_once(
     records = Ledger.committed_records(Path(run_dir))
     assert sorted(records) == list(range(steps)), f"steps in ledger: {sorted(records)}"
     plan = DataPlan(num_samples, global_batch_size, seed=seed)
+    skipped = Ledger.skipped_samples(Path(run_dir))  # a work fault's samples, skipped on purpose
     stream: list[int] = []
     for step in range(steps):
         served = records[step]
         assert served, f"step {step} was committed with no served record"
         ids = [int(i) for r in served for i in r["ids"]]
-        assert sorted(ids) == sorted(plan.batch(step).tolist()), (
+        planned = [i for i in plan.batch(step).tolist()
+                   if not (i in skipped and skipped[i] <= step)]
+        assert sorted(ids) == sorted(planned), (
             f"step {step} was served other samples than its plan"
         )
         if dataset is not None:
@@ -47,7 +50,8 @@ def assert_exactly_once(
                     assert d == sample_digest(dataset[i]), (
                         f"step {step}: {r['worker']} was served other content for sample {i}"
                     )
-        stream += ids
+        # Served, and skipped on purpose: together, every sample once per epoch.
+        stream += ids + [i for i in plan.batch(step).tolist() if i not in planned]
     full_epochs = len(stream) // num_samples
     for epoch in range(full_epochs):
         counts = Counter(stream[epoch * num_samples : (epoch + 1) * num_samples])

@@ -169,7 +169,7 @@ def test_a_quiet_worker_skips_its_heartbeat_writes():
     stop = threading.Event()
     written: list[int] = []
 
-    def record() -> str:
+    def record(gap_s: float = 0.0) -> str:
         written.append(1)
         return Heartbeat(len(written), "compute", 0, 0, False, 0).format()
 
@@ -205,3 +205,61 @@ def test_a_fault_is_dated_no_earlier_than_the_last_vouch():
     clock.t += 0.5
     t = live.last_alive_t("w0")
     assert t is not None and abs((time.time() - t) - 0.5) < 0.1
+
+
+def record(store: dist.Store, name: str, n: int, phase: str, progress: int, *, work: str = "",
+           busy: int = 0, gap_ms: int = 0) -> None:
+    store.set(f"hb/{name}",
+              Heartbeat(n, phase, 3, 0, False, progress, work, busy, gap_ms).format())
+
+
+def test_a_busy_thread_is_progress_though_no_micro_batch_ends():
+    store, live, clock = make()
+    for i in range(40):  # a 40 s micro-batch whose thread computes: busy beats move
+        record(store, "w0", i, "compute", 7, work="m3", busy=i)
+        clock.t += 1.0
+        assert live.hung(["w0"], deadline_s=5.0) == []
+    for i in range(40, 47):  # the same thread blocked: no busy beat
+        record(store, "w0", i, "compute", 7, work="m3", busy=39)
+        clock.t += 1.0
+    assert live.hung(["w0"], deadline_s=5.0) == ["w0"]
+
+
+def test_a_deadline_can_depend_on_the_work_the_record_names():
+    store, live, clock = make()
+    record(store, "w0", 0, "loading", 7, work="i42")
+    live.observe(["w0"])
+    for i in range(1, 30):
+        record(store, "w0", i, "loading", 7, work="i42")
+        clock.t += 1.0
+    # 29 s on one sample: past a 5 s step deadline, within a 120 s I/O deadline.
+    assert live.hung(["w0"], deadline_s=5.0) == ["w0"]
+    assert live.hung(["w0"], deadline_s=lambda hb: 120.0 if hb.phase == "loading" else 5.0) == []
+
+
+def test_the_heartbeat_timeout_grows_with_the_longest_pause_a_live_worker_reports():
+    store, live, clock = make()
+    record(store, "w0", 0, "compute", 1)
+    live.observe(["w0"])
+    assert live.timeout_s == 3.0
+    record(store, "w0", 1, "compute", 2, gap_ms=2500)  # it paused 2.5 s and came back
+    live.observe(["w0"])
+    assert live.timeout_s == 7.5  # three times the pause
+    clock.t += 7.0
+    assert live.hung(["w0"], deadline_s=600.0) == []  # a like pause is no hang now
+    clock.t += 1.0
+    assert live.hung(["w0"], deadline_s=600.0) == ["w0"]
+
+
+def test_every_rank_waiting_on_peers_with_no_progress_is_noticed():
+    store, live, clock = make()
+    for i in range(8):
+        record(store, "w0", i, "reduce", 4)
+        record(store, "w1", i, "reduce", 9)
+        live.observe(["w0", "w1"])
+        clock.t += 1.0
+    assert live.all_waiting(["w0", "w1"], for_s=5.0)
+    assert not live.all_waiting(["w0", "w1"], for_s=10.0)
+    record(store, "w1", 9, "compute", 10)
+    live.observe(["w1"])
+    assert not live.all_waiting(["w0", "w1"], for_s=5.0)

@@ -23,6 +23,8 @@ from planaria.errors import (
     UserCodeError,
     WorkerHung,
     WorkerLost,
+    WorkerUnreachable,
+    WorkFault,
 )
 from planaria.fit import FitResult, fit
 from planaria.policy import HangConfig, RecoveryPolicy
@@ -49,8 +51,10 @@ __all__ = [
     "StepResult",
     "TrainSpec",
     "UserCodeError",
+    "WorkFault",
     "WorkerHung",
     "WorkerLost",
+    "WorkerUnreachable",
     "__version__",
     "elastic_retry",
     "fit",

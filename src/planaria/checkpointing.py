@@ -466,6 +466,7 @@ class Checkpointer:
                 h.has_state = True
             meta = manifest.meta
             job.steps_done = manifest.step
+            job.skipped_samples.update(int(i) for i in meta.get("skipped_samples") or ())
             if reason == "resume" and isinstance(meta.get("deadline"), dict):
                 job.deadline.load_state_dict(meta["deadline"])
             self.last_committed, self.last_path = manifest.step, c.path
@@ -624,6 +625,7 @@ class Checkpointer:
             workers_per_replica=job.config.workers_per_replica,
             run_id=self.run_id,
             lineage=list(self.lineage),
+            skipped_samples=sorted(job.skipped_samples),
         )
         if self.interval is not None:
             self.interval.observe_stall(save.stall_s)

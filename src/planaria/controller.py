@@ -23,6 +23,7 @@ import ray
 import torch
 
 from planaria._version import __version__
+from planaria.attribution import Attribution, Blame, Sighting
 from planaria.call_watch import CallWatch
 from planaria.chaos import ChaosPlan, send_signal
 from planaria.compile_cache import CACHE_FILE
@@ -38,11 +39,13 @@ from planaria.errors import (
     NonFiniteLoss,
     PlanariaError,
     ReplicaDivergence,
+    Work,
+    WorkFault,
     classify,
 )
 from planaria.events import EventLog
 from planaria.integrity import describe_mismatch, divergent_replicas
-from planaria.liveness import IO_STALL_S, WORK_PHASES, Liveness
+from planaria.liveness import IO_STALL_S, WORK_PHASES, Heartbeat, Liveness
 from planaria.network import (
     host_store,
     ray_is_private,
@@ -137,6 +140,8 @@ class Job:
         self.run_id = uuid.uuid4().hex[:12]
         self.ledger = Ledger(self.run_dir, run_id=self.run_id) if config.ledger else None
         self.deadline = StepDeadline(self.hang)
+        self.attribution = Attribution()  # the work's fault or the worker's (planaria.attribution)
+        self.skipped_samples: set[int] = set()  # never loaded again: a work fault, skipped
         self.recovery = Recovery(self)
         self.run_ahead = RunAhead(self)
         self.metric_keys: tuple[str, ...] | None = None  # the loss's metrics, once seen
@@ -153,6 +158,7 @@ class Job:
         self._draining: set[str] = set()
         self._drain_watch: NodeDrainWatch | None = None
         self._chaos_at: dict[str, float] = {}
+        self._stuck_since: dict[str, float] = {}  # workers found stuck: when their work stopped
         self._verified_at = 0  # steps_done at the last replica checksum comparison
         self._ledger_last: tuple[int, int] | None = None  # (gen, step) last written as served
         self.hooks: list[Callable[..., None]] = []  # hook(job, phase, **info): see _hook
@@ -392,7 +398,7 @@ class Job:
         refs = {
             h.name: h.actor.join.remote(
                 gen, rank, len(members), self.steps_done, timeouts, parts[rank],
-                skipped=self.last_skipped,
+                skipped=self.last_skipped, skip=tuple(sorted(self.skipped_samples)),
             )
             for rank, h in enumerate(members)
         }
@@ -618,6 +624,18 @@ class Job:
                     d["step"], gen=d["gen"], worker=name, ids=d["ids"], digests=d["digests"]
                 )
 
+    def skip_samples(self, samples: list[int], *, step: int | None, reason: str) -> None:
+        """Leaves ``samples`` out of every step from now on (a work fault the policy skips):
+        the workers learn it when the next generation is built; the event log, the ledger and
+        later checkpoints record it."""
+        new = sorted(set(samples) - self.skipped_samples)
+        self.skipped_samples.update(new)
+        self.log.emit("sample_skipped", samples=new, step=step, reason=reason,
+                      total=len(self.skipped_samples))
+        if self.ledger is not None:
+            self.ledger.skipped(new, step=step, reason=reason)
+        _log.warning("skipping samples %s from step %s on: %s", new, step, reason)
+
     def commit_all(self) -> None:
         """Makes every worker apply the committed steps now (before a snapshot or the end)."""
         refs = {
@@ -663,6 +681,7 @@ class Job:
         results: dict[str, Any] = {}
         errors: dict[str, BaseException] = {}
         hung: list[str] = []
+        work_hung: dict[str, tuple[Work | None, str]] = {}  # hangs the work is to blame for
         end = time.monotonic() + deadline_s
         calls = CallWatch(by_ref)  # a wait costs O(1) in the number of calls
         self.liveness.watch(list(refs))
@@ -701,10 +720,12 @@ class Job:
             if now - last_report >= WAIT_REPORT_S and now - began >= self.deadline.seconds:
                 last_report = now  # longer than a step should take: say what holds it
                 self._report_wait([by_ref[r] for r in calls.pending], step, now - began)
-            stale = self.liveness.hung([by_ref[r] for r in calls.pending], self.deadline.seconds)
+            stale = self.liveness.hung([by_ref[r] for r in calls.pending], self._deadline_for)
             stale = [n for n in stale if n not in hung]
             if stale:
                 hung += stale
+                for name in stale:
+                    self._judge_hang(name, work_hung)
                 self._abort_generation()
                 self._evict_hung(stale)  # killed: nothing more to wait for from them
                 calls.drop(r for r in calls.pending if by_ref[r] in stale)
@@ -717,13 +738,25 @@ class Job:
             for h in hung_set:
                 errors.pop(h, None)  # the death is the one we caused
         faulty = set(hung_set) | {n for n, e in errors.items() if _is_death(e)}
-        failure = classify(
+        if work_hung:
+            name, (work, why) = next(iter(work_hung.items()))
+            failure: Failure = WorkFault(
+                f"{work.describe() if work else 'the work'} made no progress past its "
+                f"deadline on more than one worker ({why}): the work, not a worker, is at "
+                "fault (a deadlock or an endless loop on that data?); fix it, raise "
+                "HangConfig(floor_s=...) if it is only slow, or set "
+                "RecoveryPolicy(on_work_fault='skip') to skip its samples",
+                workers=tuple(work_hung), step=step if step is not None else
+                (work.step if work else None), work=work,
+            )
+        else:
+            failure = classify(
             errors,
             hung=tuple(hung_set),
             preempting=tuple(sorted(self._draining)),
             live_after=len([n for n in self.names if n not in faulty]),
             step=step,
-        )
+            )
         if step is not None:
             self.log.emit(
                 "step_failed",
@@ -784,6 +817,34 @@ class Job:
             _log.debug("could not set abort/%d", self.gen, exc_info=True)
         for handle in self.members:  # fire and forget: a dead one needs no telling
             handle.actor.abort.remote(self.gen)
+
+    def _deadline_for(self, hb: Heartbeat) -> float:
+        """How long a worker may make no progress on its current work: the step deadline, or
+        the I/O deadline while it loads samples, times the work's patience (doubled for
+        every worker that hung on it: see planaria.attribution)."""
+        base = self.deadline.seconds
+        if hb.phase == "loading":
+            base = max(base, self.hang.io_timeout_s)
+        return base * self.attribution.patience(_work_of(hb))
+
+    def _judge_hang(self, name: str, work_hung: dict[str, tuple[Work | None, str]]) -> None:
+        """A worker is stuck in its own work (its heartbeat lives): is the work to blame?
+        A stopped process (no heartbeat) is the process's, never the work's."""
+        hb = self.liveness.last(name)
+        if hb is None or self.liveness.stopped(name) or hb.phase not in WORK_PHASES:
+            return
+        # Dated from its own record: when its work stopped moving, not when it was found.
+        self._stuck_since[name] = self.liveness.last_progress_t(name) or time.time()
+        work = _work_of(hb)
+        handle = next((h for h in self.members if h.name == name), None)
+        judgement = self.attribution.judge(
+            Sighting(name, work, f"hung:{hb.phase}", how="hung",
+                     node=None if handle is None else handle.info.get("ray_node")),
+            width=self.width)
+        self.log.emit("attribution", worker=name, work=None if work is None else work.describe(),
+                      how="hung", blame=judgement.blame.value, reason=judgement.reason)
+        if judgement.blame is Blame.WORK:
+            work_hung[name] = (work, judgement.reason)
 
     def _past_deadline(self, names: list[str]) -> list[str]:
         """The last resort: past the call's deadline, whoever is not waiting on a peer; none
@@ -947,11 +1008,16 @@ class Job:
             self.log.emit("chaos", action=action, worker=handle.name, pid=handle.pid, step=step)
 
     def fault_time(self, names: tuple[str, ...]) -> float:
-        """Best estimate of when a fault happened: the chaos signal, else the last heartbeat
-        change the controller saw (on its own clock)."""
+        """Best estimate of when a fault happened: the chaos signal, else, from the faulty
+        worker's own record, when its work stopped moving (a worker stuck with its heartbeat
+        alive, or cut off from its peers) or the last heartbeat change the controller saw
+        (on its own clock)."""
         times = [self._chaos_at.pop(n) for n in names if n in self._chaos_at]
         if times:
             return min(times)
+        stuck = [self._stuck_since.pop(n) for n in names if n in self._stuck_since]
+        if stuck:
+            return min(stuck)
         beats = [t for t in (self.liveness.last_alive_t(n) for n in names) if t is not None]
         return min(beats) if beats else time.time()
 
@@ -1011,6 +1077,15 @@ class Job:
     def data_ids(self, step: int) -> np.ndarray:
         assert self.plan is not None
         return self.plan.batch(step)
+
+
+def _work_of(hb: Heartbeat) -> Work | None:
+    """The work a heartbeat names: ``m<j>`` micro-batch j of its step, ``i<id>`` a sample."""
+    if hb.work.startswith("m") and hb.work[1:].isdigit():
+        return Work(step=hb.step, micro_batch=int(hb.work[1:]))
+    if hb.work.startswith("i") and hb.work[1:].isdigit():
+        return Work(step=hb.step, sample=int(hb.work[1:]))
+    return None
 
 
 def _is_death(err: BaseException) -> bool:

@@ -7,6 +7,8 @@ workers' reports are turned into failures.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -26,10 +28,57 @@ __all__ = [
     "StepAborted",
     "StorageError",
     "UserCodeError",
+    "Work",
+    "WorkFault",
     "WorkerHung",
     "WorkerLost",
+    "WorkerUnreachable",
     "classify",
+    "signature",
 ]
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a worker was doing when it failed: step ``step``'s micro-batch ``micro_batch``
+    (its place in the global batch), and the sample ``sample`` whose ``dataset[i]`` raised
+    (None when the failure was not in a load). ``what`` names work outside the steps (a
+    factory at a worker's start)."""
+
+    step: int | None = None
+    micro_batch: int | None = None
+    sample: int | None = None
+    what: str | None = None
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """Two failures on the same key failed on the same work: the same sample (in any
+        step: a bad sample is bad in every epoch), else the same micro-batch of the same
+        step, else the same named work."""
+        if self.sample is not None:
+            return ("sample", self.sample)
+        if self.micro_batch is not None:
+            return ("micro_batch", self.step, self.micro_batch)
+        return ("what", self.what, self.step)
+
+    def describe(self) -> str:
+        if self.sample is not None:
+            return f"sample {self.sample}" + (f" (step {self.step})" if self.step is not None
+                                              else "")
+        if self.micro_batch is not None:
+            return f"micro-batch {self.micro_batch} of step {self.step}"
+        return self.what or (f"step {self.step}" if self.step is not None else "unknown work")
+
+
+_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
+
+
+def signature(err: BaseException | str) -> str:
+    """How a failure reads with its numbers masked (ids, paths' digits, addresses): two
+    failures with one signature failed the same way."""
+    text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return _NUMBERS.sub("#", first)[:300]
 
 
 class PlanariaError(Exception):
@@ -65,14 +114,19 @@ class ElasticRuntimeError(PlanariaError):
 
 
 class Failure(PlanariaError):
-    """A fault the recovery policy acts on. ``workers`` names the workers at fault (``w<N>``)."""
+    """A fault the recovery policy acts on. ``workers`` names the workers at fault (``w<N>``);
+    ``work`` what they were doing, where known (see :class:`Work`)."""
 
     kind = "failure"
 
-    def __init__(self, message: str, *, workers: tuple[str, ...] = (), step: int | None = None):
+    def __init__(self, message: str, *, workers: tuple[str, ...] = (), step: int | None = None,
+                 work: Work | None = None):
         super().__init__(message)
         self.workers = tuple(workers)
         self.step = step
+        self.work = work
+        self.raised: list[tuple[str, Work | None, str]] = []
+        """(worker, work, signature) of every worker's raised error the step failed with."""
 
 
 class WorkerLost(Failure):
@@ -85,6 +139,13 @@ class WorkerHung(Failure):
     """A worker stopped making progress past the step deadline (or stopped heartbeating)."""
 
     kind = "worker_hung"
+
+
+class WorkerUnreachable(WorkerHung):
+    """Every rank of a group waited on its peers past the deadline and this one could not be
+    reached (its process-group link is dead though the process and its heartbeat live)."""
+
+    kind = "worker_unreachable"
 
 
 class Preempted(Failure):
@@ -132,8 +193,9 @@ class _WithTraceback(Failure):
         remote_traceback: str = "",
         workers: tuple[str, ...] = (),
         step: int | None = None,
+        work: Work | None = None,
     ):
-        super().__init__(message, workers=workers, step=step)
+        super().__init__(message, workers=workers, step=step, work=work)
         self.remote_traceback = remote_traceback
 
     def __str__(self) -> str:
@@ -147,14 +209,16 @@ class _WithTraceback(Failure):
     def __reduce__(self) -> Any:  # keep keyword fields across Ray's pickling
         return (
             _rebuild,
-            (type(self), self.args[0], self.remote_traceback, self.workers, self.step),
+            (type(self), self.args[0], self.remote_traceback, self.workers, self.step,
+             self.work),
         )
 
 
 def _rebuild(
-    cls: type[_WithTraceback], message: str, tb: str, workers: tuple[str, ...], step: int | None
+    cls: type[_WithTraceback], message: str, tb: str, workers: tuple[str, ...], step: int | None,
+    work: Work | None = None,
 ) -> _WithTraceback:
-    return cls(message, remote_traceback=tb, workers=workers, step=step)
+    return cls(message, remote_traceback=tb, workers=workers, step=step, work=work)
 
 
 class InfrastructureError(_WithTraceback):
@@ -178,6 +242,15 @@ class UserCodeError(_WithTraceback):
     """
 
     kind = "user_code_error"
+
+
+class WorkFault(UserCodeError):
+    """A fault of the work, not of a worker: the same sample or micro-batch failed the same way
+    on two workers (or on a replacement as on its predecessor), or hung on two. ``work``
+    names it, ``workers`` the workers it failed on. The job stops with a save by default;
+    ``RecoveryPolicy(on_work_fault="skip")`` skips the samples and goes on."""
+
+    kind = "work_fault"
 
 
 # Phrases in a survivor's collective error that mean "a peer went away", not a bug here.
@@ -285,11 +358,12 @@ def classify(
 
     if user:
         name, err = user[0]
-        return UserCodeError(
+        return type(err)(
             str(err.args[0]) if err.args else "user code raised",
             remote_traceback=err.remote_traceback,
-            workers=(name,),
-            step=step,
+            workers=err.workers if isinstance(err, WorkFault) and err.workers else (name,),
+            step=step if step is not None else err.step,
+            work=err.work,
         )
     faulty = tuple(sorted(set(dead) | set(hung) | {n for n, _ in broken}, key=_worker_order))
     if faulty and live_after <= 0:
@@ -305,12 +379,20 @@ def classify(
     if broken:
         name, first = broken[0]
         cls = type(first)
-        return cls(
+        failure = cls(
             f"{first.args[0] if first.args else cls.kind} (on {', '.join(faulty)})",
             remote_traceback=first.remote_traceback,
             workers=faulty,
-            step=step,
+            step=step if step is not None else first.step,
+            work=first.work,
         )
+        # Every worker's raised error, for the attribution (planaria.attribution): a step
+        # may fail on several workers at once, on different samples.
+        failure.raised = [
+            (n, e.work, signature(str(e.args[0]) if e.args else e.kind))
+            for n, e in broken if isinstance(e, InfrastructureError)
+        ]
+        return failure
     if storage:
         return StorageError(str(storage[0][1]), workers=(), step=step)
     if nonfinite:

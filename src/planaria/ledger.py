@@ -10,6 +10,8 @@ Two kinds of records, one JSON object a line, never rewritten:
   inside the worker, in the order it was called.
 - ``commit``: ``run``, ``step``, ``gen`` (and ``skipped`` for a step whose
   update was dropped on purpose). Written when the controller commits.
+- ``skip``: ``run``, ``step``, ``samples``, ``reason``: samples left out of every
+  step from ``step`` on (a fault of the work that the policy skips).
 
 A step can have several attempts (a failure, a rollback, a run resumed past a
 crash); the attempt that counts is the one named by the step's *last* commit
@@ -64,6 +66,21 @@ class Ledger:
         if skipped:
             entry["skipped"] = True
         self._write(entry)
+
+    def skipped(self, samples: list[int], *, step: int | None, reason: str) -> None:
+        """``samples`` are left out of every step from ``step`` on (a work fault skipped)."""
+        self._write({"kind": "skip", "run": self.run_id, "step": -1 if step is None else step,
+                     "samples": [int(i) for i in samples], "reason": reason})
+
+    @staticmethod
+    def skipped_samples(run_dir: Path) -> dict[int, int]:
+        """Sample id → the step from which it was skipped (planaria.attribution)."""
+        out: dict[int, int] = {}
+        for r in Ledger.read(run_dir):
+            if r["kind"] == "skip":
+                for i in r["samples"]:
+                    out.setdefault(int(i), max(0, int(r["step"])))
+        return out
 
     def _write(self, entry: dict[str, Any]) -> None:
         self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")

@@ -16,9 +16,23 @@ in the controller's store (``hb/<name>``, written by a thread in the worker):
   thread still runs. A worker waiting on its peers (in a collective, a
   rendezvous, a state transfer) is never judged by progress: it waits for
   someone else, and that someone is the one to judge.
-- **I/O**: a worker reading a checkpoint bumps its progress at every chunk. Past
-  the read's deadline (which grows with the bytes) it is hung only if its bytes
-  stopped moving: a slow read that moves is never killed.
+- **busy**: the record also counts the beats at which the worker's working threads
+  were doing something (:class:`planaria.busy.BusyProbe`: CPU time, frames), so a
+  heavy micro-batch or a slow ``dataset[i]`` that computes is progress too, though no
+  micro-batch finished: busy is not hung.
+- **work**: the record names what the worker is on (``m<j>``: micro-batch j of its
+  step; ``i<id>``: loading sample id), so a deadline can depend on the work: loading
+  is judged by the I/O deadline (a slow load is not a hang), and a deadline that
+  killed one worker on a piece of work is doubled before the next is judged on it
+  (the controller's ``deadline_for``).
+- **I/O**: a worker reading a checkpoint or moving state to a joiner bumps its
+  progress at every chunk. Past the read's deadline (which grows with the bytes) it
+  is hung only if its bytes stopped moving: a slow read that moves is never killed.
+- **learned timeout**: a worker's heartbeat thread measures the longest gap between
+  its own beats (a GC pause, swap, a noisy neighbour stall the whole process) and
+  reports it; the heartbeat timeout in force is the configured one or a multiple of
+  the longest gap a live worker has shown, whichever is longer, so that a process
+  that is healthy but pauses is not taken for a stopped one.
 
 A peer's death never makes the survivors suspects: the controller tells them
 (:meth:`Worker.abort <planaria.worker.Worker.abort>`, a call that runs beside the
@@ -53,8 +67,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 __all__ = [
-    "IO_PHASES", "IO_STALL_S", "QUIET_S", "WORK_PHASES", "Heartbeat", "Liveness", "beat",
-    "quiet_s",
+    "IO_PHASES", "IO_STALL_S", "PEER_PHASES", "QUIET_S", "WORK_PHASES", "Heartbeat", "Liveness",
+    "beat", "quiet_s",
 ]
 
 _log = logging.getLogger("planaria.liveness")
@@ -64,8 +78,20 @@ FENCE_CHECK_S = 1.0
 
 WORK_PHASES = frozenset({"loading", "compute", "apply"})
 """Phases in which a worker does its own work, so that no progress means stuck."""
-IO_PHASES = frozenset({"ckpt_read"})
-"""Phases in which a worker moves checkpoint bytes, bumping its progress at every chunk."""
+IO_PHASES = frozenset({"ckpt_read", "send_state", "recv_state"})
+"""Phases in which a worker moves bytes (a checkpoint read, a state transfer), bumping its
+progress at every chunk."""
+PEER_PHASES = frozenset({"reduce", "joining", "send_state", "recv_state", "ckpt_bcast"})
+"""Phases in which a worker waits on its peers: not judged by its own progress (see
+:meth:`Liveness.all_waiting`)."""
+GAP_FACTOR = 3.0
+"""The heartbeat timeout in force is at least this many times the longest beat gap a live
+worker reported."""
+GAP_CEILING_S = 120.0
+"""... but a learned timeout never exceeds this."""
+GAP_MEMORY_S = 60.0
+"""A worker's reported gap counts while its record was read this recently (an evicted
+worker's does not)."""
 IO_STALL_S = 30.0
 """Past its deadline, a read whose bytes moved within this many seconds is still waited for."""
 QUIET_S = 0.5
@@ -81,7 +107,8 @@ def quiet_s(heartbeat_s: float) -> float:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """A worker's last report: a beat counter, its phase, step, generation, notice, progress."""
+    """A worker's last report: a beat counter, its phase, step, generation, notice, progress,
+    what it works on, how often it was busy, and the longest gap between its beats (ms)."""
 
     beat: int
     phase: str
@@ -89,16 +116,22 @@ class Heartbeat:
     gen: int
     preempting: bool
     progress: int
+    work: str = ""
+    busy: int = 0
+    gap_ms: int = 0
 
     @staticmethod
     def parse(raw: bytes) -> Heartbeat:
-        beat, phase, step, gen, pre, progress = raw.decode().split("|")
-        return Heartbeat(int(beat), phase, int(step), int(gen), pre == "1", int(progress))
+        parts = raw.decode().split("|")
+        beat, phase, step, gen, pre, progress = parts[:6]
+        work, busy, gap = [*parts[6:9], *("", "0", "0")[len(parts[6:9]):]]
+        return Heartbeat(int(beat), phase, int(step), int(gen), pre == "1", int(progress),
+                         work, int(busy), int(gap))
 
     def format(self) -> str:
         return (
             f"{self.beat}|{self.phase}|{self.step}|{self.gen}|{int(self.preempting)}|"
-            f"{self.progress}"
+            f"{self.progress}|{self.work}|{self.busy}|{self.gap_ms}"
         )
 
 
@@ -121,16 +154,27 @@ class Liveness:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
-        self.timeout_s = timeout_s
+        self.base_timeout_s = timeout_s
         self._clock = clock
         self._seen: dict[str, _Seen] = {}
         self._vouched: frozenset[str] = frozenset()
         self._vouch_t = -float("inf")
 
     @property
+    def timeout_s(self) -> float:
+        """The heartbeat timeout in force: the configured one, or :data:`GAP_FACTOR` times
+        the longest beat gap a worker still watched has reported (up to
+        :data:`GAP_CEILING_S`), whichever is longer."""
+        now = self._clock()
+        gaps = [seen.record.gap_ms for seen in self._seen.values()
+                if now - seen.observed_t <= GAP_MEMORY_S]  # workers still watched
+        learned = min(GAP_CEILING_S, GAP_FACTOR * max(gaps, default=0) / 1000)
+        return max(self.base_timeout_s, learned)
+
+    @property
     def vouch_s(self) -> float:
         """How long a vouch stands: well inside the heartbeat timeout."""
-        return min(1.0, self.timeout_s / 3)
+        return min(1.0, self.base_timeout_s / 3)
 
     def vouch(self, names: frozenset[str]) -> None:
         """``names`` (a run's ranks) just committed a step together: all alive and moving.
@@ -170,7 +214,8 @@ class Liveness:
                 seen.changed_t = max(seen.changed_t, self._vouch_t)
                 seen.progress_t = max(seen.progress_t, self._vouch_t)
             if record != seen.record:
-                moved = (record.progress, record.phase) != (seen.record.progress, seen.record.phase)
+                moved = ((record.progress, record.phase, record.busy)
+                         != (seen.record.progress, seen.record.phase, seen.record.busy))
                 # Not read while a vouch stood: it changed by the vouch, maybe not since. Dated
                 # no earlier than vouch_s ago (well inside the timeout): a read long after
                 # the vouch (the next generation's) must not find a live worker silent.
@@ -205,12 +250,44 @@ class Liveness:
         """The heartbeat thread stopped: the process is stopped, frozen or gone."""
         return self.silent_s(name) > self.timeout_s
 
-    def stuck(self, name: str, deadline_s: float) -> bool:
-        """In a phase of its own work with no progress for longer than ``deadline_s``."""
+    def stuck(self, name: str, deadline_s: float | Callable[[Heartbeat], float]) -> bool:
+        """In a phase of its own work with no progress (nor busy beat) for longer than
+        ``deadline_s`` (seconds, or a function of the worker's record: its work's deadline)."""
         seen = self._seen.get(name)
         if seen is None or seen.record.phase not in WORK_PHASES:
             return False
-        return self._clock() - seen.progress_t > deadline_s
+        limit = deadline_s(seen.record) if callable(deadline_s) else deadline_s
+        return self._clock() - seen.progress_t > limit
+
+    def still_s(self, name: str) -> float:
+        """Seconds since the worker's progress (or busy count, or phase) last moved."""
+        seen = self._seen.get(name)
+        return 0.0 if seen is None else self._clock() - seen.progress_t
+
+    def all_waiting(self, names: list[str], for_s: float) -> bool:
+        """Every one of ``names`` has waited on its peers (a collective, a rendezvous, a
+        transfer) with no progress for longer than ``for_s``: some rank cannot be reached.
+        Reads nothing: call after :meth:`observe`."""
+        if not names:
+            return False
+        for name in names:
+            seen = self._seen.get(name)
+            if seen is None or seen.record.phase not in PEER_PHASES:
+                return False
+            if self._clock() - seen.progress_t <= for_s:
+                return False
+        return True
+
+    def last_progress_t(self, name: str) -> float | None:
+        """Wall-clock estimate of when ``name`` last made progress (its own record's view:
+        when a stuck or cut-off worker stopped; for fault timing)."""
+        seen = self._seen.get(name)
+        if seen is None:
+            return None
+        at = seen.progress_t
+        if name in self._vouched:
+            at = max(at, self._vouch_t)
+        return time.time() - (self._clock() - at)
 
     def moving(self, name: str, within_s: float) -> bool:
         """In an I/O phase with progress in the last ``within_s`` seconds."""
@@ -219,7 +296,9 @@ class Liveness:
             return False
         return self._clock() - seen.progress_t <= within_s
 
-    def hung(self, names: list[str], deadline_s: float) -> list[str]:
+    def hung(
+        self, names: list[str], deadline_s: float | Callable[[Heartbeat], float]
+    ) -> list[str]:
         """Of ``names``, those whose heartbeat stopped or that are stuck in their own work."""
         self.observe(names)
         return [n for n in names if self.stopped(n) or self.stuck(n, deadline_s)]
@@ -238,30 +317,43 @@ class Liveness:
         self._seen.pop(name, None)
 
 
+GAP_WINDOW = 1200
+"""Beats over which a worker's longest beat gap is reported (5 minutes at 0.25 s)."""
+
+
 def beat(
     connect: Callable[[], dist.Store],
     name: str,
-    record: Callable[[], str],
+    record: Callable[[float], str],
     stop: threading.Event,
     period_s: float,
     quiet: Callable[[], bool] | None = None,
 ) -> None:
-    """A worker's heartbeat thread: writes ``record()`` to ``hb/<name>`` every ``period_s``
-    (one store write a beat) unless ``quiet()`` (its run commits steps: see the module doc),
-    and looks at ``fence/<name>`` every :data:`FENCE_CHECK_S`; a fenced worker (evicted
-    while stopped or cut off: its state is no one's now) exits. Returns when ``stop`` is
+    """A worker's heartbeat thread: writes ``record(gap_s)`` to ``hb/<name>`` every
+    ``period_s`` (one store write a beat) unless ``quiet()`` (its run commits steps: see the
+    module doc), and looks at ``fence/<name>`` every :data:`FENCE_CHECK_S`; a fenced worker
+    (evicted while stopped or cut off: its state is no one's now) exits. ``gap_s`` is the
+    longest time between two of this thread's beats over the last :data:`GAP_WINDOW`
+    beats, beyond the period (a pause of the whole process). Returns when ``stop`` is
     set."""
+    from collections import deque
+
     store = connect()
     fence_key, hb_key = f"fence/{name}", f"hb/{name}"
     every = max(1, round(FENCE_CHECK_S / period_s))
     beats = 0
+    gaps: deque[float] = deque(maxlen=GAP_WINDOW)
+    last = time.monotonic()
     while not stop.wait(period_s):
+        now = time.monotonic()
+        gaps.append(max(0.0, now - last - period_s))
+        last = now
         try:
             if beats % every == 0 and store.check([fence_key]):
                 _log.warning("%s was fenced off by the controller; exiting", name)
                 os._exit(0)
             if quiet is None or not quiet():
-                store.set(hb_key, record())
+                store.set(hb_key, record(max(gaps)))
             beats += 1
         except Exception:  # the controller is gone: nothing to report to
             if stop.is_set():

@@ -13,6 +13,7 @@ __all__ = ["HangConfig", "RecoveryPolicy"]
 
 WorkerLostAction = Literal["resize", "pause", "restore", "abort"]
 NonFiniteAction = Literal["skip", "rollback", "abort"]
+WorkFaultAction = Literal["stop", "skip"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +36,14 @@ class RecoveryPolicy:
     non-finite again after its rollback is skipped); abort: stop."""
     max_nonfinite: int = 10
     """Non-finite steps (loss or reduced gradient) tolerated before giving up."""
+    on_work_fault: WorkFaultAction = "stop"
+    """A fault of the work, not of a worker (the same sample or micro-batch failing the same
+    way on two workers, see planaria.attribution): stop with a save and an error naming the
+    work, or skip its samples (each skip recorded in the event log, the ledger and the
+    checkpoints; the step's gradient is then the sum over the samples served ÷ the global
+    batch size) and go on."""
+    max_skipped_samples: int = 100
+    """With on_work_fault="skip": skip at most this many samples in the run, then stop."""
     replace_workers: bool = True
     """Ask Ray for a replacement whenever a worker leaves."""
     max_replacement_attempts: int = 5
@@ -58,6 +67,10 @@ class RecoveryPolicy:
             self.on_nonfinite,
             "one of 'skip', 'rollback', 'abort'",
         )
+        check(self.on_work_fault in ("stop", "skip"), "on_work_fault", self.on_work_fault,
+              "'stop' or 'skip'")
+        check(isinstance(self.max_skipped_samples, int) and self.max_skipped_samples >= 0,
+              "max_skipped_samples", self.max_skipped_samples, "an integer >= 0")
         check(isinstance(self.allow_restart_from_scratch, bool), "allow_restart_from_scratch",
               self.allow_restart_from_scratch, "True or False")
         check(self.min_replicas >= 1, "min_replicas", self.min_replicas, "an integer >= 1")
@@ -93,8 +106,17 @@ class HangConfig:
     """How many recent steps to learn from."""
     heartbeat_s: float = 0.25
     """How often each worker's heartbeat thread reports its phase."""
-    heartbeat_timeout_s: float = 3.0
-    """A worker whose heartbeat is older than this during a step is hung (stopped or frozen)."""
+    heartbeat_timeout_s: float = 10.0
+    """A worker whose heartbeat is older than this during a step is hung (stopped or frozen).
+    Above the pauses a healthy process shows (a long GC, swap, a noisy neighbour stall a
+    whole process for seconds), and raised in a running job to a multiple of the longest
+    gap between beats a live worker reports (see planaria.liveness): a process that pauses
+    is not a process that stopped. Deaths do not wait for it (Ray reports them at once), nor
+    do stuck threads (judged by progress against the step deadline)."""
+    io_timeout_s: float = 120.0
+    """A worker loading its samples (``dataset[i]``) with no sample done for longer than this
+    (or the step deadline, if longer) is hung: a slow read is judged by an I/O deadline, not
+    by the step's."""
 
     def __post_init__(self) -> None:
         check(self.factor >= 1, "factor", self.factor, "a number >= 1")
@@ -103,6 +125,7 @@ class HangConfig:
         )
         check(self.window >= 1, "window", self.window, "an integer >= 1")
         check(self.heartbeat_s > 0, "heartbeat_s", self.heartbeat_s, "seconds > 0")
+        check(self.io_timeout_s > 0, "io_timeout_s", self.io_timeout_s, "seconds > 0")
         check(
             self.heartbeat_timeout_s > self.heartbeat_s,
             "heartbeat_timeout_s",

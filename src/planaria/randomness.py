@@ -105,6 +105,7 @@ def serve_samples(
             samples.append(getitem(i))
     except Exception as err:
         err.add_note(f"(planaria: loading sample {i} of step {step})")
+        err.planaria_sample = i  # type: ignore[attr-defined]  # the work that failed
         raise
     finally:
         _current.key = previous

@@ -12,16 +12,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from planaria.attribution import Blame, Judgement, Sighting
 from planaria.checkpoint.errors import NoViableCheckpoint
+from planaria.data_plan import micro_batch_range
 from planaria.errors import (
     AllReplicasLost,
     ElasticRuntimeError,
     Failure,
+    InfrastructureError,
     NonFiniteLoss,
     Preempted,
     UserCodeError,
+    WorkFault,
 )
 
 if TYPE_CHECKING:
@@ -152,10 +156,20 @@ class Recovery:
     # ---- one failure -------------------------------------------------------------------------
 
     def _handle_one(self, failure: Failure) -> None:
-        self._current = failure
         job = self.job
         policy = job.policy
+        judged = self._attribute(failure)
+        if judged is not None and judged[0] is not failure:
+            failure = judged[0]
+        self._current = failure
         fault = self._open_fault(failure)
+        if judged is not None and judged[1] is not None:
+            job.log.emit("attribution", fault_id=fault.fault_id, worker=",".join(failure.workers),
+                         work=None if failure.work is None else failure.work.describe(),
+                         how="raised", blame=judged[1].blame.value, reason=judged[1].reason)
+        if isinstance(failure, WorkFault):
+            self._work_fault(failure, fault)
+            return
         if isinstance(failure, UserCodeError):
             job.log.emit("action", fault_id=fault.fault_id, action="abort")
             self._open.remove(fault)
@@ -171,6 +185,9 @@ class Recovery:
             )
         if policy.retry_policy is not None and not policy.retry_policy(self.failures, failure):
             self._abort("the retry_policy hook declined to retry", failure)
+        if judged is not None and judged[1] is not None and judged[1].blame is Blame.RETRY:
+            self._retry_elsewhere(failure, fault)
+            return
         job.evict(failure.workers)
         self._replace(failure.workers)
         if isinstance(failure, AllReplicasLost) or not any(h.has_state for h in job.members):
@@ -219,6 +236,85 @@ class Recovery:
             return
         self._rolled_back.add(step)
         self._restore(fault, keep_survivors=True)
+
+    # ---- the work's fault or the worker's ------------------------------------------------------
+
+    def _attribute(self, failure: Failure) -> tuple[Failure, Judgement | None] | None:
+        """Judges a raised infrastructure error (planaria.attribution): returns the failure to
+        handle (a WorkFault when the work is to blame, the same failure naming only the
+        workers to blame otherwise) and the judgement; None for failures it does not judge
+        (deaths, hangs, bugs: a hang was judged where it was found)."""
+        if not isinstance(failure, InfrastructureError):
+            return None
+        job = self.job
+        raised = getattr(failure, "raised", None) or [
+            (w, failure.work, _signature(failure)) for w in failure.workers[:1]]
+        verdicts: list[tuple[str, Judgement]] = []
+        for name, work, sig in raised:
+            handle = next((h for h in job.members if h.name == name), None)
+            node = None if handle is None else handle.info.get("ray_node")
+            verdicts.append((name, job.attribution.judge(
+                Sighting(name, work, sig, how="raised", node=node), width=job.width)))
+        blamed_work = [(n, j) for n, j in verdicts if j.blame is Blame.WORK]
+        if blamed_work:
+            name, judgement = blamed_work[0]
+            seen = judgement.seen
+            work = seen[-1].work
+            workers = tuple(dict.fromkeys(s.worker for s in seen))
+            return WorkFault(
+                f"{failure.args[0] if failure.args else failure.kind}: it failed the same way "
+                f"on {', '.join(workers)} for {work.describe() if work else 'the same work'}: "
+                "a fault of the work (the data or the code that handles it), not of a worker. "
+                "Fix or remove it, or set RecoveryPolicy(on_work_fault='skip') to skip its "
+                "samples (each skip is recorded in the event log and the ledger)",
+                remote_traceback=failure.remote_traceback, workers=workers, step=failure.step,
+                work=work,
+            ), judgement
+        to_blame = [n for n, j in verdicts if j.blame is Blame.WORKER]
+        nodes = {j.node for _, j in verdicts if j.blame is Blame.WORKER and j.node}
+        to_blame += [h.name for h in job.members if nodes and h.info.get("ray_node") in nodes]
+        if to_blame:
+            failure.workers = tuple(dict.fromkeys(to_blame))
+            return failure, next(j for _, j in verdicts if j.blame is Blame.WORKER)
+        return failure, verdicts[0][1]
+
+    def _retry_elsewhere(self, failure: Failure, fault: _OpenFault) -> None:
+        """The first failure of its kind: nobody is evicted; the next generation puts the
+        failing work on another worker (the same one at width 1) and the step runs again."""
+        job = self.job
+        members = _away_from(job, failure)
+        job.log.emit("action", fault_id=fault.fault_id, action="retry_elsewhere",
+                     workers=[h.name for h in members])
+        job.build_generation(members, reason="retry")
+
+    def _work_fault(self, failure: WorkFault, fault: _OpenFault) -> None:
+        """The work is at fault: stop with a save (the default), or skip its samples and go
+        on (``on_work_fault="skip"``, up to ``max_skipped_samples``). Nobody is blamed; a
+        worker killed because it was stuck on the work is replaced."""
+        job = self.job
+        policy = job.policy
+        samples = _samples_of(job, failure)
+        room = policy.max_skipped_samples - len(job.skipped_samples)
+        if policy.on_work_fault == "skip" and samples and len(samples) <= room:
+            job.log.emit("action", fault_id=fault.fault_id, action="skip", samples=samples)
+            where = ", ".join(failure.workers)
+            what = failure.work.describe() if failure.work is not None else "the work"
+            job.skip_samples(samples, step=failure.step,
+                             reason=f"{what} failed the same way on {where}")
+            gone = [n for n in failure.workers if n not in job.names]
+            self._replace(gone)
+            if not any(h.has_state for h in job.members):
+                self._restore(fault, keep_survivors=False)
+                return
+            self._continue(reason="skip")
+            return
+        why = ("on_work_fault='stop'" if policy.on_work_fault == "stop" else
+               f"skipping {len(samples)} more samples would pass max_skipped_samples="
+               f"{policy.max_skipped_samples}" if samples else "no samples to skip")
+        job.log.emit("action", fault_id=fault.fault_id, action="abort", reason=why)
+        self._open.remove(fault)
+        self._save_what_is_safe(reason="work_fault")
+        raise failure
 
     # ---- actions -----------------------------------------------------------------------------
 
@@ -339,12 +435,12 @@ class Recovery:
         for name in names:
             job.pool.start(replaces=name)
 
-    def _save_what_is_safe(self) -> None:
+    def _save_what_is_safe(self, reason: str = "user_code_error") -> None:
         job = self.job
         if job.checkpointer is None or not job.members:
             return
         try:
-            job.checkpointer.save_now(reason="user_code_error")
+            job.checkpointer.save_now(reason=reason)
         except Exception:
             _log.exception("could not save before stopping")
 
@@ -359,7 +455,12 @@ class Recovery:
         self._next_fault_id += 1
         now = time.time()
         common = {"fault_id": fault.fault_id, "kind": failure.kind}
-        worker = ",".join(failure.workers) or None
+        # A work fault blames no worker: the workers it failed on are named apart.
+        work_fault = isinstance(failure, WorkFault)
+        worker = None if work_fault else ",".join(failure.workers) or None
+        extra: dict[str, Any] = {"seen_on": list(failure.workers)} if work_fault else {}
+        if failure.work is not None:
+            extra["work"] = failure.work.describe()
         job.log.emit(
             "fault",
             **common,
@@ -367,8 +468,49 @@ class Recovery:
             step=failure.step if failure.step is not None else job.steps_done,
             fault_t=fault_t,
             message=str(failure).splitlines()[0] if str(failure) else failure.kind,
+            **extra,
         )
         job.log.emit("detected", **common, worker=worker, detect_s=max(0.0, now - fault_t))
         _log.warning("%s: %s", failure.kind, failure)
         self._open.append(fault)
         return fault
+
+
+def _signature(failure: Failure) -> str:
+    from planaria.errors import signature
+
+    return signature(str(failure.args[0]) if failure.args else failure.kind)
+
+
+def _away_from(job: Job, failure: Failure) -> list[WorkerHandle]:
+    """The members in an order that gives the failing worker's micro-batch to another one
+    (a rotation of the rank order; the same order at width 1 or when the work is unknown)."""
+    members = list(job.members)
+    work = failure.work
+    name = failure.workers[0] if failure.workers else None
+    if len(members) < 2 or work is None or work.micro_batch is None or name is None:
+        return members
+    total = job.spec.global_batch_size // job.spec.micro_batch_size
+    for shift in range(1, len(members)):
+        order = members[shift:] + members[:shift]
+        for rank, handle in enumerate(order):
+            first, count = micro_batch_range(total, len(order), rank)
+            if first <= work.micro_batch < first + count:
+                if handle.name != name:
+                    return order
+                break
+    return members
+
+
+def _samples_of(job: Job, failure: WorkFault) -> list[int]:
+    """The samples a work fault is about: the sample that raised, else its micro-batch's."""
+    work = failure.work
+    if work is None:
+        return []
+    if work.sample is not None:
+        return [work.sample]
+    if work.micro_batch is None or work.step is None or job.plan is None:
+        return []
+    mbs = job.spec.micro_batch_size
+    batch = job.plan.batch(work.step)
+    return [int(i) for i in batch[work.micro_batch * mbs:(work.micro_batch + 1) * mbs]]

@@ -33,6 +33,7 @@ import torch
 from planaria import compile_cache as compile_cache_mod
 from planaria import forkserver
 from planaria.buffers import BufferSync
+from planaria.busy import BusyProbe, current_thread_ids
 from planaria.collective import Collective, connect_store
 from planaria.config import TrainSpec
 from planaria.data_plan import micro_batch_range
@@ -43,6 +44,7 @@ from planaria.errors import (
     StaleGeneration,
     StepAborted,
     UserCodeError,
+    Work,
 )
 from planaria.faults import user_call
 from planaria.integrity import Served, dataset_fingerprint
@@ -191,6 +193,15 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self.loop_fault: Callable[[Any, int, str], None] | None = None
         self._stop = threading.Event()
         self._committed_t = -math.inf  # when the autonomous run last applied a step
+        # What the threads work on, for the heartbeat (planaria.liveness): the training
+        # thread's micro-batch ("m<j>"), the loader's sample ("i<id>"), and the threads whose
+        # CPU time and frames tell busy from hung (planaria.busy).
+        self._work = ""
+        self._loading = ""
+        self._train_thread: tuple[int, int] | None = None
+        self._loader_thread: tuple[int, int] | None = None
+        self._busy = BusyProbe(self._working_threads, cpu=self.device.type == "cpu")
+        self.skipped_samples: frozenset[int] = frozenset()  # never loaded (a work fault)
         self._quiet_s = quiet_s(heartbeat_s)
         # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -409,6 +420,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         next_ids: np.ndarray | None = None,
         *,
         skipped: int = -1,
+        skip: tuple[int, ...] | None = None,
     ) -> dict[str, Any]:
         """Enters generation ``gen``: settles the pending step, builds the new group.
 
@@ -416,7 +428,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         the controller sends it the state next and checks survivors are not behind.
         ``next_ids`` (this rank's share of the next step) start loading at once.
         Reports what a step attempt dropped here had been served (``dropped``),
-        for the ledger.
+        for the ledger. ``skip``: the samples the job skips (see WorkFault), from now on.
         """
         self._enter(gen)
         pending = self.pending
@@ -428,8 +440,11 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             else None
         )
         self._prefetch_on = self._want_prefetch()
+        if skip is not None:
+            self.skipped_samples = frozenset(skip)
         if next_ids is not None and len(next_ids):
-            self._prefetch(next_ids, steps_done)
+            total = self.spec.global_batch_size // self.spec.micro_batch_size
+            self._prefetch(next_ids, steps_done, micro_batch_range(total, world_size, rank)[0])
         if self.comm is not None:
             self.comm.close()
             self.comm = None
@@ -488,6 +503,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         a store read), not each step.
         """
         self._refuse_if_dirty("step")
+        self._train_thread = current_thread_ids()
         self._settle(steps_done, skipped)
         if step != self.steps_done:
             raise PlanariaError(f"{self.name} asked for step {step} but has {self.steps_done} done")
@@ -505,7 +521,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             self._overlap.abandon()  # a step starts with no reduction armed (a failed one may)
         try:
             self._set_phase("loading", step)
-            loaded = self._take(ids, step)
+            loaded = self._take(ids, step, first)
             served = loaded.served
             if self.loop_fault is not None:
                 self.loop_fault(self, step, "loaded")  # a fault injected before the compute
@@ -516,27 +532,36 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             if next_ids is not None and len(next_ids):
                 ahead = self._own_share(next_ids)[2]
                 if self._prefetch_on:
-                    self._prefetch(ahead, step + 1)
+                    self._prefetch(ahead, step + 1, first)
                     ahead = None
             self._set_phase("compute", step)
             self.buffer_sync.begin()  # buffers are pending too: put back unless the step commits
             self.model.train()
             # A sharded replica's workers run as many forwards as each other (FSDP's
             # collectives pair them): one with fewer micro-batches pads with a weightless one.
-            padding = [(0, loaded.batches[0][1])] * (rounds - len(loaded.batches))
+            real = [b for _, b in loaded.batches if b is not None]
+            padding = [(0, real[0] if real else None)] * (rounds - len(loaded.batches))
             for j, (n, batch) in enumerate(loaded.batches + padding):
                 self._raise_if_aborted(step)
                 if overlap is not None and j == len(loaded.batches) - 1:
                     overlap.arm(self.comm)  # this backward reduces its buckets as they complete
+                if batch is None:  # every sample of it skipped (a work fault): no forward
+                    self.progress += 1
+                    continue
+                self._work = f"m{first + j}"
                 # The micro-batch's own random stream: the same at any width, on any rank.
                 seed_torch(micro_batch_seed(self.spec.seed, step, first + j))
-                with self._autocast():
-                    out = _user("the loss function", self.spec.loss, self.compiled, batch)
-                loss, metrics = out if isinstance(out, tuple) else (out, {})
-                scaled = loss * (n / gbs)
-                if self.scaler is not None:
-                    scaled = self.scaler.scale(scaled)
-                _user("backward", scaled.backward)
+                try:
+                    with self._autocast():
+                        out = _user("the loss function", self.spec.loss, self.compiled, batch)
+                    loss, metrics = out if isinstance(out, tuple) else (out, {})
+                    scaled = loss * (n / gbs)
+                    if self.scaler is not None:
+                        scaled = self.scaler.scale(scaled)
+                    _user("backward", scaled.backward)
+                except Failure as err:
+                    err.work = Work(step=step, micro_batch=first + j)
+                    raise
                 if n:
                     loss_sum += float(loss.detach()) * n
                     for key, value in metrics.items():
@@ -548,6 +573,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             # between micro-batches) and close the group so that none waits in a collective.
             self._abort_generation(step)
             err.workers, err.step = (self.name,), step
+            if err.work is None:
+                err.work = Work(step=step)
             if self.shard_index:
                 replica_failed(self._store, self.replica_key, self.shard_index, err)
             raise
@@ -593,12 +620,12 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 if not overlap.armed:  # no micro-batch here: the same buckets, the same order
                     overlap.arm(comm)
                 overlap.launch_rest()
-                self._load_ahead(ahead, step + 1)
+                self._load_ahead(ahead, step + 1, first)
                 overlap.finish()  # the buckets still in flight
                 comm.allreduce_sum(extra)
             else:
                 works = comm.allreduce_start(self._reduced + extra)
-                self._load_ahead(ahead, step + 1)
+                self._load_ahead(ahead, step + 1, first)
                 comm.wait_all(works)
         except BaseException:
             self._abort_generation(step)  # no peer waits on this rank in the next collective
@@ -723,15 +750,36 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             )
         return first, count
 
-    def _load(self, ids: np.ndarray, step: int) -> _Loaded:
-        """Loads whole micro-batches; runs in the loader thread (never touches global RNGs)."""
-        mbs, seed, getitem = self.spec.micro_batch_size, self.spec.seed, self.dataset.__getitem__
+    def _load(self, ids: np.ndarray, step: int, first: int = 0) -> _Loaded:
+        """Loads whole micro-batches (``first``: the first one's place in the global batch);
+        runs in the loader thread (never touches global RNGs). Skipped samples (a work
+        fault the user chose to skip) are left out; a micro-batch left with none is
+        ``(0, None)``. Each sample bumps the progress, and the heartbeat names it."""
+        mbs, seed, base = self.spec.micro_batch_size, self.spec.seed, self.dataset.__getitem__
+        self._loader_thread = current_thread_ids()
+
+        def getitem(i: int) -> Any:
+            self._loading = f"i{i}"
+            self.progress += 1
+            return base(i)
+
         served = Served(digests_on=self.record_digests)
-        out = []
+        skip = self.skipped_samples
+        out: list[tuple[int, Any]] = []
         for start in range(0, len(ids), mbs):
             chunk = ids[start : start + mbs].tolist()
+            if skip:
+                chunk = [i for i in chunk if i not in skip]
+            if not chunk:
+                out.append((0, None))
+                continue
             # dataset[i] for each, with the sample's own random stream, recorded as served
-            samples = _user("dataset[i]", serve_samples, seed, step, getitem, chunk)
+            try:
+                samples = _user("dataset[i]", serve_samples, seed, step, getitem, chunk)
+            except Failure as err:
+                sample = getattr(err.__cause__, "planaria_sample", None)
+                err.work = Work(step=step, micro_batch=first + start // mbs, sample=sample)
+                raise
             served.extend(chunk, samples)
             batch = _user("collate", self.collate, samples)
             out.append((len(chunk), _to_device(batch, self.device)))
@@ -749,12 +797,19 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         workers = max(1, len(live_workers()))
         return (os.cpu_count() or 1) > workers * self.threads
 
-    def _prefetch(self, ids: np.ndarray, step: int) -> None:
+    def _prefetch(self, ids: np.ndarray, step: int, first: int) -> None:
         if not self._prefetch_on:
             return
-        self._prefetched = (_share_key(ids, step), self._loader.submit(self._load, ids, step))
+        self._prefetched = (self._share_key(ids, step),
+                            self._loader.submit(self._load, ids, step, first))
 
-    def _load_ahead(self, ids: np.ndarray | None, step: int) -> None:
+    def _share_key(self, ids: np.ndarray, step: int) -> bytes:
+        """What a share loaded ahead is found by: its ids, its step and the skipped samples
+        it was loaded without."""
+        return _share_key(ids, step) + hash(self.skipped_samples).to_bytes(8, "little",
+                                                                           signed=True)
+
+    def _load_ahead(self, ids: np.ndarray | None, step: int, first: int) -> None:
         """Loads step ``step``'s share now, on this thread, while the gradient's all-reduce
         is in flight: the thread would only wait for it (without a spare core there is no
         loader thread, see :meth:`_want_prefetch`); the next :meth:`_take` finds it. A
@@ -763,18 +818,18 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             return
         future: Future[_Loaded] = Future()
         try:
-            future.set_result(self._load(ids, step))
+            future.set_result(self._load(ids, step, first))
         except Exception as err:  # the next step's error, not this one's
             future.set_exception(err)
-        self._prefetched = (_share_key(ids, step), future)
+        self._prefetched = (self._share_key(ids, step), future)
 
-    def _take(self, ids: np.ndarray, step: int) -> _Loaded:
-        if self._prefetched is not None and self._prefetched[0] == _share_key(ids, step):
+    def _take(self, ids: np.ndarray, step: int, first: int) -> _Loaded:
+        if self._prefetched is not None and self._prefetched[0] == self._share_key(ids, step):
             future = self._prefetched[1]
             self._prefetched = None
             return future.result()
         self._prefetched = None
-        return self._load(ids, step)
+        return self._load(ids, step, first)
 
     # ---- state: hot-join and checkpoints ---------------------------------------------------
 
@@ -957,10 +1012,20 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         """The run committed a step just now: the stream vouches for this worker, no beat."""
         return time.monotonic() - self._committed_t < self._quiet_s
 
-    def _heartbeat_record(self) -> str:
+    def _working_threads(self) -> list[tuple[int, int]]:
+        """The threads doing this worker's work now: the training thread, and the loader
+        while the training thread waits for it."""
+        threads = [t for t in (self._train_thread,) if t is not None]
+        if self.phase == "loading" and self._loader_thread is not None:
+            threads.append(self._loader_thread)
+        return threads
+
+    def _heartbeat_record(self, gap_s: float = 0.0) -> str:
         self._beat += 1  # changes every beat: the controller judges liveness on its own clock
+        work = self._loading if self.phase == "loading" else self._work
         return Heartbeat(
-            self._beat, self.phase, self.phase_step, self.gen, self.preempting, self.progress
+            self._beat, self.phase, self.phase_step, self.gen, self.preempting, self.progress,
+            work, self._busy.sample(), int(gap_s * 1000),
         ).format()
 
     def _publish_heartbeat(self) -> None:

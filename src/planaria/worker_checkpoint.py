@@ -120,6 +120,7 @@ class CheckpointWorkerMixin:
         pending: int | None
         progress: int
         comm: Collective | None
+        skipped_samples: frozenset[int]
 
         def _check(self, gen: int) -> None: ...
         def _drop_pending(self) -> None: ...
@@ -407,6 +408,9 @@ class CheckpointWorkerMixin:
         optim.update({k: v for k, v in tensors.items() if not k.startswith("model/")})
         load_state(None, self.optimizer, self.scheduler, optim, meta)
         self._extra_state_set(meta)
+        # Samples a work fault made the job skip (planaria.attribution) stay skipped.
+        self.skipped_samples = self.skipped_samples | frozenset(
+            int(i) for i in meta.get("skipped_samples") or ())
         self._ckpt_live = None
         self.ckpt_dirty = False
         self._drop_pending()
