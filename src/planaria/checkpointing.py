@@ -45,6 +45,7 @@ import functools
 import logging
 import os
 import secrets
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ from planaria.checkpoint.errors import (
     NoViableCheckpoint,
     OtherRunCheckpoints,
 )
+from planaria.checkpoint.finished import commit_finished_saves
 from planaria.checkpoint.layout import tmp_dir_name
 from planaria.checkpoint.lease import RootLease
 from planaria.checkpoint.restore import CheckpointInfo, read_run_id
@@ -207,7 +209,8 @@ class CheckpointConfig:
 
 @dataclass
 class _Save:
-    """A save in flight."""
+    """A save in flight. Its writers' answers arrive on Ray's threads (:meth:`Checkpointer.
+    _on_written`): ``lock`` guards ``records``, ``written_t``, ``failed`` and ``commit``."""
 
     step: int
     save_id: str
@@ -220,8 +223,14 @@ class _Save:
     meta: dict[str, Any] = field(default_factory=dict)
     records: dict[str, list[ShardRecord]] = field(default_factory=dict)
     """Per writer, its shard records (a sharded replica's: one per worker)."""
+    written_t: dict[str, float] = field(default_factory=dict)  # when each writer finished
     polls: dict[str, Any] = field(default_factory=dict)  # name -> outstanding ckpt_poll ref
+    waits: dict[str, Any] = field(default_factory=dict)  # name -> its ckpt_wait ref
+    failed: str | None = None  # a writer's error: the save cannot commit
     commit: Future[str] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    settled: threading.Event = field(default_factory=threading.Event)
+    """Set once the save committed or failed (the main thread's waits wake on it)."""
 
 
 class Checkpointer:
@@ -273,6 +282,11 @@ class Checkpointer:
         leftovers of crashed saves; announces the interval."""
         prev = self._storage_call(self.lease.acquire, "taking the lease on the root")
         try:
+            if self.config.resume and prev is not None:
+                # Saves the previous controller's writers finished but it did not commit.
+                for step in commit_finished_saves(self.root, run_ids=set(prev.lineage),
+                                                  storage_options=self.options):
+                    self.job.log.emit("checkpoint_adopted", step=step, root=self.root)
             removed = clean_leftovers(self.root, storage_options=self.options)
             if removed:
                 _log.info("removed leftovers of unfinished saves: %s", removed)
@@ -504,15 +518,15 @@ class Checkpointer:
         job.log.emit("checkpoint_mismatch", path=path, data_plan=diff, tensors=[])
 
     def close(self) -> None:
-        """At job end: lets a commit in progress finish (bounded), reports a save left
-        unfinished (``checkpoint_failed``), releases the root's lease, stops the threads."""
+        """At job end: finishes the save in flight while its writers live (bounded by its
+        deadline: a written save is never thrown away), reports a save left unfinished
+        (``checkpoint_failed``), releases the root's lease, stops the threads."""
         save = self._inflight
-        if save is not None and save.commit is not None:
+        if save is not None:
             try:
-                save.commit.result(timeout=min(60.0, self.config.timeout_s))
-                self._progress(block_s=0.0)
+                self._finish(self._deadline(save.nbytes))
             except Exception:  # reported by _progress, or the job is going down anyway
-                pass
+                _log.debug("could not finish the save in flight at close", exc_info=True)
         if self._inflight is not None:
             self._abandon(self._inflight, "abandoned: the job closed before it committed")
         self._wait_retention(timeout_s=60.0)
@@ -591,12 +605,30 @@ class Checkpointer:
         t1 = time.time()
         save = _Save(step, new_save_id(), reason, {h.name: h.actor for h in job.members}, t0)
         width = len(save.writers)
+        assert job.plan is not None
+        ours = dict(  # the controller's part of the manifest's metadata
+            steps_done=step,
+            data_position=job.plan.position(step),
+            data_plan=job.plan.describe(),
+            deadline=job.deadline.state_dict(),
+            world_size=width,
+            workers_per_replica=job.config.workers_per_replica,
+            run_id=self.run_id,
+            lineage=list(self.lineage),
+            skipped_samples=sorted(job.skipped_samples),
+        )
+        # Writer 0 keeps the save's description beside the shards, before any shard's record:
+        # once every record is there, the files alone make a checkpoint (planaria.checkpoint.
+        # finished), whoever commits it.
+        describe = {"step": step, "save_id": save.save_id, "reason": reason,
+                    "shards": width * job.config.workers_per_replica, "run_id": self.run_id,
+                    "meta": ours}
         refs = {
             h.name: h.actor.ckpt_start.remote(
                 job.gen, step, i, width, save.save_id, self.root, self.options,
                 if_busy="wait", fsync=self.config.fsync, attempts=self.config.storage_attempts,
                 staging_budget_bytes=self.config.staging_budget_bytes,
-                direct_io=self.config.direct_io,
+                direct_io=self.config.direct_io, describe=describe if i == 0 else None,
             )
             for i, h in enumerate(job.members)
         }
@@ -614,73 +646,107 @@ class Checkpointer:
             self._inflight = save
             self._abandon(save, f"writer {', '.join(busy)} still writes an earlier save")
             return
-        save.meta = dict(results[job.members[0].name]["meta"])
-        assert job.plan is not None
-        save.meta.update(
-            steps_done=step,
-            data_position=job.plan.position(step),
-            data_plan=job.plan.describe(),
-            deadline=job.deadline.state_dict(),
-            world_size=width,
-            workers_per_replica=job.config.workers_per_replica,
-            run_id=self.run_id,
-            lineage=list(self.lineage),
-            skipped_samples=sorted(job.skipped_samples),
-        )
+        save.meta = {**results[job.members[0].name]["meta"], **ours}
         if self.interval is not None:
             self.interval.observe_stall(save.stall_s)
         self._inflight = save
+        # Every writer's answer, awaited beside the steps: the commit starts the moment the
+        # last one arrives (no step boundary needed).
+        deadline = self._deadline(save.nbytes)
+        for name, actor in save.writers.items():
+            ref = actor.ckpt_wait.remote(save.save_id, deadline)
+            save.waits[name] = ref
+            ref.future().add_done_callback(functools.partial(self._on_written, save, name))
+
+    def _on_written(self, save: _Save, name: str, fut: Any) -> None:
+        """A writer's answer (on a Ray thread): its records, or why it failed. The last one
+        starts the commit on the committer thread at once."""
+        try:
+            out = fut.result()
+        except BaseException as err:  # its write failed, or it died before it finished
+            with save.lock:
+                if save.failed is None and save.commit is None:
+                    save.failed = f"writer {name} failed: {type(err).__name__}: {err}"
+                    save.settled.set()
+            return
+        with save.lock:
+            save.records[name] = [ShardRecord.from_dict(r)
+                                  for r in out.get("records") or [out["record"]]]
+            save.written_t[name] = float(out.get("written_t") or time.time())
+            if (len(save.records) == len(save.writers) and save.commit is None
+                    and save.failed is None):
+                save.commit = self._committer.submit(self._commit_now, save)
+
+    def _commit_now(self, save: _Save) -> str:
+        """Commits ``save`` (the committer thread) and reports it; :meth:`_progress` does the
+        bookkeeping later, on the main thread."""
+        try:
+            path = self._commit(save)
+        except BaseException:
+            save.settled.set()
+            raise
+        now = time.time()
+        save_s = now - save.t0
+        self.job.log.emit(
+            "checkpoint_saved", t=now, step=save.step, path=path, bytes=save.nbytes,
+            stall_s=save.stall_s, wait_s=save.wait_s, save_s=save_s,
+            writers=len(save.writers), reason=save.reason, run_id=self.run_id,
+            writers_done_t=max(save.written_t.values(), default=None),
+        )
+        _log.info("checkpoint of step %d committed: %s", save.step, path)
+        save.settled.set()
+        return path
+
+    def writers_settle(self, names: list[str], timeout_s: float) -> None:
+        """Before ``names`` leave (a drain): waits, bounded, until the save in flight has their
+        shards, so that a save they wrote is not lost with them."""
+        save = self._inflight
+        if save is None:
+            return
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            with save.lock:
+                done = save.failed is not None or all(
+                    n in save.records for n in names if n in save.writers)
+            if done:
+                return
+            save.settled.wait(min(0.05, max(0.0, end - time.monotonic())))
 
     def _progress(self, *, block_s: float) -> None:
-        """Advances the save in flight: collects records, starts or completes its commit."""
+        """Advances the save in flight on the main thread: a failed or orphaned save is
+        abandoned, a committed one's bookkeeping done (the commit itself needs no boundary:
+        see :meth:`_on_written`). Waits up to ``block_s`` for it to settle."""
         self._reap_abandoned()
         self._check_retention()
         save = self._inflight
         if save is None:
             return
-        if save.commit is None:
+        if block_s > 0:
+            save.settled.wait(block_s)
+        with save.lock:
+            failed, commit = save.failed, save.commit
+            missing = [n for n in save.writers if n not in save.records]
+        if commit is None:
+            if failed is not None:
+                self._abandon(save, failed)
+                return
             live = set(self.job.names)
-            gone = [n for n in save.writers if n not in live and n not in save.records]
+            gone = [n for n in missing if n not in live]
             if gone:
                 self._abandon(save, f"writer {', '.join(gone)} left before its shard was written")
-                return
-            for name, actor in save.writers.items():
-                if name not in save.records and name not in save.polls:
-                    save.polls[name] = actor.ckpt_poll.remote(save.save_id)
-            by_ref = {ref: name for name, ref in save.polls.items()}
-            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=block_s)
-            for ref in ready:
-                name = by_ref[ref]
-                del save.polls[name]
-                try:
-                    out = ray.get(ref)
-                except Exception as err:
-                    self._abandon(save, f"writer {name} failed: {type(err).__name__}: {err}")
-                    return
-                if out is not None:
-                    save.records[name] = [ShardRecord.from_dict(r)
-                                          for r in out.get("records") or [out["record"]]]
-            if len(save.records) < len(save.writers):
-                return
-            save.commit = self._committer.submit(self._commit, save)
-        if not save.commit.done():
+            return
+        if not commit.done():
             return
         self._inflight = None
         try:
-            path = save.commit.result()
+            path = commit.result()
         except Exception as err:
             self._failed(save, f"commit failed: {type(err).__name__}: {err}")
             return
         self.last_committed, self.last_path = save.step, path
-        save_s = time.time() - save.t0
         if self.interval is not None:
-            self.interval.observe_save_time(save_s)
-        self.job.log.emit(
-            "checkpoint_saved", step=save.step, path=path, bytes=save.nbytes,
-            stall_s=save.stall_s, wait_s=save.wait_s, save_s=save_s,
-            writers=len(save.writers), reason=save.reason, run_id=self.run_id,
-        )
-        _log.info("checkpoint of step %d committed: %s", save.step, path)
+            self.interval.observe_save_time(max(save.written_t.values(), default=time.time())
+                                            - save.t0)
         self._retain()
 
     def _commit(self, save: _Save) -> str:
@@ -702,9 +768,10 @@ class Checkpointer:
                 self._abandon(self._inflight, f"not committed within {timeout_s:g} s")
                 return
             save = self._inflight
-            self._progress(block_s=0.5)
-            if self._inflight is save and (save.commit is not None or not save.polls):
-                time.sleep(POLL_S)
+            self._progress(block_s=min(0.5, max(0.0, end - time.monotonic())))
+            if self._inflight is save and save.commit is not None and not save.commit.done():
+                with contextlib.suppress(Exception):  # reported by _progress
+                    save.commit.exception(timeout=min(POLL_S, max(0.0, end - time.monotonic())))
 
     def _abandon(self, save: _Save, why: str) -> None:
         """The save cannot commit: report it; its files are removed once its writers stop."""

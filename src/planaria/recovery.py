@@ -147,6 +147,8 @@ class Recovery:
         remaining = job.width - len(names)
         if remaining < job.policy.min_replicas and job.checkpointer is not None:
             job.checkpointer.save_now(reason="preemption")  # just in time, before state leaves
+        if job.checkpointer is not None:  # a shard they are writing goes with them
+            job.checkpointer.writers_settle(names, timeout_s=job.checkpointer.config.timeout_s)
         for name in names:
             job.log.emit("drained", worker=name, step=job.steps_done)
         job.evict(names)

@@ -240,7 +240,8 @@ def merge_ckpt_poll(
     if any(p is None for p in parts):
         return None
     return {"records": [p["record"] for p in parts if p is not None],
-            "write_s": max(p["write_s"] for p in parts if p is not None)}
+            "write_s": max(p["write_s"] for p in parts if p is not None),
+            "written_t": max((p.get("written_t") or 0.0) for p in parts if p is not None)}
 
 
 def _first_failure(parts: list[dict[str, Any]]) -> dict[str, Any] | None:

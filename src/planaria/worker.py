@@ -81,6 +81,11 @@ T = TypeVar("T")
 SMALL_TENSOR_BYTES = 1 << 20  # tensors below this travel coalesced in one buffer per dtype
 
 
+CONCURRENCY_GROUPS = {"control": 1, "ckpt": 1}
+"""A worker actor's lanes beside the default one (steps, state): ``control`` for calls that
+must answer mid-step (abort, alive, stack dumps), ``ckpt`` for the wait on a checkpoint
+write (planaria.worker_checkpoint.ckpt_wait), which may last as long as the write."""
+
 STATUS_TAIL = 32
 """Slots after the first fp32/fp64 gradient buffer that carry the autonomous loop's status
 (:data:`planaria.worker_loop.STATUS` and the metrics' sums) in the gradient's all-reduce; a
@@ -220,7 +225,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         if self.k > 1 and shard_index == 0:
             # The replica's other workers: actors this one owns, so they die with it.
             remote: Any = ray.remote
-            cls = remote(concurrency_groups={"control": 1})(Worker)
+            cls = remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)
             # The spec as the controller pickled it: its functions may live in a module only
             # the controller has (a script run by `planaria run`), pickled by value there.
             blob = spec_blob if spec_blob is not None else ray.cloudpickle.dumps(spec)

@@ -29,6 +29,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+import ray
 import torch
 
 from planaria.checkpoint import (
@@ -184,9 +185,12 @@ class CheckpointWorkerMixin:
         attempts: int = 3,
         staging_budget_bytes: int | None = None,
         direct_io: bool = True,
+        describe: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Snapshots shard ``index`` of ``num_shards`` of the state after ``step`` steps and
-        starts writing it under ``root``; returns once the snapshot is taken.
+        starts writing it under ``root``; returns once the snapshot is taken. ``describe``
+        (writer 0's: the save's description with the controller's metadata) is written
+        beside the shards, with this worker's metadata added, before the shard.
 
         The state must be settled (the controller calls ``commit`` first). Returns
         ``stall_s`` (seconds the snapshot blocked; None if the save was skipped because
@@ -210,12 +214,15 @@ class CheckpointWorkerMixin:
         writer.attempts = attempts
         writer.staging_budget_bytes = staging_budget_bytes
         writer.direct = direct_io
-        stall = writer.start(step, tensors, plan, save_id=save_id)
+        first = index == 0 and self.shard_index == 0
+        meta = self._extra_state_get(meta) if first else meta
+        description = None
+        if describe is not None and first:
+            description = {**describe, "meta": {**_jsonable(meta, "meta"), **describe["meta"]}}
+        stall = writer.start(step, tensors, plan, save_id=save_id, describe=description)
         if stall is not None:
             self._ckpt_save_id = save_id
         self._set_phase("idle", step)
-        first = index == 0 and self.shard_index == 0
-        meta = self._extra_state_get(meta) if first else meta
         return {"stall_s": stall, "bytes": plan.nbytes, "meta": meta if first else None}
 
     def _ckpt_plan(self, tensors: Mapping[str, torch.Tensor], index: int, num_shards: int
@@ -246,6 +253,20 @@ class CheckpointWorkerMixin:
         if record is None:
             return None
         return {"record": record.to_dict(), "write_s": writer.last_write_s}
+
+    @ray.method(concurrency_group="ckpt")
+    @fans_out(merge_ckpt_poll)
+    def ckpt_wait(self, save_id: str, timeout_s: float) -> dict[str, Any]:
+        """Waits, beside the steps (its own concurrency group), until this worker's shard of
+        save ``save_id`` is written and read back, and returns its record: the controller
+        commits the save the moment the last writer's answer arrives, not at a later step
+        boundary. Raises the write's error, or ``TimeoutError`` past ``timeout_s``."""
+        writer = self._ckpt_writer
+        if writer is None or self._ckpt_save_id != save_id:
+            raise PlanariaError(f"{self.name} is not writing save {save_id}")
+        record = writer.result(timeout_s)
+        return {"record": record.to_dict(), "write_s": writer.last_write_s,
+                "written_t": writer.last_written_t}
 
     def _writer(
         self,

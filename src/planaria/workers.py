@@ -23,7 +23,7 @@ from planaria.events import EventLog
 from planaria.integrity import describe_mismatch
 from planaria.placement import Placement
 from planaria.policy import HangConfig
-from planaria.worker import Worker
+from planaria.worker import CONCURRENCY_GROUPS, Worker
 
 __all__ = ["WorkerHandle", "WorkerPool", "warm_start_enabled"]
 
@@ -108,7 +108,7 @@ class WorkerPool:
         self.compile_cache: bytes | None = None  # a running worker's (spec.compile), for new ones
         # Two lanes: steps and state in the default one, stack dumps (mid-step) in "control".
         remote: Any = ray.remote
-        self._actor_cls = remote(concurrency_groups={"control": 1})(Worker)
+        self._actor_cls = remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)
         # A sharded replica's leader hands the spec to its other workers as pickled here.
         self._spec_blob = (ray.cloudpickle.dumps(spec) if config.workers_per_replica > 1
                            else None)

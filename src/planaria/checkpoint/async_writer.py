@@ -16,7 +16,13 @@ import torch
 from planaria.checkpoint.backoff import with_retries
 from planaria.checkpoint.plan import ShardPlan
 from planaria.checkpoint.staging import ShardImage, slice_of
-from planaria.checkpoint.writer import ShardRecord, write_image, write_shard
+from planaria.checkpoint.writer import (
+    ShardRecord,
+    write_description,
+    write_image,
+    write_record,
+    write_shard,
+)
 
 __all__ = ["AsyncShardWriter", "background_priority"]
 
@@ -94,6 +100,8 @@ class AsyncShardWriter:
         self.last_stall_s: float | None = None
         #: Seconds the last completed write took (snapshot excluded).
         self.last_write_s: float | None = None
+        #: When (Unix time) the last completed write and its read-back ended.
+        self.last_written_t: float | None = None
 
     @property
     def busy(self) -> bool:
@@ -107,8 +115,11 @@ class AsyncShardWriter:
         plan: ShardPlan,
         *,
         save_id: str | None = None,
+        describe: dict[str, Any] | None = None,
     ) -> float | None:
-        """Snapshots this writer's share of ``tensors`` for ``step`` and starts writing it.
+        """Snapshots this writer's share of ``tensors`` for ``step`` and starts writing it
+        (after ``describe``, the save's description, if given: see
+        :mod:`planaria.checkpoint.finished`).
 
         Returns the seconds the snapshot blocked, or None if the save was skipped
         because the previous one is still writing (``if_busy="skip"``). An outcome
@@ -133,23 +144,33 @@ class AsyncShardWriter:
             self.image.clear()
             done: Future[ShardRecord] = Future()
             try:
-                done.set_result(self._write(step, plan, _live_share(tensors, plan), save_id))
+                done.set_result(self._write(step, plan, _live_share(tensors, plan), save_id,
+                                            describe))
             except Exception as err:
                 done.set_exception(err)
             self._future = done
         else:
             self.image.fill(tensors, plan, step)
-            self._future = self._pool.submit(self._write, step, plan, None, save_id)
+            self._future = self._pool.submit(self._write, step, plan, None, save_id, describe)
         self.last_stall_s = time.perf_counter() - t0
         self._collected = False
         return self.last_stall_s
 
     def _write(
         self, step: int, plan: ShardPlan, share: dict[str, torch.Tensor] | None,
-        save_id: str | None,
+        save_id: str | None, describe: dict[str, Any] | None = None,
     ) -> ShardRecord:
-        """Writes ``share`` (live views, over the staging budget) or else the staged image."""
+        """Writes ``share`` (live views, over the staging budget) or else the staged image;
+        first ``describe`` beside it, after it the shard's record."""
         t0 = time.perf_counter()
+        if describe is not None:
+            with_retries(
+                lambda: write_description(self.root, step, save_id, describe,
+                                          storage_options=self.storage_options,
+                                          fsync=self.fsync),
+                what=f"writing the description of the save of step {step}",
+                attempts=self.attempts,
+            )
 
         def attempt() -> ShardRecord:
             if share is not None:
@@ -164,7 +185,15 @@ class AsyncShardWriter:
             attempt,
             what=f"writing shard {plan.index} of step {step}", attempts=self.attempts,
         )
+        written_t = time.time()
+        with_retries(
+            lambda: write_record(self.root, record, written_t=written_t,
+                                 storage_options=self.storage_options, fsync=self.fsync),
+            what=f"writing the record of shard {plan.index} of step {step}",
+            attempts=self.attempts,
+        )
         self.last_write_s = time.perf_counter() - t0
+        self.last_written_t = written_t
         return record
 
     def poll(self) -> ShardRecord | None:

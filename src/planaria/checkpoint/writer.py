@@ -9,6 +9,7 @@ step's directory, invisible to readers until the commit marker names it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -100,6 +101,37 @@ class ShardRecord:
 def _pair(v: Any) -> tuple[int, int]:
     a, b = v
     return int(a), int(b)
+
+
+RECORD_SUFFIX = ".record.json"
+"""A shard's record, written beside it once the shard is written and read back: a save whose
+writers all finished can be committed from the files alone (by a controller started
+again, say). The save's own description lies beside them in :data:`SAVE_FILE`."""
+SAVE_FILE = "save.json"
+
+
+def record_path(shard_path: str) -> str:
+    """Where the record of the shard at ``shard_path`` is kept."""
+    return shard_path.removesuffix(".safetensors") + RECORD_SUFFIX
+
+
+def write_record(root: str, record: ShardRecord, *, written_t: float,
+                 storage_options: Mapping[str, Any] | None = None, fsync: bool = True) -> None:
+    """Writes ``record`` beside its shard (after the shard's read-back: it vouches for it)."""
+    storage = Storage(root, storage_options)
+    directory = shard_dir(storage, record.step, record.save_id)
+    body = json.dumps({**record.to_dict(), "written_t": written_t}).encode()
+    storage.write_bytes(record_path(f"{directory}/{record.file.name}"), body, fsync=fsync)
+
+
+def write_description(root: str, step: int, save_id: str | None, describe: dict[str, Any], *,
+                      storage_options: Mapping[str, Any] | None = None,
+                      fsync: bool = True) -> None:
+    """Writes a save's description (:data:`SAVE_FILE`) into its shard directory."""
+    storage = Storage(root, storage_options)
+    directory = shard_dir(storage, step, check_save_id(save_id or DEFAULT_SAVE_ID))
+    storage.makedirs(directory)
+    storage.write_bytes(f"{directory}/{SAVE_FILE}", json.dumps(describe).encode(), fsync=fsync)
 
 
 def shard_dir(storage: Storage, step: int, save_id: str) -> str:
