@@ -85,29 +85,38 @@ def drive(job: Job, steps: int) -> dict:
 
 
 def register_gated() -> None:
-    """Registers ``gated://``: local files; opening a ``.safetensors`` file for writing waits
-    until the file ``open`` exists in the ``gate`` storage option's directory. (The class is
-    made here, where it is used: a worker builds its own rather than unpickle one.)"""
-    from fsspec.implementations.local import LocalFileSystem
+    """Registers ``gated://``: local files seen as an object store (planaria's faulty://
+    without faults), where opening a ``.safetensors`` file for writing waits until the file
+    ``open`` exists in the ``gate`` storage option's directory. (The class is made here,
+    where it is used: a worker builds its own rather than unpickle one.)"""
+    from planaria.campaign.storage_faults import FaultyFileSystem
 
-    class GatedFileSystem(LocalFileSystem):
+    class GatedFileSystem(FaultyFileSystem):
         protocol = "gated"
-        root_marker = "/"
+
+        def __init__(self, control: str, gate: str | None = None, **kwargs) -> None:
+            super().__init__(control, **kwargs)
+            self.gate = gate
 
         @classmethod
         def _strip_protocol(cls, path):
             path = str(path)
             path = path[len("gated://"):] if path.startswith("gated://") else path
-            return super()._strip_protocol(path)
+            return path.rstrip("/") or "/"
 
         def _open(self, path, mode="rb", **kwargs):
-            gate = self.storage_options.get("gate")
-            if gate and "w" in mode and str(path).endswith(".safetensors"):
-                while not os.path.exists(os.path.join(gate, "open")):
+            if self.gate and "w" in mode and str(path).endswith(".safetensors"):
+                while not os.path.exists(os.path.join(self.gate, "open")):
                     time.sleep(0.01)
             return super()._open(path, mode=mode, **kwargs)
 
     fsspec.register_implementation("gated", GatedFileSystem, clobber=True)
+
+
+def gated_options(tmp_path: Path, gate: Path) -> dict:
+    control = tmp_path / "control"
+    control.mkdir(exist_ok=True)
+    return {"control": str(control), "gate": str(gate)}
 
 
 # ---- the tests ------------------------------------------------------------------------------
@@ -182,8 +191,8 @@ def test_a_preemption_during_a_save_keeps_the_leavers_shard(tmp_path):
     root = f"gated://{tmp_path / 'ckpt'}"
     job = Job(spec(micro_s=0.02, gated=True),
               RunConfig(steps=12, replicas=3, run_dir=tmp_path / "run"),
-              checkpoint=CheckpointConfig(every=6, fsync=False, direct_io=False, root=root,
-                                          storage_options={"gate": str(gate)}))
+              checkpoint=CheckpointConfig(every=6, fsync=False, root=root,
+                                          storage_options=gated_options(tmp_path, gate)))
     noticed = threading.Event()
 
     def preempt_while_writing(job: Job, phase: str, **info) -> None:
@@ -216,8 +225,8 @@ def test_close_finishes_the_save_in_flight(tmp_path):
     register_gated()
     root = f"gated://{tmp_path / 'ckpt'}"
     job = Job(spec(gated=True), RunConfig(steps=4, replicas=2, run_dir=tmp_path / "run"),
-              checkpoint=CheckpointConfig(every=2, fsync=False, direct_io=False, root=root,
-                                          storage_options={"gate": str(gate)}))
+              checkpoint=CheckpointConfig(every=2, fsync=False, root=root,
+                                          storage_options=gated_options(tmp_path, gate)))
     with job:
         (gate / "open").write_text("1")
         drive(job, 3)

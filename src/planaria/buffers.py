@@ -85,6 +85,16 @@ class BufferSync:
                 )
         self._entries = entries
 
+    def committed(self) -> dict[str, torch.Tensor] | None:
+        """While a step is begun and not committed or rolled back: the committed value of
+        every buffer it tracks, by state-dict name (the live ones are the step's, in
+        flux); None otherwise (the live buffers are the committed ones)."""
+        if not self._entries:
+            return None
+        names = {id(m): prefix for prefix, m in self.model.named_modules()}
+        return {(f"{names[id(e.module)]}.{e.attr}" if names[id(e.module)] else e.attr): e.before
+                for e in self._entries}
+
     def contributions(
         self, *, rank: int, width: int, first: int, count: int, total: int
     ) -> list[torch.Tensor]:

@@ -592,16 +592,54 @@ class Checkpointer:
 
     # ---- saving ------------------------------------------------------------------------------
 
-    def _start(self, *, reason: str) -> None:
-        """Snapshots the state on every member and starts their writes (blocks for the snapshot)."""
+    @property
+    def can_save(self) -> bool:
+        """Saves are configured (``every`` set)."""
+        return self.interval is not None
+
+    def save_beside(self, *, reason: str) -> bool:
+        """Saves the committed state now, beside the running steps (every member holds the
+        state and is about to go: a preemption wave). Every member is held (it applies no
+        further step: ``ckpt_freeze``), those a step behind are let through to the furthest
+        one's step, and each snapshots its share there while its training thread may still
+        compute; the writes go on in the background and the save commits when the last
+        writer finishes. The members stay held (the caller aborts the generation). Returns
+        whether a snapshot was started (or a save in flight already holds that step)."""
+        job = self.job
+        gen = job.gen
+        answers = job._gather({h.name: h.actor.ckpt_freeze.remote(gen) for h in job.members},
+                              deadline_s=30.0, step=None)
+        target = max(a["steps_done"] for a in answers.values())
+        behind = [h for h in job.members if answers[h.name]["steps_done"] < target]
+        if behind:
+            done = job._gather({h.name: h.actor.ckpt_advance.remote(gen, target, 30.0)
+                                for h in behind}, deadline_s=35.0, step=None)
+            if any(d["steps_done"] != target for d in done.values()):
+                _log.warning("could not align the replicas on step %d before they leave", target)
+                return False
+        save = self._inflight
+        if save is not None and save.step == target:
+            return True  # the save in flight holds the step in hand: it finishes
+        if save is not None:  # an older save's writes: they finish first (bounded)
+            self._finish(min(5.0, self._deadline(save.nbytes)))
+            if self._inflight is not None:
+                return False
+        self._start(reason=reason, beside=target)
+        return self._inflight is not None
+
+    def _start(self, *, reason: str, beside: int | None = None) -> None:
+        """Snapshots the state on every member and starts their writes (blocks for the
+        snapshot). ``beside``: the step every member holds under a hold (save_beside): the
+        snapshot is taken beside the steps, nothing is committed first."""
         job = self.job
         assert self._inflight is None
-        step = job.steps_done
+        step = job.steps_done if beside is None else beside
         waited = time.monotonic()
         self._wait_abandoned(self.config.timeout_s)
         self._wait_s += time.monotonic() - waited
         t0 = time.time()
-        job.commit_all()  # the update would be applied at the next step anyway: not stall
+        if beside is None:
+            job.commit_all()  # the update would be applied at the next step anyway: not stall
         t1 = time.time()
         save = _Save(step, new_save_id(), reason, {h.name: h.actor for h in job.members}, t0)
         width = len(save.writers)
@@ -623,15 +661,22 @@ class Checkpointer:
         describe = {"step": step, "save_id": save.save_id, "reason": reason,
                     "shards": width * job.config.workers_per_replica, "run_id": self.run_id,
                     "meta": ours}
-        refs = {
-            h.name: h.actor.ckpt_start.remote(
+        options: dict[str, Any] = dict(
+            fsync=self.config.fsync, attempts=self.config.storage_attempts,
+            staging_budget_bytes=self.config.staging_budget_bytes,
+            direct_io=self.config.direct_io)
+        if beside is None:
+            refs = {h.name: h.actor.ckpt_start.remote(
                 job.gen, step, i, width, save.save_id, self.root, self.options,
-                if_busy="wait", fsync=self.config.fsync, attempts=self.config.storage_attempts,
-                staging_budget_bytes=self.config.staging_budget_bytes,
-                direct_io=self.config.direct_io, describe=describe if i == 0 else None,
-            )
-            for i, h in enumerate(job.members)
-        }
+                if_busy="wait", describe=describe if i == 0 else None, **options)
+                for i, h in enumerate(job.members)}
+        else:
+            refs = {h.name: h.actor.ckpt_start_beside.remote(
+                job.gen, step, i, width, save.save_id, self.root, self.options,
+                describe=describe if i == 0 else None, **options)
+                for i, h in enumerate(job.members)}
+        job.log.emit("checkpoint_started", step=step, save_id=save.save_id, reason=reason,
+                     writers=list(save.writers), beside=beside is not None)
         job._hook("save", writers=list(save.writers))
         try:
             results = job._gather(refs, deadline_s=self.config.timeout_s, step=None)
@@ -696,6 +741,16 @@ class Checkpointer:
         _log.info("checkpoint of step %d committed: %s", save.step, path)
         save.settled.set()
         return path
+
+    @property
+    def inflight_step(self) -> int | None:
+        """The step of the save in flight, if any."""
+        return None if self._inflight is None else self._inflight.step
+
+    def finish_inflight(self) -> None:
+        """Waits (bounded by its deadline) until the save in flight commits or fails."""
+        if self._inflight is not None:
+            self._finish(self._deadline(self._inflight.nbytes))
 
     def writers_settle(self, names: list[str], timeout_s: float) -> None:
         """Before ``names`` leave (a drain): waits, bounded, until the save in flight has their

@@ -38,6 +38,7 @@ from planaria.errors import (
     InternalError,
     NonFiniteLoss,
     PlanariaError,
+    Preempted,
     ReplicaDivergence,
     Work,
     WorkFault,
@@ -45,7 +46,14 @@ from planaria.errors import (
 )
 from planaria.events import EventLog
 from planaria.integrity import describe_mismatch, divergent_replicas
-from planaria.liveness import IO_STALL_S, WORK_PHASES, Heartbeat, Liveness
+from planaria.liveness import (
+    IO_STALL_S,
+    NOTICES_KEY,
+    WORK_PHASES,
+    Heartbeat,
+    Liveness,
+    notice_key,
+)
 from planaria.network import (
     host_store,
     ray_is_private,
@@ -156,6 +164,9 @@ class Job:
         self.placement: Placement | None = None
         self._t0 = time.time()
         self._draining: set[str] = set()
+        self._notices_seen = 0  # the store's notice counter, as last read
+        self.evacuating: tuple[str, ...] = ()  # every holder of the state leaves: saved first
+        self._leave_now = False
         self._drain_watch: NodeDrainWatch | None = None
         self._chaos_at: dict[str, float] = {}
         self._stuck_since: dict[str, float] = {}  # workers found stuck: when their work stopped
@@ -498,7 +509,8 @@ class Job:
         self._chaos_during_step(step)
         # Hangs are judged by heartbeat and progress (see planaria.liveness); the step's own
         # deadline is only the last resort.
-        results = self._gather(refs, deadline_s=self.hang.ceiling_s, step=step)
+        results = self._gather(refs, deadline_s=self.hang.ceiling_s, step=step,
+                               poll=self.poll_notices)
         self._ledger_served(step, {h.name: results[h.name] for h in self.members})
         duration = time.time() - t0
         n = sum(r["n"] for r in results.values())
@@ -519,6 +531,45 @@ class Job:
             step, loss=loss, n=n, duration=duration, metrics=metrics,
             data_wait=max(r["data_wait_s"] for r in results.values()),
         )
+
+    def poll_notices(self) -> None:
+        """Preemption notices that came while steps run (one store read of a counter the
+        workers bump, see planaria.liveness.beat). When every member that holds the state
+        got one (a spot-reclaim wave), the state is saved at once, beside the steps, and
+        the generation is aborted so that they leave together once the save is written
+        (:meth:`Recovery.evacuate <planaria.recovery.Recovery.evacuate>`)."""
+        try:
+            count = int(self.store.add(NOTICES_KEY, 0))
+        except Exception:  # the store is ours; the next poll reads it again
+            return
+        if count <= self._notices_seen:
+            return
+        self._notices_seen = count
+        for handle in self.members:
+            if handle.name not in self._draining and self.store.check([notice_key(handle.name)]):
+                self._draining.add(handle.name)
+                at = float(self.store.get(notice_key(handle.name)).decode() or time.time())
+                self._chaos_at.setdefault(handle.name, at)  # the fault's time: its notice
+                self.log.emit("preempt_notice", worker=handle.name, step=self.steps_done,
+                              source="sigterm", notice_t=at)
+        holders = {h.name for h in self.members if h.has_state}
+        if holders and holders <= self._draining and not self.evacuating:
+            self._save_before_leaving()
+
+    def _save_before_leaving(self) -> None:
+        names = tuple(sorted(self._draining & set(self.names)))
+        ck = self.checkpointer
+        if ck is None or not ck.can_save or not ck.config.save_on_preemption:
+            self.log.emit("preemption_unsaved", workers=list(names),
+                          reason="every replica holding the state got a notice and checkpoints "
+                          "are off: the last one stays until a replacement took the state")
+            return
+        _log.warning("every replica got a preemption notice (%s): saving the state before "
+                     "they leave", ", ".join(names))
+        if ck.save_beside(reason="preemption"):
+            self.evacuating = names
+            self._leave_now = True  # the wait in flight ends in a Preempted, whatever it got
+            self._abort_generation()  # the held steps are dropped: they leave at step in hand
 
     def _preempt_notice(self, name: str, preempting: bool, step: int) -> None:
         if preempting and name not in self._draining:
@@ -729,7 +780,8 @@ class Job:
                 self._abort_generation()
                 self._evict_hung(stale)  # killed: nothing more to wait for from them
                 calls.drop(r for r in calls.pending if by_ref[r] in stale)
-        if not errors and not hung:
+        leave, self._leave_now = self._leave_now, False
+        if not errors and not hung and not leave:
             return results
         self._confirm_survivors(errors, hung, list(results))
         hung_set = [h for h in dict.fromkeys(hung) if h not in errors or _is_death(errors[h])]
@@ -738,9 +790,13 @@ class Job:
             for h in hung_set:
                 errors.pop(h, None)  # the death is the one we caused
         faulty = set(hung_set) | {n for n, e in errors.items() if _is_death(e)}
-        if work_hung:
+        if self.evacuating and (leave or errors):
+            failure: Failure = Preempted(
+                f"{', '.join(self.evacuating)} leave together: every replica holding the "
+                "state got a preemption notice", workers=self.evacuating, step=step)
+        elif work_hung:
             name, (work, why) = next(iter(work_hung.items()))
-            failure: Failure = WorkFault(
+            failure = WorkFault(
                 f"{work.describe() if work else 'the work'} made no progress past its "
                 f"deadline on more than one worker ({why}): the work, not a worker, is at "
                 "fault (a deadlock or an endless loop on that data?); fix it, raise "

@@ -67,8 +67,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 __all__ = [
-    "IO_PHASES", "IO_STALL_S", "PEER_PHASES", "QUIET_S", "WORK_PHASES", "Heartbeat", "Liveness",
-    "beat", "quiet_s",
+    "IO_PHASES", "IO_STALL_S", "NOTICES_KEY", "PEER_PHASES", "QUIET_S", "WORK_PHASES",
+    "Heartbeat", "Liveness", "beat", "notice_key", "quiet_s",
 ]
 
 _log = logging.getLogger("planaria.liveness")
@@ -81,7 +81,7 @@ WORK_PHASES = frozenset({"loading", "compute", "apply"})
 IO_PHASES = frozenset({"ckpt_read", "send_state", "recv_state"})
 """Phases in which a worker moves bytes (a checkpoint read, a state transfer), bumping its
 progress at every chunk."""
-PEER_PHASES = frozenset({"reduce", "joining", "send_state", "recv_state", "ckpt_bcast"})
+PEER_PHASES = frozenset({"reduce", "joining", "send_state", "recv_state", "ckpt_bcast", "held"})
 """Phases in which a worker waits on its peers: not judged by its own progress (see
 :meth:`Liveness.all_waiting`)."""
 GAP_FACTOR = 3.0
@@ -321,6 +321,16 @@ GAP_WINDOW = 1200
 """Beats over which a worker's longest beat gap is reported (5 minutes at 0.25 s)."""
 
 
+NOTICES_KEY = "notices"
+"""A counter every worker bumps (once) when it gets a preemption notice; the controller reads
+this one key to learn of notices while steps run (see :func:`notice_key`)."""
+
+
+def notice_key(name: str) -> str:
+    """Set by worker ``name`` when it gets a preemption notice."""
+    return f"notice/{name}"
+
+
 def beat(
     connect: Callable[[], dist.Store],
     name: str,
@@ -328,14 +338,18 @@ def beat(
     stop: threading.Event,
     period_s: float,
     quiet: Callable[[], bool] | None = None,
+    noticed: Callable[[], bool] | None = None,
+    wake: threading.Event | None = None,
 ) -> None:
     """A worker's heartbeat thread: writes ``record(gap_s)`` to ``hb/<name>`` every
     ``period_s`` (one store write a beat) unless ``quiet()`` (its run commits steps: see the
     module doc), and looks at ``fence/<name>`` every :data:`FENCE_CHECK_S`; a fenced worker
     (evicted while stopped or cut off: its state is no one's now) exits. ``gap_s`` is the
     longest time between two of this thread's beats over the last :data:`GAP_WINDOW`
-    beats, beyond the period (a pause of the whole process). Returns when ``stop`` is
-    set."""
+    beats, beyond the period (a pause of the whole process). Once ``noticed()`` (a
+    preemption notice), it sets :func:`notice_key` and bumps :data:`NOTICES_KEY` at once,
+    whatever the steps are doing (``wake``, set by the notice's handler, ends the beat's wait
+    early). Returns when ``stop`` is set."""
     from collections import deque
 
     store = connect()
@@ -344,11 +358,24 @@ def beat(
     beats = 0
     gaps: deque[float] = deque(maxlen=GAP_WINDOW)
     last = time.monotonic()
-    while not stop.wait(period_s):
+    told = False
+    while True:
+        if wake is None:
+            if stop.wait(period_s):
+                return
+        else:
+            wake.wait(period_s)
+            wake.clear()
+            if stop.is_set():
+                return
         now = time.monotonic()
         gaps.append(max(0.0, now - last - period_s))
         last = now
         try:
+            if not told and noticed is not None and noticed():
+                store.set(notice_key(name), str(time.time()))
+                store.add(NOTICES_KEY, 1)
+                told = True
             if beats % every == 0 and store.check([fence_key]):
                 _log.warning("%s was fenced off by the controller; exiting", name)
                 os._exit(0)

@@ -123,6 +123,20 @@ class Recovery:
         names = [n for n in names if n in job.names]
         if not names:
             return
+        ck = job.checkpointer
+        holders = [h.name for h in job.members if h.has_state]
+        if (set(holders) <= set(names) and ck is not None and ck.can_save
+                and ck.config.save_on_preemption):
+            # Every holder of the state leaves: the step in hand is saved before anyone goes,
+            # then they go together and replacements restore it (nothing trained is lost).
+            job.evacuating = tuple(names)
+            notice = Preempted(f"{', '.join(names)} preempted: every replica holding the "
+                               "state got a notice", workers=tuple(names))
+            self._current = notice
+            fault = self._open_fault(notice)
+            ck.save_now(reason="preemption")
+            self.evacuate(fault)
+            return
         if len(names) == job.width:
             # Every member got a notice: the last one stays (a notice leaves time) until a
             # replacement has received the state from it, so the state never leaves the job.
@@ -171,6 +185,9 @@ class Recovery:
                          how="raised", blame=judged[1].blame.value, reason=judged[1].reason)
         if isinstance(failure, WorkFault):
             self._work_fault(failure, fault)
+            return
+        if isinstance(failure, Preempted) and job.evacuating:
+            self.evacuate(fault)
             return
         if isinstance(failure, UserCodeError):
             job.log.emit("action", fault_id=fault.fault_id, action="abort")
@@ -238,6 +255,37 @@ class Recovery:
             return
         self._rolled_back.add(step)
         self._restore(fault, keep_survivors=True)
+
+    def evacuate(self, fault: _OpenFault) -> None:
+        """Every replica holding the state got a notice and was saved beside its steps
+        (Job.poll_notices): once the save is written (the leavers' shards in), they go, and
+        replacements restore it: the steps trained are kept. If they were killed before
+        their shards were written (a grace period shorter than the save), the event log
+        says so and the newest older save is restored."""
+        job = self.job
+        names = list(job.evacuating)
+        self.preemptions += len(names)
+        job.log.emit("action", fault_id=fault.fault_id, action="evacuate")
+        ck = job.checkpointer
+        assert ck is not None
+        t0 = time.time()
+        step = ck.inflight_step
+        ck.writers_settle(names, timeout_s=ck.config.timeout_s)
+        ck.finish_inflight()
+        if step is not None and ck.last_committed != step:
+            job.log.emit("preemption_save_lost", step=step, waited_s=time.time() - t0,
+                         reason="the replicas were gone before the save's shards were written: "
+                         "their grace period was shorter than a save")
+        for name in names:
+            job.log.emit("drained", worker=name, step=job.steps_done)
+        job.evict(names)
+        job.evacuating = ()
+        job._draining.difference_update(names)
+        self._replace(names)
+        if self.preemptions > job.policy.max_preemptions:
+            self._abort(f"{self.preemptions} preemptions, more than max_preemptions="
+                        f"{job.policy.max_preemptions}", None)
+        self._restore(fault, keep_survivors=False)
 
     # ---- the work's fault or the worker's ------------------------------------------------------
 

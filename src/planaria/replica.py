@@ -23,7 +23,7 @@ import logging
 import os
 import zlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import ray
 
@@ -36,7 +36,7 @@ from planaria.errors import (
     WorkerLost,
 )
 
-__all__ = ["FOLLOWER_SETTLE_S", "fans_out", "merge_records", "merge_step", "replica_failed"]
+__all__ = ["FOLLOWER_SETTLE_S", "fans_out", "lane", "merge_records", "merge_step", "replica_failed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,6 +44,12 @@ FOLLOWER_SETTLE_S = 10.0
 """After the leader's own part of a call failed, how long it waits for the others' parts
 to end (theirs fail too, at once, when a worker of the replica died) to tell a death in
 the replica from another replica's failure."""
+
+
+def lane(group: str) -> Callable[[F], F]:
+    """``ray.method(concurrency_group=group)``, typed as what it is to the method's body.
+    Put it under :func:`fans_out`: Ray reads a method's lane from the function it wraps."""
+    return cast(Callable[[F], F], ray.method(concurrency_group=group))
 
 
 def fans_out(merge: Callable[[Any, list[Any]], Any] | None = None) -> Callable[[F], F]:
@@ -230,6 +236,13 @@ def merge_ckpt_start(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict
     return {**mine, "busy": any(p.get("busy") for p in parts),
             "stall_s": None if any(s is None for s in stalls) else max(stalls),
             "bytes": sum(int(p["bytes"]) for p in parts)}
+
+
+def merge_hold(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A replica's workers under a hold: the replica is as far as its least advanced worker."""
+    parts = [mine, *theirs]
+    return {"steps_done": min(p["steps_done"] for p in parts),
+            "reduced": all(p["reduced"] for p in parts)}
 
 
 def merge_ckpt_poll(

@@ -45,7 +45,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from planaria.errors import Failure, NonFiniteLoss
+from planaria.errors import Failure, NonFiniteLoss, Preempted
 from planaria.worker_loop import ledger_key, stop_key, stream_key
 
 if TYPE_CHECKING:
@@ -145,9 +145,10 @@ class RunAhead:
         """While a run goes on: records the steps rank 0 streamed, and ends the run early
         when something unplanned needs a boundary."""
         self._read_stream()
-        if self._stop_sent:
-            return
         job = self.job
+        job.poll_notices()
+        if self._stop_sent or job.evacuating:
+            return
         why = job.boundary_wanted()
         if why is None:
             return
@@ -215,7 +216,9 @@ class RunAhead:
         survivors behind it for a state transfer, and dates the failure to the first
         step not committed."""
         job = self.job
-        lost = set(failure.workers)
+        # Workers leaving on a notice (every holder at once: Job.evacuating) are alive: they
+        # settle like survivors, so that the steps they applied are recorded.
+        lost = set() if isinstance(failure, Preempted) else set(failure.workers)
         answers: dict[str, Any] = {}
         for _ in range(MAX_SETTLE_ATTEMPTS):
             survivors = [h for h in job.members if h.name not in lost]

@@ -81,7 +81,7 @@ T = TypeVar("T")
 SMALL_TENSOR_BYTES = 1 << 20  # tensors below this travel coalesced in one buffer per dtype
 
 
-CONCURRENCY_GROUPS = {"control": 1, "ckpt": 1}
+CONCURRENCY_GROUPS = {"control": 1, "ckpt": 2}
 """A worker actor's lanes beside the default one (steps, state): ``control`` for calls that
 must answer mid-step (abort, alive, stack dumps), ``ckpt`` for the wait on a checkpoint
 write (planaria.worker_checkpoint.ckpt_wait), which may last as long as the write."""
@@ -182,6 +182,14 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self.progress = 0  # bumped at every phase change and micro-batch: see planaria.liveness
         self._beat = 0
         self.preempting = False
+        # A hold (planaria.worker_checkpoint's ckpt_freeze): while set, no step at or past
+        # `_hold_below` is applied, so that a snapshot taken beside the training thread sees
+        # the same committed step on every replica. The lock guards the committed state
+        # against such a snapshot.
+        self._state_lock = threading.RLock()
+        self._hold = threading.Condition(self._state_lock)
+        self._hold_below: int | None = None
+        self._reduced_step = -1  # the newest step whose reduction completed here
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-loader")
         self._prefetched: tuple[bytes, Future[_Loaded]] | None = None
         self._attempt: dict[str, Any] | None = None  # what the last step attempt was served
@@ -197,6 +205,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         # and applied ("applied"): where tests inject faults between the phases.
         self.loop_fault: Callable[[Any, int, str], None] | None = None
         self._stop = threading.Event()
+        self._wake_beat = threading.Event()  # a notice: the heartbeat thread tells at once
         self._committed_t = -math.inf  # when the autonomous run last applied a step
         # What the threads work on, for the heartbeat (planaria.liveness): the training
         # thread's micro-batch ("m<j>"), the loader's sample ("i<id>"), and the threads whose
@@ -219,7 +228,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         threading.Thread(
             target=beat, name="planaria-heartbeat", daemon=True,
             args=(lambda: connect_store(store_host, store_port, timeout_s=30), name,
-                  self._heartbeat_record, self._stop, heartbeat_s, self._quiet),
+                  self._heartbeat_record, self._stop, heartbeat_s, self._quiet,
+                  lambda: self.preempting, self._wake_beat),
         ).start()
         self._followers: list[Any] = []
         if self.k > 1 and shard_index == 0:
@@ -470,6 +480,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     @fans_out()
     def shutdown(self) -> None:
         self._stop.set()
+        self._wake_beat.set()
         self._keys.close()
         if self.comm is not None:
             self.comm.close()
@@ -540,7 +551,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                     self._prefetch(ahead, step + 1, first)
                     ahead = None
             self._set_phase("compute", step)
-            self.buffer_sync.begin()  # buffers are pending too: put back unless the step commits
+            with self._state_lock:  # the committed buffers, kept as a snapshot beside reads them
+                self.buffer_sync.begin()  # buffers are pending: put back unless the step commits
             self.model.train()
             # A sharded replica's workers run as many forwards as each other (FSDP's
             # collectives pair them): one with fewer micro-batches pads with a weightless one.
@@ -601,6 +613,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             tail.zero_()  # reduced with the gradient every step: last step's sums must go
         in_tail = False
         if status is not None:  # the step's totals, known to every rank after the reduce
+            status[2] = max(float(status[2]), float(self.preempting))  # a notice mid-step too
             status[0] += loss_sum
             status[1] += sum(n for n, _ in loaded.batches)
             for i, key in enumerate(self._status_metrics or ()):
@@ -635,6 +648,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         except BaseException:
             self._abort_generation(step)  # no peer waits on this rank in the next collective
             raise
+        self._reduced_step = step
         if in_tail:
             assert status is not None and tail is not None
             status.copy_(tail[: len(status)])
@@ -698,7 +712,24 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 f"{self.name} has {self.steps_done} steps done, the controller {steps_done}"
             )
 
+    def _wait_while_held(self) -> None:
+        """Under a hold, the pending step waits here, unapplied, until the hold lets it pass
+        (ckpt_advance, ckpt_release) or the generation is aborted (it is then dropped)."""
+        with self._hold:
+            while (self._hold_below is not None and self.pending is not None
+                   and self.pending >= self._hold_below):
+                if self._aborted_gen >= self.gen:
+                    raise StepAborted(f"{self.name} dropped held step {self.pending}: the "
+                                      "generation was aborted")
+                self._set_phase("held", self.pending)
+                self._hold.wait(0.05)
+
     def _apply(self) -> None:
+        self._wait_while_held()
+        with self._state_lock:
+            self._apply_locked()
+
+    def _apply_locked(self) -> None:
         self._set_phase("apply", self.pending if self.pending is not None else -1)
         clip = self.spec.grad_clip_norm
         if self.scaler is not None:
@@ -726,9 +757,10 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             flat.zero_()
         if self._sharded is not None:
             self._sharded.zero()
-        if self.pending is not None:
-            self.buffer_sync.rollback()
-        self.pending = None
+        with self._state_lock:
+            if self.pending is not None:
+                self.buffer_sync.rollback()
+            self.pending = None
 
     # ---- data ---------------------------------------------------------------------------------
 
@@ -1012,6 +1044,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.preempting = True
+        self._wake_beat.set()  # the controller learns of it now, not at the next step
 
     def _quiet(self) -> bool:
         """The run committed a step just now: the stream vouches for this worker, no beat."""

@@ -29,7 +29,6 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-import ray
 import torch
 
 from planaria.checkpoint import (
@@ -50,10 +49,12 @@ from planaria.checkpoint.storage import Storage
 from planaria.errors import PlanariaError
 from planaria.replica import (
     fans_out,
+    lane,
     merge_ckpt_apply,
     merge_ckpt_poll,
     merge_ckpt_read,
     merge_ckpt_start,
+    merge_hold,
     merge_probe,
 )
 from planaria.sharded import local
@@ -124,6 +125,13 @@ class CheckpointWorkerMixin:
         skipped_samples: frozenset[int]
 
         def _check(self, gen: int) -> None: ...
+        _state_lock: Any
+        _hold: Any
+        _hold_below: int | None
+        _reduced_step: int
+        _aborted_gen: int
+        gen: int
+        buffer_sync: Any
         def _drop_pending(self) -> None: ...
         def _prebuild_optimizer_state(self) -> None: ...
         def _set_phase(self, phase: str, step: int) -> None: ...
@@ -208,7 +216,89 @@ class CheckpointWorkerMixin:
                 + (f" and step {self.pending} pending" if self.pending is not None else "")
             )
         self._set_phase("snapshot", step)
-        tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
+        return self._snapshot(step, index, num_shards, save_id, root, storage_options,
+                              if_busy, fsync, attempts, staging_budget_bytes, direct_io,
+                              describe, flatten_state(self.model, self.optimizer,
+                                                      self.scheduler))
+
+    # ---- a save beside the steps (before a preemption wave) -----------------------------------
+
+    @fans_out(merge_hold)
+    @lane("ckpt")
+    def ckpt_freeze(self, gen: int) -> dict[str, Any]:
+        """Beside the steps: no step from now on is applied (a hold) until ckpt_advance or
+        ckpt_release; returns ``steps_done`` and whether the pending step is reduced here.
+        The training thread goes on computing and waits, before its next apply, in phase
+        ``held``; an abort of the generation drops the held step."""
+        self._check(gen)
+        with self._hold:
+            self._hold_below = self.steps_done
+            return {"steps_done": self.steps_done,
+                    "reduced": self.pending is not None and self._reduced_step >= self.pending}
+
+    @fans_out(merge_hold)
+    @lane("ckpt")
+    def ckpt_advance(self, gen: int, to: int, timeout_s: float) -> dict[str, Any]:
+        """Under a hold: lets the steps before ``to`` be applied, and waits (bounded) until
+        they are: every replica then holds step ``to``'s state. Returns ``steps_done``."""
+        self._check(gen)
+        end = time.monotonic() + timeout_s
+        with self._hold:
+            self._hold_below = to
+            self._hold.notify_all()
+            while self.steps_done < to and time.monotonic() < end:
+                if self._aborted_gen >= self.gen:
+                    break
+                self._hold.wait(0.02)
+            return {"steps_done": self.steps_done, "reduced": True}
+
+    @fans_out()
+    @lane("ckpt")
+    def ckpt_release(self, gen: int) -> None:
+        """Ends a hold: the training thread applies its steps again."""
+        with self._hold:
+            self._hold_below = None
+            self._hold.notify_all()
+
+    @fans_out(merge_ckpt_start)
+    @lane("ckpt")
+    def ckpt_start_beside(
+        self, gen: int, step: int, index: int, num_shards: int, save_id: str, root: str,
+        storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
+        attempts: int = 3, staging_budget_bytes: int | None = None, direct_io: bool = True,
+        describe: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`ckpt_start`, but beside the steps, under a hold (:meth:`ckpt_freeze`):
+        the committed state of step ``step`` is snapshotted while the training thread may be
+        computing the next step (its module buffers, in flux, are taken as committed: see
+        BufferSync.committed)."""
+        self._check(gen)
+        self._refuse_if_dirty("be saved")
+        with self._state_lock:
+            if self._ckpt_writer is not None and self._ckpt_writer.busy:
+                return {"busy": True, "stall_s": None, "bytes": 0, "meta": None}
+            if self.steps_done != step:
+                raise PlanariaError(f"{self.name} cannot snapshot step {step} beside its steps: "
+                                    f"it has {self.steps_done} steps done")
+            tensors, meta = flatten_state(self.model, self.optimizer, self.scheduler)
+            committed = self.buffer_sync.committed()
+            if committed:
+                tensors = {**tensors, **{f"model/{k}": v for k, v in committed.items()
+                                         if f"model/{k}" in tensors}}
+            return self._snapshot(step, index, num_shards, save_id, root, storage_options,
+                                  "wait", fsync, attempts, staging_budget_bytes, direct_io,
+                                  describe, (tensors, meta), phase=False)
+
+    def _snapshot(
+        self, step: int, index: int, num_shards: int, save_id: str, root: str,
+        storage_options: Mapping[str, Any] | None, if_busy: Literal["wait", "skip"],
+        fsync: bool, attempts: int, staging_budget_bytes: int | None, direct_io: bool,
+        describe: dict[str, Any] | None, state: tuple[dict[str, torch.Tensor], dict[str, Any]],
+        *, phase: bool = True,
+    ) -> dict[str, Any]:
+        """Copies this worker's share of ``state`` into the writer's staging and starts its
+        write (see :meth:`ckpt_start`)."""
+        tensors, meta = state
         plan = self._ckpt_plan(tensors, index, num_shards)
         writer = self._writer(root, storage_options, if_busy, fsync)
         writer.attempts = attempts
@@ -222,7 +312,8 @@ class CheckpointWorkerMixin:
         stall = writer.start(step, tensors, plan, save_id=save_id, describe=description)
         if stall is not None:
             self._ckpt_save_id = save_id
-        self._set_phase("idle", step)
+        if phase:
+            self._set_phase("idle", step)
         return {"stall_s": stall, "bytes": plan.nbytes, "meta": meta if first else None}
 
     def _ckpt_plan(self, tensors: Mapping[str, torch.Tensor], index: int, num_shards: int
@@ -254,8 +345,8 @@ class CheckpointWorkerMixin:
             return None
         return {"record": record.to_dict(), "write_s": writer.last_write_s}
 
-    @ray.method(concurrency_group="ckpt")
     @fans_out(merge_ckpt_poll)
+    @lane("ckpt")
     def ckpt_wait(self, save_id: str, timeout_s: float) -> dict[str, Any]:
         """Waits, beside the steps (its own concurrency group), until this worker's shard of
         save ``save_id`` is written and read back, and returns its record: the controller
