@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from planaria.chaos import ChaosPlan
-from planaria.config import RunConfig, TrainSpec
+from planaria.config import RunConfig, TrainSpec, local_run_dir
 from planaria.controller import Job, StepResult
 from planaria.errors import ElasticRuntimeError, Failure
 from planaria.events import EVENTS_FILE
@@ -59,7 +59,7 @@ def fit(
     receive every event record as it is logged (progress display, Prometheus).
     """
     config = RunConfig(
-        steps=steps, replicas=replicas, run_dir=Path(run_dir), address=address, **options
+        steps=steps, replicas=replicas, run_dir=local_run_dir(run_dir), address=address, **options
     )
     plan = ChaosPlan.parse(chaos, seed=spec.seed) if isinstance(chaos, str) else chaos
     with Job(
