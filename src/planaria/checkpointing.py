@@ -118,8 +118,12 @@ class CheckpointConfig:
     checkpoint's: the samples are then planned anew from the resumed step."""
     storage_attempts: int = 3
     """Tries of a storage operation (with backoff) before it counts as failed."""
-    lease_ttl_s: float = 300.0
-    """The lease on the root lasts this long past each renewal (renewed at every save)."""
+    lease_ttl_s: float = 30.0
+    """The lease on the root lasts this long past each renewal; a background thread renews
+    it every third of that. A controller started again takes over at once the lease of a
+    holder on this machine that no longer runs, and waits at most this long for one it
+    cannot check (another host): renewed meanwhile, the holder is live and the start is
+    refused (see planaria.checkpoint.lease)."""
     staging_budget_bytes: int | None = None
     """Host memory a worker may hold for staging its share (None: no bound; the staging
     buffers then hold the share, about 1/N of the state, from one save to the next). A
@@ -291,6 +295,7 @@ class Checkpointer:
                         delete_checkpoint(st, c)
             self.lineage = (*(r for r in parent if r != self.run_id), self.run_id)
             self.lease.set_lineage(self.lineage)
+            self.lease.start_heartbeat()  # stopped by release
             self._probe()
         except BaseException:
             with contextlib.suppress(Exception):
