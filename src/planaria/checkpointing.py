@@ -927,7 +927,7 @@ class Checkpointer:
         from planaria.data_plan import Ledger
 
         try:
-            steps = Ledger.committed(job.run_dir)
+            steps = {**Ledger.committed(job.run_dir), **Ledger.skipped(job.run_dir)}
         except (OSError, ValueError, KeyError):
             return 0
         return max(steps) + 1 if steps else 0

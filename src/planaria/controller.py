@@ -13,7 +13,6 @@ import math
 import os
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +42,7 @@ from planaria.errors import (
 from planaria.events import EventLog
 from planaria.integrity import describe_mismatch, divergent_replicas
 from planaria.liveness import IO_STALL_S, WORK_PHASES, Liveness
+from planaria.loss_history import LossHistory
 from planaria.network import (
     host_store,
     ray_is_private,
@@ -63,7 +63,6 @@ _mlog = logging.getLogger("planaria.membership")
 
 RAY_START_ATTEMPTS = 3
 """Tries at starting a local Ray node (its start can time out on a loaded machine)."""
-LOSS_HISTORY = 100_000  # committed (step, loss) pairs kept in memory; the event log has all
 RECHECK_S = 2.0
 """A wait in which no call has ended for this long asks Ray whether one has (see CallWatch)."""
 CONFIRM_S = 1.0
@@ -145,7 +144,7 @@ class Job:
         self.steps_done = 0
         self.last_skipped = -1  # the newest step whose update was dropped (non-finite): workers
         # learn it with the next call, as they learn of commits (see Worker._settle)
-        self.losses: deque[tuple[int, float]] = deque(maxlen=LOSS_HISTORY)
+        self.losses = LossHistory()  # every committed step, 16 bytes each
         self.plan: DataPlan | None = None
         self._started_ray = False
         self.placement: Placement | None = None

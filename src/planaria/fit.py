@@ -14,6 +14,7 @@ from planaria.config import RunConfig, TrainSpec, local_run_dir
 from planaria.controller import Job, StepResult
 from planaria.errors import ElasticRuntimeError, Failure
 from planaria.events import EVENTS_FILE
+from planaria.loss_history import LossHistory
 from planaria.policy import HangConfig, RecoveryPolicy
 
 __all__ = ["FitResult", "fit"]
@@ -25,8 +26,10 @@ class FitResult:
 
     final_step: int
     """Steps committed (the next step would be this one)."""
-    losses: list[tuple[int, float]]
-    """(step, loss) of every committed step of this run."""
+    losses: LossHistory
+    """(step, loss) of every committed step of this run, in commit order (a step computed
+    again after a restore appears again); a sequence of tuples, stored as two arrays
+    (``losses.steps``, ``losses.values``): 16 bytes a step."""
     events_path: Path
     state_dict: dict[str, torch.Tensor] = field(repr=False)
     """The final model state (CPU tensors)."""
@@ -83,7 +86,7 @@ def fit(
         state = _finish(job)
         return FitResult(
             final_step=job.steps_done,
-            losses=list(job.losses),
+            losses=job.losses,
             events_path=job.run_dir / EVENTS_FILE,
             state_dict=state,
             run_dir=job.run_dir,

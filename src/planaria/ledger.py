@@ -8,12 +8,17 @@ Two kinds of records, one JSON object a line, never rewritten:
   that failed, for each survivor (it reports what it was served when it joins
   the next generation); the ids are those ``dataset[i]`` was called with
   inside the worker, in the order it was called.
-- ``commit``: ``run``, ``step``, ``gen`` (and ``skipped`` for a step whose
-  update was dropped on purpose). Written when the controller commits.
+- ``commit``: ``run``, ``step``, ``gen`` (and ``skipped: true`` for a step whose
+  update was dropped on purpose: a non-finite loss the policy skips). Written
+  when the controller commits, or skips.
 
 A step can have several attempts (a failure, a rollback, a run resumed past a
 crash); the attempt that counts is the one named by the step's *last* commit
-record, found by ``(run, gen)``.
+record, found by ``(run, gen)``. A step whose counting record is a skip was
+served but trained on nothing: its samples are consumed (the data plan moves
+past them) and read as *skipped* (:meth:`Ledger.skipped_records`), never as
+trained (:meth:`Ledger.committed_records`), so exactly-once checks count them
+apart.
 """
 
 from __future__ import annotations
@@ -94,27 +99,47 @@ class Ledger:
         return out
 
     @staticmethod
-    def committed_records(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
-        """Committed step → the served records of the attempt that committed it."""
+    def _counting(run_dir: Path, *, skipped: bool) -> dict[int, list[dict[str, Any]]]:
+        """Step → the served records of the attempt its last commit record names, for the
+        steps whose last record is (``skipped``) or is not a skip."""
         records = Ledger.read(run_dir)
-        last: dict[int, tuple[Any, Any]] = {}
+        last: dict[int, tuple[Any, Any, bool]] = {}
         for r in records:
             if r["kind"] == "commit":
-                last[int(r["step"])] = (r.get("run"), r.get("gen"))
-        out: dict[int, list[dict[str, Any]]] = {step: [] for step in last}
+                last[int(r["step"])] = (r.get("run"), r.get("gen"), bool(r.get("skipped")))
+        wanted = {step: key[:2] for step, key in last.items() if key[2] == skipped}
+        out: dict[int, list[dict[str, Any]]] = {step: [] for step in wanted}
         for r in records:
             step = int(r["step"])
-            if r["kind"] == "served" and last.get(step) == (r.get("run"), r.get("gen")):
+            if r["kind"] == "served" and wanted.get(step) == (r.get("run"), r.get("gen")):
                 out[step].append(r)
         return out
 
     @staticmethod
+    def committed_records(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+        """Trained step → the served records of the attempt that committed it (a skipped
+        step is not here: see :meth:`skipped_records`)."""
+        return Ledger._counting(run_dir, skipped=False)
+
+    @staticmethod
+    def skipped_records(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+        """Skipped step (its update dropped on purpose) → the served records of the attempt
+        that was skipped: samples consumed but trained on nothing."""
+        return Ledger._counting(run_dir, skipped=True)
+
+    @staticmethod
     def committed(run_dir: Path) -> dict[int, list[int]]:
-        """Committed step → the ids its committing attempt was served (in rank order)."""
-        return {
-            step: [int(i) for r in served for i in r["ids"]]
-            for step, served in Ledger.committed_records(run_dir).items()
-        }
+        """Trained step → the ids its committing attempt was served (in rank order)."""
+        return _ids(Ledger.committed_records(run_dir))
+
+    @staticmethod
+    def skipped(run_dir: Path) -> dict[int, list[int]]:
+        """Skipped step → the ids it was served (consumed, not trained)."""
+        return _ids(Ledger.skipped_records(run_dir))
+
+
+def _ids(records: dict[int, list[dict[str, Any]]]) -> dict[int, list[int]]:
+    return {step: [int(i) for r in served for i in r["ids"]] for step, served in records.items()}
 
 
 def _ends_line(path: Path) -> bool:
