@@ -182,6 +182,12 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
         "minio:9000 (repeat for several; a VALUE that reads as JSON, such as true or 3, is "
         "taken as such)",
     )
+    p.add_argument(
+        "--final-save-fallback", default=None, metavar="URL_OR_PATH",
+        help="if the final checkpoint cannot be written to the checkpoint root (a full disk), "
+        "save the trained state here instead (another disk, a bucket; a URL gets the "
+        "--checkpoint-storage-option options) rather than lose it",
+    )
     p.add_argument("--no-resume", action="store_true", help="ignore the run dir's checkpoints")
     p.add_argument(
         "--checkpoint-on-other-run", default="refuse", choices=["refuse", "overwrite", "branch"],
@@ -340,7 +346,7 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from planaria.config import local_run_dir
-    from planaria.errors import ConfigError, ElasticRuntimeError, UserCodeError
+    from planaria.errors import ConfigError, ElasticRuntimeError, FinalSaveFailed, UserCodeError
     from planaria.logs import setup_logging
 
     setup_logging(args.verbose)
@@ -380,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             from planaria.campaign.cli import campaign_main
 
             return campaign_main(args)
+    except FinalSaveFailed as err:
+        return _final_save_failed(err, args)
     except ConfigError as err:
         print(f"planaria: {err}", file=sys.stderr)
         return 2
@@ -393,6 +401,39 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _final_save_failed(err: Any, args: argparse.Namespace) -> int:
+    """The final checkpoint did not commit; the job is still open with the trained state:
+    save it at ``--final-save-fallback`` if given, say where the newest durable checkpoint
+    is, and close the job."""
+    job = err.job
+    saved: str | None = None
+    try:
+        print(f"planaria: the final checkpoint (step {err.step}) could not be written: "
+              f"{err.__cause__ or err}", file=sys.stderr)
+        fallback = getattr(args, "final_save_fallback", None)
+        if fallback:
+            options = _storage_options(args.checkpoint_storage_option) if "://" in fallback else {}
+            try:
+                saved = job.save(root=fallback, storage_options=options)
+            except Exception as again:
+                print(f"planaria: saving it under --final-save-fallback {fallback} failed too: "
+                      f"{type(again).__name__}: {again}", file=sys.stderr)
+        if saved is not None:
+            print(f"planaria: the trained state of step {err.step} is saved at {saved} "
+                  f"instead; resume from it with --checkpoint-root {fallback}", file=sys.stderr)
+            return 0
+        newest = (f"step {err.newest_step} at {err.newest_path}" if err.newest_path
+                  else "none")
+        print(f"planaria: the trained state of step {err.step} is lost with this process; the "
+              f"newest durable checkpoint is {newest} (the same command resumes from it). To "
+              "keep the final state when the checkpoint root cannot take it, give "
+              "--final-save-fallback URL_OR_PATH (another disk or a bucket); from Python, "
+              "FinalSaveFailed.job.save(root=...)", file=sys.stderr)
+        return 1
+    finally:
+        job.close(status="ok" if saved else "aborted", error=f"final save failed: {err.__cause__}")
 
 
 def _demo(args: argparse.Namespace) -> int:

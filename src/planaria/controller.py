@@ -8,6 +8,7 @@ What to do about a failure lives in :mod:`planaria.recovery`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -171,7 +172,13 @@ class Job:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         status = "ok" if exc is None else ("aborted" if isinstance(exc, PlanariaError) else "error")
-        self.close(status=status, error=None if exc is None else f"{type(exc).__name__}: {exc}")
+        try:
+            self.close(status=status, error=None if exc is None else f"{type(exc).__name__}: {exc}")
+        except Exception:
+            if exc is None:
+                raise
+            # The job's own error is what the caller must see; close's is logged.
+            _mlog.exception("closing the job after %s failed", type(exc).__name__)
 
     def start(self) -> None:
         """Starts Ray (or joins a cluster), hosts the store, starts workers, builds generation 0."""
@@ -268,8 +275,12 @@ class Job:
             return
         self.pool.compile_cache = data
         tmp = self.run_dir / f"{CACHE_FILE}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, self.run_dir / CACHE_FILE)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, self.run_dir / CACHE_FILE)
+        except OSError as err:  # a full run dir: the workers started later still get it
+            _log.warning("could not keep the compile cache in %s: %s", self.run_dir, err)
+            tmp.unlink(missing_ok=True)
         self.log.emit("compile_cache", worker=source.name, bytes=len(data))
 
     def _init_ray(self) -> None:
@@ -339,31 +350,50 @@ class Job:
             )
 
     def close(self, *, status: str = "ok", error: str | None = None) -> None:
+        """Releases everything the job holds, in order: the drain watch, the checkpointer
+        (its save in flight, its lease), the workers and the pool, the placement group, the
+        event log (after ``run_end``), the ledger, and Ray if the job started it. Each is
+        released whatever the others raised; the first error is raised after all."""
         if self.closed:
             return
         self.closed = True
+        errors: list[BaseException] = []
+
+        def release(what: str, fn: Callable[[], Any]) -> None:
+            try:
+                fn()
+            except BaseException as err:  # the rest is released all the same
+                errors.append(err)
+                _mlog.warning("closing the job: %s failed: %s: %s", what, type(err).__name__,
+                              err)
+
         if self._drain_watch is not None:
-            self._drain_watch.stop()
+            release("stopping the drain watch", self._drain_watch.stop)
         if self.checkpointer is not None:
-            self.checkpointer.close()
+            release("closing the checkpointer", self.checkpointer.close)
         if hasattr(self, "pool"):
-            for handle in self.members:
-                self.pool.release(handle)
-            self.pool.shutdown()
+            for handle in list(self.members):
+                release(f"releasing {handle.name}", functools.partial(self.pool.release, handle))
+            release("stopping the worker pool", self.pool.shutdown)
         if self.placement is not None:
-            self.placement.remove()
-        self.log.emit(
-            "run_end",
-            status=status,
-            step=self.steps_done,
-            wall_s=time.time() - self._t0,
-            error=error,
-        )
-        self.log.close()
+            release("removing the placement group", self.placement.remove)
+        dropped = {"events": self.log.dropped,
+                   "ledger": self.ledger.dropped if self.ledger is not None else 0}
+        if any(dropped.values()):
+            _mlog.warning("the run directory %s could not take %d event and %d ledger "
+                          "records (a full disk?)", self.run_dir, dropped["events"],
+                          dropped["ledger"])
+        release("writing run_end", lambda: self.log.emit(
+            "run_end", status=status, step=self.steps_done, wall_s=time.time() - self._t0,
+            error=error, dropped=dropped,
+        ))
+        release("closing the event log", self.log.close)
         if self.ledger is not None:
-            self.ledger.close()
+            release("closing the ledger", self.ledger.close)
         if self._started_ray:
-            ray.shutdown()
+            release("shutting Ray down", ray.shutdown)
+        if errors:
+            raise errors[0]
 
     # ---- membership --------------------------------------------------------------------------
 
@@ -963,6 +993,35 @@ class Job:
         return self._gather(
             {head.name: head.actor.get_state.remote(self.gen)}, deadline_s=300, step=None
         )[head.name]
+
+    def save(self, root: str | None = None,
+             storage_options: dict[str, Any] | None = None) -> str:
+        """Saves the committed state now and waits for the commit; returns the checkpoint's
+        path. ``root`` None: the job's checkpoint root; another root (a path every worker
+        reaches, ``s3://...``): saved there in this run's lineage, so that a job given that
+        root resumes from it (``storage_options`` are that root's). What a failed final
+        save leaves to do (:class:`~planaria.errors.FinalSaveFailed`); raises
+        :class:`~planaria.errors.CheckpointError` if the save does not commit, and a
+        :class:`~planaria.errors.Failure` if a worker fails meanwhile (recover from it as
+        from a step's: ``job.recovery.handle``)."""
+        if not self.started or self.closed:
+            raise ElasticRuntimeError("Job.save needs a started job that is not closed")
+        if self.checkpointer is None:
+            if root is None:
+                raise ConfigError(
+                    "root=None is not valid: this job has no checkpoint root (checkpoint="
+                    "None); give Job.save a root, or the job CheckpointConfig(...)"
+                )
+            from planaria.checkpointing import save_under
+
+            return save_under(self, root, storage_options)
+        own = root is None or self.checkpointer.root == (
+            root if "://" in root else os.path.abspath(root))
+        if own and storage_options is None:
+            path: str = self.checkpointer.save_committed(reason="manual")
+            return path
+        assert root is not None
+        return str(self.checkpointer.save_elsewhere(root, storage_options))
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         tensors, _ = self.state()

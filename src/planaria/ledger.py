@@ -27,6 +27,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from planaria.append_file import AppendFile
+
 __all__ = ["Ledger"]
 
 
@@ -38,10 +40,14 @@ class Ledger:
     def __init__(self, run_dir: Path, *, run_id: str = "") -> None:
         self.path = Path(run_dir) / self.FILE
         self.run_id = run_id
-        torn = self.path.exists() and self.path.stat().st_size > 0 and not _ends_line(self.path)
-        self._file = self.path.open("a", encoding="utf-8")
-        if torn:  # a crash mid-write: end the partial line so the next record stays whole
-            self._file.write("\n")
+        # A full disk drops records (counted, warned about) instead of stopping the job:
+        # an exactly-once check then finds the steps it lacks, and says so.
+        self._file = AppendFile(self.path, what="the ledger")
+
+    @property
+    def dropped(self) -> int:
+        """Records that could not be written (a full disk)."""
+        return self._file.dropped
 
     def served(
         self,
@@ -71,8 +77,7 @@ class Ledger:
         self._write(entry)
 
     def _write(self, entry: dict[str, Any]) -> None:
-        self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")
-        self._file.flush()
+        self._file.write_line(json.dumps(entry, separators=(",", ":")))
 
     def close(self) -> None:
         self._file.close()
@@ -141,8 +146,3 @@ class Ledger:
 def _ids(records: dict[int, list[dict[str, Any]]]) -> dict[int, list[int]]:
     return {step: [int(i) for r in served for i in r["ids"]] for step, served in records.items()}
 
-
-def _ends_line(path: Path) -> bool:
-    with path.open("rb") as f:
-        f.seek(-1, 2)
-        return f.read(1) == b"\n"
