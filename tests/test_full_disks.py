@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from planaria import FinalSaveFailed, fit
+from planaria import CheckpointError, FinalSaveFailed, fit
 from planaria.checkpoint import list_checkpoints, load_checkpoint
 from planaria.checkpointing import CheckpointConfig
 from planaria.data_plan import Ledger
@@ -199,6 +199,8 @@ def test_a_final_save_on_a_full_root_keeps_the_trained_state_to_save_elsewhere(
             assert err.newest_path == str(root / "step_000000005")
             assert [c.step for c in list_checkpoints(str(root)) if c.committed] == [5]
             trained, _ = err.job.state()
+            with pytest.raises(CheckpointError, match="step 10 was not committed"):
+                err.job.save()  # its own root is still full: the job and its state stay
             path = err.job.save(root=str(tmp_path / "elsewhere"))
         finally:
             err.job.close()

@@ -999,8 +999,9 @@ class Job:
         """Saves the committed state now and waits for the commit; returns the checkpoint's
         path. ``root`` None: the job's checkpoint root; another root (a path every worker
         reaches, ``s3://...``): saved there in this run's lineage, so that a job given that
-        root resumes from it (``storage_options`` are that root's). What a failed final
-        save leaves to do (:class:`~planaria.errors.FinalSaveFailed`); raises
+        root resumes from it (``storage_options`` are that root's; the job's own root keeps
+        its own). This is also what to do after a failed final save
+        (:class:`~planaria.errors.FinalSaveFailed`). Raises
         :class:`~planaria.errors.CheckpointError` if the save does not commit, and a
         :class:`~planaria.errors.Failure` if a worker fails meanwhile (recover from it as
         from a step's: ``job.recovery.handle``)."""
@@ -1015,12 +1016,11 @@ class Job:
             from planaria.checkpointing import save_under
 
             return save_under(self, root, storage_options)
-        own = root is None or self.checkpointer.root == (
-            root if "://" in root else os.path.abspath(root))
-        if own and storage_options is None:
+        if root is None or self.checkpointer.root == (
+                root if "://" in root else os.path.abspath(root)):
+            # Its own root, under its own lease (a second saver there would fence it off).
             path: str = self.checkpointer.save_committed(reason="manual")
             return path
-        assert root is not None
         return str(self.checkpointer.save_elsewhere(root, storage_options))
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
