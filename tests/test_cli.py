@@ -215,7 +215,8 @@ def test_checkpoints_on_s3_from_the_command_line_and_a_resume_from_there(
     base = ["run", f"{EXAMPLES / 'mlp.py'}:spec", "--replicas", "2", "--quiet",
             "--checkpoint-every", "3", "--checkpoint-root", root, *options]
     assert main([*base, "--steps", "6", "--run-dir", str(tmp_path / "a")]) == 0
-    assert capsys.readouterr().out.splitlines()[0].startswith(f"checkpoints: every 3 under {root}")
+    assert capsys.readouterr().out.splitlines()[0].startswith(
+        f"checkpoints: every 3 steps under {root}")
     assert not (tmp_path / "a" / "checkpoints").exists()
     committed = [c.step for c in list_checkpoints(root, storage_options=s3_options)
                  if c.committed]

@@ -278,7 +278,9 @@ def _checkpoint_line(checkpoint: Any, run_dir: Path) -> str:
         return ("checkpoints: none saved (--checkpoint-every none): a crash of this process "
                 f"retrains from step 0{resume}")
     resume = "resumes from the newest there" if checkpoint.resume else "no resume"
-    return (f"checkpoints: every {checkpoint.every} under {_root(checkpoint, run_dir)} "
+    every = str(checkpoint.every)
+    every = f"{every} steps" if every.strip().isdigit() else every
+    return (f"checkpoints: every {every} under {_root(checkpoint, run_dir)} "
             f"({resume}; --checkpoint-every none saves none)")
 
 
