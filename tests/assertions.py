@@ -15,7 +15,8 @@ def assert_exactly_once(
     seed: int = 0,
     dataset: Any = None,
 ) -> None:
-    """Each committed step was served its planned batch; every sample once per epoch.
+    """Each committed step was served its planned batch; every sample once per epoch
+    (trained once, or consumed by a step skipped on purpose, which the ledger reads apart).
 
     Reads what the workers' datasets served (the ledger's ``served`` records of
     the attempt that committed each step, not the ids the controller sent).
@@ -29,16 +30,19 @@ def assert_exactly_once(
     from planaria.integrity import sample_digest
 
     records = Ledger.committed_records(Path(run_dir))
-    assert sorted(records) == list(range(steps)), f"steps in ledger: {sorted(records)}"
+    skipped = Ledger.skipped_records(Path(run_dir))  # served, consumed, not trained
+    assert not set(records) & set(skipped)
+    assert sorted({**records, **skipped}) == list(range(steps)), (
+        f"steps in ledger: trained {sorted(records)}, skipped {sorted(skipped)}")
     plan = DataPlan(num_samples, global_batch_size, seed=seed)
-    skipped = Ledger.skipped_samples(Path(run_dir))  # a work fault's samples, skipped on purpose
+    left_out = Ledger.skipped_samples(Path(run_dir))  # a work fault's samples, skipped on purpose
     stream: list[int] = []
     for step in range(steps):
-        served = records[step]
+        served = records[step] if step in records else skipped[step]
         assert served, f"step {step} was committed with no served record"
         ids = [int(i) for r in served for i in r["ids"]]
         planned = [i for i in plan.batch(step).tolist()
-                   if not (i in skipped and skipped[i] <= step)]
+                   if not (i in left_out and left_out[i] <= step)]
         assert sorted(ids) == sorted(planned), (
             f"step {step} was served other samples than its plan"
         )

@@ -4,6 +4,7 @@ fit of a checkpoint to a job, the auto interval against slow saves, root validat
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from planaria.checkpoint import (
 )
 from planaria.checkpoint.compat import compare_data_plans, compare_layouts
 from planaria.checkpoint.errors import LeaseHeld
-from planaria.checkpoint.lease import RootLease
+from planaria.checkpoint.lease import ProcessIdentity, RootLease
 from planaria.checkpoint.restore import read_run_id
 from planaria.checkpoint.storage import Storage
 from planaria.checkpointing import CheckpointConfig
@@ -61,6 +62,90 @@ def test_lease_is_exclusive_and_fenced(tmp_path: Path) -> None:
     assert prev is not None and prev.lineage == ("run-0", "run-a") and second.epoch == 2
     with pytest.raises(LeaseHeld, match="run-b"):
         first.renew()  # fenced: a commit of run-a now fails before its marker is written
+
+
+def _write_lease(root: Path, **fields: object) -> None:
+    import json
+    import socket
+
+    me = ProcessIdentity.this_process()
+    record = {"holder": "old-run", "host": socket.gethostname(), "pid": os.getpid(),
+              "boot_id": me.boot_id, "pid_ns": me.pid_ns, "start": me.start, "epoch": 7,
+              "expires_t": time.time() + 300, "ttl_s": 300, "lineage": ["run-0", "old-run"]}
+    (root / "LEASE.json").write_text(json.dumps({**record, **fields}))
+
+
+def test_a_reused_pid_is_not_taken_for_the_holder(tmp_path: Path) -> None:
+    """A controller restarted in place with the same pid (a container's pid 1) finds the
+    lease of its predecessor, valid for minutes and naming its own pid: the start time
+    differs, so the holder is gone and the lease is taken at once, its lineage kept."""
+    me = ProcessIdentity.this_process()
+    if me.start is None:
+        pytest.skip("no /proc/PID/stat here: process start times cannot be read")
+    _write_lease(tmp_path, start=me.start - 1)
+    lease = RootLease(Storage(str(tmp_path)), "new-run", ttl_s=30)
+    t0 = time.monotonic()
+    prev = lease.acquire()
+    assert time.monotonic() - t0 < 1.0
+    assert prev is not None and prev.holder == "old-run" and prev.lineage == ("run-0", "old-run")
+    assert lease.epoch == 8  # fencing goes on from the predecessor's epoch
+    _write_lease(tmp_path, pid=2**22 + 12345)  # a pid that does not run here
+    assert RootLease(Storage(str(tmp_path)), "third", ttl_s=30).acquire() is not None
+
+
+def test_a_live_holder_on_this_host_is_refused(tmp_path: Path) -> None:
+    _write_lease(tmp_path)  # this very process, with its own start time: alive
+    with pytest.raises(LeaseHeld, match=r"old-run.*runs on this host"):
+        RootLease(Storage(str(tmp_path)), "new-run", ttl_s=30).acquire()
+
+
+def test_another_host_s_stale_lease_is_taken_within_its_ttl(tmp_path: Path) -> None:
+    """A lease of a controller on another host, not renewed: this one cannot check that
+    process, watches the lease for at most its ttl (not the minutes it claims to have
+    left), then takes it."""
+    _write_lease(tmp_path, host="elsewhere", ttl_s=1.5)  # says it is valid for 300 s more
+    lease = RootLease(Storage(str(tmp_path)), "new-run", ttl_s=30)
+    t0 = time.monotonic()
+    prev = lease.acquire()
+    waited = time.monotonic() - t0
+    assert prev is not None and prev.holder == "old-run" and lease.epoch == 8
+    assert 1.4 < waited < 3.0, waited
+
+
+def test_another_host_s_live_lease_is_refused(tmp_path: Path) -> None:
+    """A controller on another host that renews its lease (its heartbeat, every ttl/3) is
+    live: a second controller watching the lease sees it renewed and is refused."""
+    st = Storage(str(tmp_path))
+    other = ProcessIdentity(host="elsewhere", pid=1, boot_id="b", pid_ns="pid:[1]", start=5)
+    holder = RootLease(st, "holder", ttl_s=1.5, identity=other)
+    holder.acquire()
+    holder.start_heartbeat()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LeaseHeld, match=r"holder.*renewed while this controller waited"):
+            RootLease(st, "second", ttl_s=30).acquire()
+        assert time.monotonic() - t0 < 1.5  # seen renewed within one beat (0.5 s)
+        holder.check()  # still the holder's, at its epoch
+    finally:
+        holder.release()
+    assert RootLease(st, "second", ttl_s=30).acquire() is not None  # released: free
+
+
+def test_the_heartbeat_keeps_the_lease_fresh(tmp_path: Path) -> None:
+    st = Storage(str(tmp_path))
+    lease = RootLease(st, "run-a", ttl_s=0.6)
+    lease.acquire()
+    first = lease.read()
+    lease.start_heartbeat()
+    try:
+        end = time.monotonic() + 5
+        while (cur := lease.read()) == first and time.monotonic() < end:
+            time.sleep(0.05)
+        assert cur is not None and first is not None and cur.expires_t > first.expires_t
+        assert cur.epoch == first.epoch and lease.lost is None
+    finally:
+        lease.release()
+    assert lease.read() is not None and lease.read().expires_t == 0.0  # type: ignore[union-attr]
 
 
 def test_compare_layouts_names_the_tensors() -> None:

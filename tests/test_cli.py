@@ -125,3 +125,105 @@ def test_a_script_s_spec_reaches_a_process_that_only_has_its_folder(tmp_path):
                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
                          check=True, timeout=120)
     assert out.stdout.strip() == "3.0"
+
+
+def test_a_url_run_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """`--run-dir s3://bucket/run` would be the local folder ./s3:/bucket/run (checkpoints
+    included, lost with the machine): refused, naming the checkpoint root option."""
+    from planaria import RunConfig, fit
+    from planaria.errors import ConfigError
+    from planaria.examples import mlp
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["run", f"{EXAMPLES / 'mlp.py'}:spec", "--replicas", "1", "--steps", "1",
+                 "--run-dir", "s3://bucket/run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--checkpoint-root" in err and "s3://bucket/run" in err
+    with pytest.raises(ConfigError, match="CheckpointConfig\\(root="):
+        RunConfig(steps=1, replicas=1, run_dir=Path("s3://bucket/run"))
+    with pytest.raises(ConfigError, match="not a URL"):
+        fit(mlp.make_spec(n=64), steps=1, replicas=1, run_dir="gs://bucket/run")
+    assert list(tmp_path.iterdir()) == []  # no ./s3: or ./gs: folder
+
+
+def test_checkpoint_options_on_the_command_line(tmp_path):
+    """Checkpoints by default (auto), none on request; the first line says where they go."""
+    from planaria.cli import _checkpoint_config, _checkpoint_line, _parser
+    from planaria.errors import ConfigError
+
+    def config(*options: str):
+        args = _parser().parse_args(["run", "x.py", "--replicas", "1", "--steps", "1",
+                                     "--run-dir", str(tmp_path), *options])
+        return _checkpoint_config(args)
+
+    default = config()
+    assert default.every == "auto" and default.resume and default.root is None
+    assert _checkpoint_line(default, tmp_path) == (
+        f"checkpoints: every auto under {tmp_path / 'checkpoints'} (resumes from the newest "
+        "there; --checkpoint-every none saves none)")
+    off = config("--checkpoint-every", "none")
+    assert off.every is None and off.resume  # resumes from what is there, saves nothing
+    assert "none saved" in _checkpoint_line(off, tmp_path)
+    assert config("--checkpoint-every", "none", "--no-resume") is None
+    assert "retrains from step 0" in _checkpoint_line(None, tmp_path)
+    s3 = config("--checkpoint-root", "s3://b/run", "--checkpoint-storage-option",
+                "endpoint_url=http://127.0.0.1:9000", "--checkpoint-storage-option",
+                "use_ssl=false")
+    assert s3.root == "s3://b/run"
+    assert s3.storage_options == {"endpoint_url": "http://127.0.0.1:9000", "use_ssl": False}
+    assert "under s3://b/run" in _checkpoint_line(s3, tmp_path)
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        config("--checkpoint-storage-option", "endpoint_url")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_default_run_checkpoints_and_a_second_run_resumes(tmp_path, capsys):
+    """`planaria run` with no checkpoint option saves (the final state at least) and says
+    where first; the same command run again after the process is gone resumes there."""
+    from planaria.checkpoint import list_checkpoints
+
+    run_dir = tmp_path / "run"
+    base = ["run", f"{EXAMPLES / 'mlp.py'}:spec", "--replicas", "2", "--run-dir",
+            str(run_dir), "--quiet"]
+    assert main([*base, "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith(
+        f"checkpoints: every auto under {run_dir.resolve() / 'checkpoints'}")
+    steps = [c.step for c in list_checkpoints(str(run_dir / "checkpoints")) if c.committed]
+    assert steps == [4]
+    assert main([*base, "--steps", "6"]) == 0
+    (restore,) = [e for e in read_events(run_dir).events if e["event"] == "restore"]
+    assert restore["step"] == 4 and restore["reason"] == "resume"
+    steps = [c.step for c in list_checkpoints(str(run_dir / "checkpoints")) if c.committed]
+    assert steps == [4, 6]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_checkpoints_on_s3_from_the_command_line_and_a_resume_from_there(
+        tmp_path, capsys, s3_options):
+    """`--checkpoint-root s3://...` with the endpoint and keys as storage options: the run's
+    checkpoints are in the bucket (none in the run dir), and a run with another local run
+    dir resumes from them."""
+    from planaria.checkpoint import list_checkpoints
+
+    root = "s3://planaria-ckpt/cli-run"
+    options = [f"--checkpoint-storage-option={k}={v}" for k, v in s3_options.items()]
+    base = ["run", f"{EXAMPLES / 'mlp.py'}:spec", "--replicas", "2", "--quiet",
+            "--checkpoint-every", "3", "--checkpoint-root", root, *options]
+    assert main([*base, "--steps", "6", "--run-dir", str(tmp_path / "a")]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(
+        f"checkpoints: every 3 steps under {root}")
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    committed = [c.step for c in list_checkpoints(root, storage_options=s3_options)
+                 if c.committed]
+    assert committed == [3, 6]
+    assert main([*base, "--steps", "8", "--run-dir", str(tmp_path / "b")]) == 0
+    (restore,) = [e for e in read_events(tmp_path / "b").events if e["event"] == "restore"]
+    assert restore["step"] == 6 and restore["path"] == f"{root}/step_000000006"
+    committed = [c.step for c in list_checkpoints(root, storage_options=s3_options)
+                 if c.committed]
+    assert committed[-1] == 8

@@ -104,6 +104,13 @@ def test_nonfinite_gradient_is_caught_and_skip_never_loops(tmp_path):
     assert len(skipped) == STEPS * G // N  # the marked sample's step, once in each epoch
     assert all(e["reason"] == "nonfinite_loss" for e in skipped)
     assert result.final_step == STEPS
+    # The skipped steps' samples were consumed, not trained: the ledger says so, and every
+    # sample is still used (trained or skipped) exactly once per epoch.
+    from planaria.data_plan import Ledger
+
+    assert sorted(Ledger.skipped(tmp_path)) == [e["step"] for e in skipped]
+    assert not set(Ledger.committed(tmp_path)) & {e["step"] for e in skipped}
+    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
     for value in result.state_dict.values():
         assert bool(torch.isfinite(value).all())
     assert of(evs, "run_end")[0]["status"] == "ok"

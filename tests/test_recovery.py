@@ -249,3 +249,73 @@ def test_elastic_retry_reinvokes_after_a_kill(tmp_path, reference):
     assert len(calls) == 2 and calls[0] == 0 and calls[1] == 6
     assert_same_state(reference, state)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
+
+
+def _poisoned_spec() -> planaria.TrainSpec:
+    return planaria.TrainSpec(
+        model=mlp.make_model,
+        optimizer=lambda p: __import__("torch").optim.SGD(p, lr=0.1),
+        loss=_bad_loss,
+        dataset=_Poisoned,
+        global_batch_size=G,
+        micro_batch_size=16,
+    )
+
+
+def test_elastic_retry_saves_what_is_safe_before_a_user_error_stops_it(tmp_path):
+    """A user-code error under elastic_retry stops the job as under fit: not retried, and
+    only after the committed state is saved (the interval's save in flight finished too):
+    the root holds a committed checkpoint of the last committed step, which a new job
+    resumes from."""
+    from planaria.checkpoint import list_checkpoints, load_checkpoint
+    from planaria.checkpointing import CheckpointConfig
+    from planaria.data_plan import DataPlan
+
+    plan = DataPlan(N, G, seed=0)
+    poisoned = next(s for s in range(STEPS) if 7 in plan.batch(s).tolist())
+    assert poisoned > 3, "the test needs steps committed before the poisoned one"
+    root = str(tmp_path / "ckpt")
+    job = Job(_poisoned_spec(), RunConfig(steps=STEPS, replicas=2, run_dir=tmp_path / "run"),
+              checkpoint=CheckpointConfig(root=root, every=3))
+    calls: list[int] = []
+    trained: dict = {}
+
+    @planaria.elastic_retry(job, max_retries=3)
+    def train(job: Job) -> None:
+        calls.append(job.steps_done)
+        while job.steps_done < STEPS:
+            if job.steps_done == poisoned:
+                trained.update(job.state()[0])  # the committed state the error must not lose
+            job.train_step()
+
+    with pytest.raises(UserCodeError, match="a poisoned sample reached the loss"), job:
+        train()
+    assert calls == [0]  # never retried
+    committed = [c.step for c in list_checkpoints(root) if c.committed]
+    assert committed[-1] == poisoned
+    saved, _ = load_checkpoint(f"{root}/step_{poisoned:09d}")
+    for name, tensor in trained.items():
+        assert __import__("torch").equal(saved[name], tensor), name
+    evs = events(tmp_path / "run")
+    assert [e["reason"] for e in of(evs, "checkpoint_saved")][-1] == "user_code_error"
+
+
+def test_elastic_retry_saves_before_the_function_s_own_error(tmp_path):
+    """An exception raised by the wrapped function itself (between the job's calls) is the
+    user's code too: saved first, then raised as it is."""
+    from planaria.checkpoint import list_checkpoints
+    from planaria.checkpointing import CheckpointConfig
+
+    root = str(tmp_path / "ckpt")
+    job = Job(mlp.make_spec(n=N), RunConfig(steps=STEPS, replicas=2, run_dir=tmp_path / "run"),
+              checkpoint=CheckpointConfig(root=root, every=100))
+
+    @planaria.elastic_retry(job)
+    def train(job: Job) -> None:
+        while job.steps_done < 5:
+            job.train_step()
+        raise KeyError("a bug in the loop")
+
+    with pytest.raises(KeyError, match="a bug in the loop"), job:
+        train()
+    assert [c.step for c in list_checkpoints(root) if c.committed] == [5]

@@ -41,6 +41,7 @@ tests' S3 server is on loopback).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -86,7 +87,7 @@ from planaria.errors import Failure, StorageError
 if TYPE_CHECKING:
     from planaria.controller import Job
 
-__all__ = ["CheckpointConfig", "Checkpointer"]
+__all__ = ["CheckpointConfig", "Checkpointer", "save_under"]
 
 _log = logging.getLogger("planaria.checkpoint")
 POLL_S = 0.02  # while a blocking save waits for its writers
@@ -120,8 +121,12 @@ class CheckpointConfig:
     checkpoint's: the samples are then planned anew from the resumed step."""
     storage_attempts: int = 3
     """Tries of a storage operation (with backoff) before it counts as failed."""
-    lease_ttl_s: float = 300.0
-    """The lease on the root lasts this long past each renewal (renewed at every save)."""
+    lease_ttl_s: float = 30.0
+    """The lease on the root lasts this long past each renewal; a background thread renews
+    it every third of that. A controller started again takes over at once the lease of a
+    holder on this machine that no longer runs, and waits at most this long for one it
+    cannot check (another host): renewed meanwhile, the holder is live and the start is
+    refused (see planaria.checkpoint.lease)."""
     staging_budget_bytes: int | None = None
     """Host memory a worker may hold for staging its share (None: no bound; the staging
     buffers then hold the share, about 1/N of the state, from one save to the next). A
@@ -205,6 +210,32 @@ class CheckpointConfig:
         """From ``--checkpoint-every`` (None: no saves), ``--no-resume`` (``resume=False``) and a
         root (None: RUN_DIR/checkpoints); ``options`` are further fields."""
         return cls(every=every, resume=resume, root=root, **options)
+
+
+def save_under(job: Job, root: str, storage_options: dict[str, Any] | None, *,
+               template: CheckpointConfig | None = None,
+               lineage: tuple[str, tuple[str | None, ...]] | None = None,
+               reason: str = "manual") -> str:
+    """Saves ``job``'s committed state under ``root`` with a checkpointer of its own
+    (``template``'s settings, no interval, no retention), as run ``lineage[0]`` with that
+    lineage (None: a new run id); takes and releases the root's lease; returns the
+    committed checkpoint's path (:class:`CheckpointError` if it does not commit)."""
+    config = dataclasses.replace(template or CheckpointConfig(), root=root, every=None,
+                                 keep_last=None, resume=False,
+                                 storage_options=dict(storage_options or {}))
+    saver = Checkpointer(job, config)
+    if lineage is not None:
+        saver.run_id, saver.lineage = lineage
+        saver.lease = RootLease(Storage(saver.root, saver.options), saver.run_id,
+                                config.lease_ttl_s)
+    try:
+        saver._storage_call(saver.lease.acquire, f"taking the lease on {saver.root}")
+        saver.lease.set_lineage(saver.lineage)
+        saver.lease.start_heartbeat()
+        saver._probe()
+        return saver.save_committed(reason)
+    finally:
+        saver.close()
 
 
 @dataclass
@@ -305,6 +336,7 @@ class Checkpointer:
                         delete_checkpoint(st, c)
             self.lineage = (*(r for r in parent if r != self.run_id), self.run_id)
             self.lease.set_lineage(self.lineage)
+            self.lease.start_heartbeat()  # stopped by release
             self._probe()
         except BaseException:
             with contextlib.suppress(Exception):
@@ -429,6 +461,38 @@ class Checkpointer:
                 f"one is step {self.last_committed}"
             )
         return path
+
+    def save_committed(self, reason: str = "manual") -> str:
+        """Saves the committed state now, whatever the interval, and waits for the commit
+        (:meth:`planaria.controller.Job.save`); returns its path. :class:`CheckpointError`
+        if it does not commit (the job and its state are untouched: try again, or
+        :meth:`save_elsewhere`)."""
+        self._finish(self._deadline(self._inflight.nbytes if self._inflight else 0))
+        if self.job.steps_done != self.last_committed or self.last_path is None:
+            self._wait_abandoned(self.config.timeout_s)
+            self._start(reason=reason)
+            self._finish(self._deadline(self._inflight.nbytes if self._inflight else 0))
+        if self.last_committed != self.job.steps_done or self.last_path is None:
+            raise CheckpointError(
+                f"the checkpoint of step {self.job.steps_done} was not committed under "
+                f"{self.root}: {self._last_failure or 'unknown reason'}; the newest committed "
+                f"one is {self._newest()}"
+            )
+        return self.last_path
+
+    def _newest(self) -> str:
+        if self.last_committed is None:
+            return "none (nothing committed by this job)"
+        return f"step {self.last_committed} ({self.last_path})"
+
+    def save_elsewhere(self, root: str, storage_options: dict[str, Any] | None = None,
+                       *, reason: str = "manual") -> str:
+        """Saves the committed state under another ``root`` (another disk, a bucket), in
+        this run's lineage, so that a job given that root resumes from it; takes and
+        releases that root's lease; waits for the commit and returns its path."""
+        self._wait_abandoned(self.config.timeout_s)  # the writers are free for this save
+        return save_under(self.job, root, storage_options, template=self.config,
+                          lineage=(self.run_id, self.lineage), reason=reason)
 
     def restore(self, *, reason: str = "restore") -> int | None:
         """Loads the newest viable checkpoint of this run's lineage into every member of the
@@ -1046,7 +1110,7 @@ class Checkpointer:
         from planaria.data_plan import Ledger
 
         try:
-            steps = Ledger.committed(job.run_dir)
+            steps = {**Ledger.committed(job.run_dir), **Ledger.skipped(job.run_dir)}
         except (OSError, ValueError, KeyError):
             return 0
         return max(steps) + 1 if steps else 0

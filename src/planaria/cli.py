@@ -79,14 +79,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("target", help="SCRIPT.py[:SPEC_NAME] (default name: spec)")
     _run_options(run, steps=None, replicas=None)
     run.add_argument(
-        "--run-dir", required=True, type=Path, help="where events, ledger and checkpoints go"
+        "--run-dir", required=True,
+        help="a local folder (or a mounted file system) for the event log, the ledger and, "
+        "unless --checkpoint-root says otherwise, the checkpoints; not a URL",
     )
 
     demo = sub.add_parser(
         "demo", help="train the tiny GPT for about a minute, killing a worker partway"
     )
     _run_options(demo, steps=70, replicas=3)
-    demo.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
+    demo.add_argument("--run-dir", default=None, help="default: runs/demo-<time>")
     demo.add_argument("--no-chaos", action="store_true", help="do not kill a worker")
 
     report = sub.add_parser(
@@ -164,7 +166,27 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
         "--chaos", default=None, help="faults to inject, e.g. kill:w1@step40,hang:w0@90s"
     )
     p.add_argument(
-        "--checkpoint-every", default=None, help="N steps, a duration (10m, 90s) or auto"
+        "--checkpoint-every", default="auto",
+        help="N steps, a duration (10m, 90s), auto (the default: Young/Daly's interval from "
+        "the measured save stall and failure rate) or none (no saves: a crash of this "
+        "process retrains from step 0)",
+    )
+    p.add_argument(
+        "--checkpoint-root", default=None, metavar="URL_OR_PATH",
+        help="where checkpoints go: a path every node reaches, or s3://, gs:// (default: "
+        "RUN_DIR/checkpoints)",
+    )
+    p.add_argument(
+        "--checkpoint-storage-option", action="append", default=[], metavar="KEY=VALUE",
+        help="an fsspec storage option for the checkpoint root, e.g. endpoint_url=http://"
+        "minio:9000 (repeat for several; a VALUE that reads as JSON, such as true or 3, is "
+        "taken as such)",
+    )
+    p.add_argument(
+        "--final-save-fallback", default=None, metavar="URL_OR_PATH",
+        help="if the final checkpoint cannot be written to the checkpoint root (a full disk), "
+        "save the trained state here instead (another disk, a bucket; a URL gets the "
+        "--checkpoint-storage-option options) rather than lose it",
     )
     p.add_argument("--no-resume", action="store_true", help="ignore the run dir's checkpoints")
     p.add_argument(
@@ -211,6 +233,62 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
+def _storage_options(pairs: list[str]) -> dict[str, Any]:
+    """``--checkpoint-storage-option KEY=VALUE`` pairs as fsspec storage options."""
+    from planaria.errors import ConfigError
+
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"--checkpoint-storage-option {pair!r} is not valid: KEY=VALUE, e.g. "
+                "endpoint_url=http://127.0.0.1:9000"
+            )
+        try:
+            value: Any = json.loads(text)
+        except ValueError:
+            value = text
+        options[key.strip()] = value
+    return options
+
+
+def _checkpoint_config(args: argparse.Namespace) -> Any:
+    """The checkpoint options as a CheckpointConfig; None when there is nothing to save or
+    resume (``--checkpoint-every none --no-resume``)."""
+    from planaria.checkpointing import CheckpointConfig
+
+    every = args.checkpoint_every
+    if every is not None and str(every).strip().lower() in ("none", "off", "never"):
+        every = None
+    if every is None and args.no_resume:
+        return None
+    return CheckpointConfig.from_cli(
+        every=every, resume=not args.no_resume, root=args.checkpoint_root,
+        on_other_run=args.checkpoint_on_other_run,
+        storage_options=_storage_options(args.checkpoint_storage_option),
+    )
+
+
+def _checkpoint_line(checkpoint: Any, run_dir: Path) -> str:
+    """The run's first line: where checkpoints go (or that none are saved)."""
+    if checkpoint is None or checkpoint.every is None:
+        resume = (f"; resuming from those under {_root(checkpoint, run_dir)}"
+                  if checkpoint is not None else "")
+        return ("checkpoints: none saved (--checkpoint-every none): a crash of this process "
+                f"retrains from step 0{resume}")
+    resume = "resumes from the newest there" if checkpoint.resume else "no resume"
+    every = str(checkpoint.every)
+    every = f"{every} steps" if every.strip().isdigit() else every
+    return (f"checkpoints: every {every} under {_root(checkpoint, run_dir)} "
+            f"({resume}; --checkpoint-every none saves none)")
+
+
+def _root(checkpoint: Any, run_dir: Path) -> str:
+    root = checkpoint.root or str(run_dir / "checkpoints")
+    return root if "://" in root else os.path.abspath(root)
+
+
 def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
     from planaria.fit import fit
     from planaria.policy import RecoveryPolicy
@@ -232,14 +310,8 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
         from planaria.logs import log_event
 
         listeners.append(log_event)
-    checkpoint = None
-    if args.checkpoint_every is not None or not args.no_resume:
-        from planaria.checkpointing import CheckpointConfig
-
-        checkpoint = CheckpointConfig.from_cli(
-            every=args.checkpoint_every, resume=not args.no_resume, root=None,
-            on_other_run=args.checkpoint_on_other_run,
-        )
+    checkpoint = _checkpoint_config(args)
+    print(_checkpoint_line(checkpoint, run_dir))
     policy = RecoveryPolicy(on_worker_lost=args.on_worker_lost, min_replicas=args.min_replicas)
     display.start()
     try:
@@ -275,12 +347,14 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from planaria.errors import ConfigError, ElasticRuntimeError, UserCodeError
+    from planaria.config import local_run_dir
+    from planaria.errors import ConfigError, ElasticRuntimeError, FinalSaveFailed, UserCodeError
     from planaria.logs import setup_logging
 
     setup_logging(args.verbose)
     try:
         if args.command == "run":
+            args.run_dir = local_run_dir(args.run_dir)  # a URL is refused before any write
             spec = load_spec(args.target)
             result = _train(args, spec, args.run_dir)
             print(
@@ -314,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             from planaria.campaign.cli import campaign_main
 
             return campaign_main(args)
+    except FinalSaveFailed as err:
+        return _final_save_failed(err, args)
     except ConfigError as err:
         print(f"planaria: {err}", file=sys.stderr)
         return 2
@@ -329,10 +405,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _final_save_failed(err: Any, args: argparse.Namespace) -> int:
+    """The final checkpoint did not commit; the job is still open with the trained state:
+    save it at ``--final-save-fallback`` if given, say where the newest durable checkpoint
+    is, and close the job."""
+    job = err.job
+    saved: str | None = None
+    try:
+        print(f"planaria: the final checkpoint (step {err.step}) could not be written: "
+              f"{err.__cause__ or err}", file=sys.stderr)
+        fallback = getattr(args, "final_save_fallback", None)
+        if fallback:
+            options = _storage_options(args.checkpoint_storage_option) if "://" in fallback else {}
+            try:
+                saved = job.save(root=fallback, storage_options=options)
+            except Exception as again:
+                print(f"planaria: saving it under --final-save-fallback {fallback} failed too: "
+                      f"{type(again).__name__}: {again}", file=sys.stderr)
+        if saved is not None:
+            print(f"planaria: the trained state of step {err.step} is saved at {saved} "
+                  f"instead; resume from it with --checkpoint-root {fallback}", file=sys.stderr)
+            return 0
+        newest = (f"step {err.newest_step} at {err.newest_path}" if err.newest_path
+                  else "none")
+        print(f"planaria: the trained state of step {err.step} is lost with this process; the "
+              f"newest durable checkpoint is {newest} (the same command resumes from it). To "
+              "keep the final state when the checkpoint root cannot take it, give "
+              "--final-save-fallback URL_OR_PATH (another disk or a bucket); from Python, "
+              "FinalSaveFailed.job.save(root=...)", file=sys.stderr)
+        return 1
+    finally:
+        job.close(status="ok" if saved else "aborted", error=f"final save failed: {err.__cause__}")
+
+
 def _demo(args: argparse.Namespace) -> int:
+    from planaria.config import local_run_dir
     from planaria.examples import tiny_gpt
 
-    run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir = local_run_dir(args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
     if args.chaos is None and not args.no_chaos:
         args.chaos = f"kill:w1@step{max(1, args.steps // 3)}"
     print(

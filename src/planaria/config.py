@@ -8,6 +8,7 @@ the value and what is accepted.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,13 +16,33 @@ from typing import Any
 
 from planaria.errors import ConfigError
 
-__all__ = ["RunConfig", "TrainSpec", "check"]
+__all__ = ["RunConfig", "TrainSpec", "check", "local_run_dir"]
 
 
 def check(ok: bool, field_name: str, value: Any, accepted: str) -> None:
     """Raises ConfigError('field=value: accepted') unless ``ok``."""
     if not ok:
         raise ConfigError(f"{field_name}={value!r} is not valid: {accepted}")
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
+_SCHEME_PART = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:$")  # what Path("s3://b/x") keeps: "s3:"
+
+
+def local_run_dir(value: str | os.PathLike[str]) -> Path:
+    """``value`` as a local path; :class:`ConfigError` for a URL (``s3://bucket/run``), which
+    a path would silently turn into a local folder ``./s3:/bucket/run``."""
+    text = os.fspath(value)
+    parts = Path(text).parts
+    if _URL.match(text) or (not isinstance(value, str) and parts and _SCHEME_PART.match(parts[0])):
+        raise ConfigError(
+            f"run_dir={text!r} is not valid: the run directory (event log, ledger) is a local "
+            "path (or a mounted shared file system), not a URL; keep it local and put the "
+            "checkpoints on the object store: CheckpointConfig(root='s3://bucket/run', "
+            "storage_options={...}), on the command line --checkpoint-root s3://bucket/run "
+            "(and --checkpoint-storage-option KEY=VALUE)"
+        )
+    return Path(text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +165,9 @@ class RunConfig:
     replicas: int
     """Target number of worker replicas."""
     run_dir: Path
-    """Where the event log, ledger and checkpoints go."""
+    """Where the event log, the ledger and (by default) the checkpoints go: a local path or a
+    mounted file system; a URL is refused (put checkpoints on an object store with
+    ``CheckpointConfig(root="s3://...")``)."""
     address: str | None = None
     """Ray cluster address (``auto``, ``ray://host:10001``); None: the one in ``RAY_ADDRESS``
     if set (as in a RayJob's driver), else a new local Ray (never another one that happens
@@ -320,7 +343,7 @@ class RunConfig:
             self.step_protocol,
             '"autonomous" (workers run steps on their own between boundaries) or "per_step"',
         )
-        object.__setattr__(self, "run_dir", Path(self.run_dir))
+        object.__setattr__(self, "run_dir", local_run_dir(self.run_dir))
 
     @property
     def process_group_backend(self) -> str:

@@ -8,12 +8,12 @@ What to do about a failure lives in :mod:`planaria.recovery`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +54,7 @@ from planaria.liveness import (
     Liveness,
     notice_key,
 )
+from planaria.loss_history import LossHistory
 from planaria.network import (
     host_store,
     ray_is_private,
@@ -74,7 +75,6 @@ _mlog = logging.getLogger("planaria.membership")
 
 RAY_START_ATTEMPTS = 3
 """Tries at starting a local Ray node (its start can time out on a loaded machine)."""
-LOSS_HISTORY = 100_000  # committed (step, loss) pairs kept in memory; the event log has all
 RECHECK_S = 2.0
 """A wait in which no call has ended for this long asks Ray whether one has (see CallWatch)."""
 CONFIRM_S = 1.0
@@ -158,7 +158,7 @@ class Job:
         self.steps_done = 0
         self.last_skipped = -1  # the newest step whose update was dropped (non-finite): workers
         # learn it with the next call, as they learn of commits (see Worker._settle)
-        self.losses: deque[tuple[int, float]] = deque(maxlen=LOSS_HISTORY)
+        self.losses = LossHistory()  # every committed step, 16 bytes each
         self.plan: DataPlan | None = None
         self._started_ray = False
         self.placement: Placement | None = None
@@ -189,7 +189,13 @@ class Job:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         status = "ok" if exc is None else ("aborted" if isinstance(exc, PlanariaError) else "error")
-        self.close(status=status, error=None if exc is None else f"{type(exc).__name__}: {exc}")
+        try:
+            self.close(status=status, error=None if exc is None else f"{type(exc).__name__}: {exc}")
+        except Exception:
+            if exc is None:
+                raise
+            # The job's own error is what the caller must see; close's is logged.
+            _mlog.exception("closing the job after %s failed", type(exc).__name__)
 
     def start(self) -> None:
         """Starts Ray (or joins a cluster), hosts the store, starts workers, builds generation 0."""
@@ -286,8 +292,12 @@ class Job:
             return
         self.pool.compile_cache = data
         tmp = self.run_dir / f"{CACHE_FILE}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, self.run_dir / CACHE_FILE)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, self.run_dir / CACHE_FILE)
+        except OSError as err:  # a full run dir: the workers started later still get it
+            _log.warning("could not keep the compile cache in %s: %s", self.run_dir, err)
+            tmp.unlink(missing_ok=True)
         self.log.emit("compile_cache", worker=source.name, bytes=len(data))
 
     def _init_ray(self) -> None:
@@ -357,31 +367,50 @@ class Job:
             )
 
     def close(self, *, status: str = "ok", error: str | None = None) -> None:
+        """Releases everything the job holds, in order: the drain watch, the checkpointer
+        (its save in flight, its lease), the workers and the pool, the placement group, the
+        event log (after ``run_end``), the ledger, and Ray if the job started it. Each is
+        released whatever the others raised; the first error is raised after all."""
         if self.closed:
             return
         self.closed = True
+        errors: list[BaseException] = []
+
+        def release(what: str, fn: Callable[[], Any]) -> None:
+            try:
+                fn()
+            except BaseException as err:  # the rest is released all the same
+                errors.append(err)
+                _mlog.warning("closing the job: %s failed: %s: %s", what, type(err).__name__,
+                              err)
+
         if self._drain_watch is not None:
-            self._drain_watch.stop()
+            release("stopping the drain watch", self._drain_watch.stop)
         if self.checkpointer is not None:
-            self.checkpointer.close()
+            release("closing the checkpointer", self.checkpointer.close)
         if hasattr(self, "pool"):
-            for handle in self.members:
-                self.pool.release(handle)
-            self.pool.shutdown()
+            for handle in list(self.members):
+                release(f"releasing {handle.name}", functools.partial(self.pool.release, handle))
+            release("stopping the worker pool", self.pool.shutdown)
         if self.placement is not None:
-            self.placement.remove()
-        self.log.emit(
-            "run_end",
-            status=status,
-            step=self.steps_done,
-            wall_s=time.time() - self._t0,
-            error=error,
-        )
-        self.log.close()
+            release("removing the placement group", self.placement.remove)
+        dropped = {"events": self.log.dropped,
+                   "ledger": self.ledger.dropped if self.ledger is not None else 0}
+        if any(dropped.values()):
+            _mlog.warning("the run directory %s could not take %d event and %d ledger "
+                          "records (a full disk?)", self.run_dir, dropped["events"],
+                          dropped["ledger"])
+        release("writing run_end", lambda: self.log.emit(
+            "run_end", status=status, step=self.steps_done, wall_s=time.time() - self._t0,
+            error=error, dropped=dropped,
+        ))
+        release("closing the event log", self.log.close)
         if self.ledger is not None:
-            self.ledger.close()
+            release("closing the ledger", self.ledger.close)
         if self._started_ray:
-            ray.shutdown()
+            release("shutting Ray down", ray.shutdown)
+        if errors:
+            raise errors[0]
 
     # ---- membership --------------------------------------------------------------------------
 
@@ -684,7 +713,7 @@ class Job:
         self.log.emit("sample_skipped", samples=new, step=step, reason=reason,
                       total=len(self.skipped_samples))
         if self.ledger is not None:
-            self.ledger.skipped(new, step=step, reason=reason)
+            self.ledger.skip_samples(new, step=step, reason=reason)
         _log.warning("skipping samples %s from step %s on: %s", new, step, reason)
 
     def commit_all(self) -> None:
@@ -1086,6 +1115,35 @@ class Job:
         return self._gather(
             {head.name: head.actor.get_state.remote(self.gen)}, deadline_s=300, step=None
         )[head.name]
+
+    def save(self, root: str | None = None,
+             storage_options: dict[str, Any] | None = None) -> str:
+        """Saves the committed state now and waits for the commit; returns the checkpoint's
+        path. ``root`` None: the job's checkpoint root; another root (a path every worker
+        reaches, ``s3://...``): saved there in this run's lineage, so that a job given that
+        root resumes from it (``storage_options`` are that root's; the job's own root keeps
+        its own). This is also what to do after a failed final save
+        (:class:`~planaria.errors.FinalSaveFailed`). Raises
+        :class:`~planaria.errors.CheckpointError` if the save does not commit, and a
+        :class:`~planaria.errors.Failure` if a worker fails meanwhile (recover from it as
+        from a step's: ``job.recovery.handle``)."""
+        if not self.started or self.closed:
+            raise ElasticRuntimeError("Job.save needs a started job that is not closed")
+        if self.checkpointer is None:
+            if root is None:
+                raise ConfigError(
+                    "root=None is not valid: this job has no checkpoint root (checkpoint="
+                    "None); give Job.save a root, or the job CheckpointConfig(...)"
+                )
+            from planaria.checkpointing import save_under
+
+            return save_under(self, root, storage_options)
+        if root is None or self.checkpointer.root == (
+                root if "://" in root else os.path.abspath(root)):
+            # Its own root, under its own lease (a second saver there would fence it off).
+            path: str = self.checkpointer.save_committed(reason="manual")
+            return path
+        return str(self.checkpointer.save_elsewhere(root, storage_options))
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         tensors, _ = self.state()

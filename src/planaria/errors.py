@@ -18,6 +18,7 @@ __all__ = [
     "DataMismatch",
     "ElasticRuntimeError",
     "Failure",
+    "FinalSaveFailed",
     "InfrastructureError",
     "InternalError",
     "NonFiniteLoss",
@@ -99,6 +100,24 @@ class DataMismatch(ConfigError):
 
 class CheckpointError(PlanariaError):
     """A checkpoint is missing, torn, corrupt or malformed."""
+
+
+class FinalSaveFailed(CheckpointError):
+    """``fit``'s final save did not commit (the checkpoint root is full, gone, refused):
+    the run is not thrown away. ``job`` is the still-open :class:`~planaria.controller.Job`,
+    its workers holding the trained state of step ``step``: save it elsewhere with
+    ``err.job.save(root=...)`` (or to its root again once there is room: ``err.job.save()``),
+    then close it with ``err.job.close()``, which the caller must do (it holds the workers,
+    the lease and Ray). ``newest_step`` and ``newest_path`` name the newest checkpoint that
+    did commit (None: none)."""
+
+    def __init__(self, message: str, *, job: Any, step: int, newest_step: int | None,
+                 newest_path: str | None) -> None:
+        super().__init__(message)
+        self.job = job
+        self.step = step
+        self.newest_step = newest_step
+        self.newest_path = newest_path
 
 
 class StaleGeneration(PlanariaError):

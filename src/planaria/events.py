@@ -1,8 +1,12 @@
 """The run's event log: JSON lines in ``RUN_DIR/events.jsonl``.
 
 Every record carries ``t`` (Unix time) and ``event`` (a name from docs/events.md).
-The writer appends and flushes one line per record so that a crash loses at most
-the line being written; the reader tolerates a torn or garbled tail.
+The writer appends one line per record (one write each) so that a crash loses at
+most the line being written; the reader tolerates a torn or garbled tail. A run
+directory that cannot take a record (a full disk) does not stop the job: the
+record is dropped and counted (:attr:`EventLog.dropped`), a warning is logged,
+and once records are written again a ``records_dropped`` record notes the gap
+(see :mod:`planaria.append_file`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from planaria.append_file import AppendFile
 
 __all__ = ["EVENTS_FILE", "EventLog", "ReadResult", "read_events"]
 
@@ -35,10 +41,8 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _ends_with_newline(path: Path) -> bool:
-    with path.open("rb") as f:
-        f.seek(-1, 2)
-        return f.read(1) == b"\n"
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(_jsonable(record), separators=(",", ":"), default=str)
 
 
 class EventLog:
@@ -47,17 +51,21 @@ class EventLog:
     def __init__(self, run_dir: str | Path, *, clock: Any = time.time) -> None:
         self.path = Path(run_dir) / EVENTS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        torn = (
-            self.path.exists()
-            and self.path.stat().st_size > 0
-            and not _ends_with_newline(self.path)
-        )
-        self._file = self.path.open("a", encoding="utf-8")
-        if torn:  # a crash mid-write left a partial line: end it so the next record stays whole
-            self._file.write("\n")
-        self._lock = threading.Lock()
         self._clock = clock
+        self._file = AppendFile(self.path, what="the event log", on_gap=self._note_gap)
+        self._lock = threading.Lock()
         self._listeners: list[Any] = []
+
+    @property
+    def dropped(self) -> int:
+        """Records that could not be written (a full disk), over the log's life."""
+        return self._file.dropped
+
+    def _note_gap(self, dropped: int, since_t: float) -> None:
+        """Written after the first record that reached the file again after failures."""
+        self._file.write_line(_line({"t": self._clock(), "event": "records_dropped",
+                                     "file": EVENTS_FILE, "dropped": dropped,
+                                     "since_t": since_t, "total": self._file.dropped}))
 
     def add_listener(self, listener: Any) -> None:
         """Calls ``listener(record)`` after each record is written (progress, Prometheus)."""
@@ -66,11 +74,9 @@ class EventLog:
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record: dict[str, Any] = {"t": fields.pop("t", None) or self._clock(), "event": event}
         record.update(fields)
-        line = json.dumps(_jsonable(record), separators=(",", ":"), default=str)
+        line = _line(record)
         with self._lock:
-            if not self._file.closed:
-                self._file.write(line + "\n")
-                self._file.flush()
+            self._file.write_line(line)  # a record the disk cannot take is dropped, counted
         for listener in self._listeners:
             try:
                 listener(record)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,10 +11,11 @@ from typing import Any
 import torch
 
 from planaria.chaos import ChaosPlan
-from planaria.config import RunConfig, TrainSpec
+from planaria.config import RunConfig, TrainSpec, local_run_dir
 from planaria.controller import Job, StepResult
-from planaria.errors import ElasticRuntimeError, Failure
+from planaria.errors import CheckpointError, ElasticRuntimeError, Failure, FinalSaveFailed
 from planaria.events import EVENTS_FILE
+from planaria.loss_history import LossHistory
 from planaria.policy import HangConfig, RecoveryPolicy
 
 __all__ = ["FitResult", "fit"]
@@ -25,8 +27,10 @@ class FitResult:
 
     final_step: int
     """Steps committed (the next step would be this one)."""
-    losses: list[tuple[int, float]]
-    """(step, loss) of every committed step of this run."""
+    losses: LossHistory
+    """(step, loss) of every committed step of this run, in commit order (a step computed
+    again after a restore appears again); a sequence of tuples, stored as two arrays
+    (``losses.steps``, ``losses.values``): 16 bytes a step."""
     events_path: Path
     state_dict: dict[str, torch.Tensor] = field(repr=False)
     """The final model state (CPU tensors)."""
@@ -56,13 +60,16 @@ def fit(
     :class:`~planaria.errors.ElasticRuntimeError`. ``options`` are further
     :class:`~planaria.config.RunConfig` fields (``ledger``, ``cpus_per_worker``, ...).
     ``checkpoint`` is a :class:`~planaria.checkpointing.CheckpointConfig`; ``listeners``
-    receive every event record as it is logged (progress display, Prometheus).
+    receive every event record as it is logged (progress display, Prometheus). A final
+    save that does not commit raises :class:`~planaria.errors.FinalSaveFailed` with the
+    job left open (``err.job``): save its state elsewhere (``err.job.save(root=...)``),
+    then close it (``err.job.close()``).
     """
     config = RunConfig(
-        steps=steps, replicas=replicas, run_dir=Path(run_dir), address=address, **options
+        steps=steps, replicas=replicas, run_dir=local_run_dir(run_dir), address=address, **options
     )
     plan = ChaosPlan.parse(chaos, seed=spec.seed) if isinstance(chaos, str) else chaos
-    with Job(
+    job = Job(
         spec,
         config,
         policy=policy,
@@ -70,7 +77,9 @@ def fit(
         chaos=plan,
         checkpoint=checkpoint,
         listeners=listeners,
-    ) as job:
+    )
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(job)
         while job.steps_done < steps:
             try:
                 results = job.run_steps(steps)
@@ -80,10 +89,14 @@ def fit(
             if on_step is not None:
                 for result in results:
                     on_step(result)
-        state = _finish(job)
+        try:
+            state = _finish(job)
+        except FinalSaveFailed:
+            stack.pop_all()  # the job stays open, its workers holding the trained state
+            raise
         return FitResult(
             final_step=job.steps_done,
-            losses=list(job.losses),
+            losses=job.losses,
             events_path=job.run_dir / EVENTS_FILE,
             state_dict=state,
             run_dir=job.run_dir,
@@ -96,7 +109,7 @@ def _finish(job: Job, attempts: int = 5) -> dict[str, torch.Tensor]:
     for _ in range(attempts):
         try:
             if job.checkpointer is not None:
-                job.checkpointer.save_final()
+                _save_final(job)
             state = job.model_state_dict()
             break
         except Failure as failure:
@@ -110,3 +123,27 @@ def _finish(job: Job, attempts: int = 5) -> dict[str, torch.Tensor]:
             "use RecoveryPolicy(on_nonfinite='rollback') with checkpoints, or 'abort'"
         )
     return state
+
+
+def _save_final(job: Job) -> None:
+    """The final save; a failure to commit it is :class:`FinalSaveFailed`, which keeps the
+    job open: its workers still hold the trained state, which the caller can save
+    elsewhere (``err.job.save(root=...)``) before closing the job."""
+    ckpt = job.checkpointer
+    try:
+        ckpt.save_final()
+    except CheckpointError as err:
+        if isinstance(err, FinalSaveFailed):
+            raise
+        newest = (f"step {ckpt.last_committed} ({ckpt.last_path})"
+                  if ckpt.last_committed is not None else "none")
+        job.log.emit("final_save_failed", step=job.steps_done, root=ckpt.root, error=str(err),
+                     newest_step=ckpt.last_committed, newest_path=ckpt.last_path)
+        raise FinalSaveFailed(
+            f"{err}. The trained state of step {job.steps_done} is still in the workers and "
+            f"the job is still open: save it elsewhere with err.job.save(root=...) (or, once "
+            f"{ckpt.root} has room, err.job.save()), then err.job.close(); the newest durable "
+            f"checkpoint is {newest}",
+            job=job, step=job.steps_done, newest_step=ckpt.last_committed,
+            newest_path=ckpt.last_path,
+        ) from err

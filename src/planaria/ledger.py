@@ -8,14 +8,19 @@ Two kinds of records, one JSON object a line, never rewritten:
   that failed, for each survivor (it reports what it was served when it joins
   the next generation); the ids are those ``dataset[i]`` was called with
   inside the worker, in the order it was called.
-- ``commit``: ``run``, ``step``, ``gen`` (and ``skipped`` for a step whose
-  update was dropped on purpose). Written when the controller commits.
+- ``commit``: ``run``, ``step``, ``gen`` (and ``skipped: true`` for a step whose
+  update was dropped on purpose: a non-finite loss the policy skips). Written
+  when the controller commits, or skips.
 - ``skip``: ``run``, ``step``, ``samples``, ``reason``: samples left out of every
   step from ``step`` on (a fault of the work that the policy skips).
 
 A step can have several attempts (a failure, a rollback, a run resumed past a
 crash); the attempt that counts is the one named by the step's *last* commit
-record, found by ``(run, gen)``.
+record, found by ``(run, gen)``. A step whose counting record is a skip was
+served but trained on nothing: its samples are consumed (the data plan moves
+past them) and read as *skipped* (:meth:`Ledger.skipped_records`), never as
+trained (:meth:`Ledger.committed_records`), so exactly-once checks count them
+apart.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from planaria.append_file import AppendFile
 
 __all__ = ["Ledger"]
 
@@ -35,10 +42,14 @@ class Ledger:
     def __init__(self, run_dir: Path, *, run_id: str = "") -> None:
         self.path = Path(run_dir) / self.FILE
         self.run_id = run_id
-        torn = self.path.exists() and self.path.stat().st_size > 0 and not _ends_line(self.path)
-        self._file = self.path.open("a", encoding="utf-8")
-        if torn:  # a crash mid-write: end the partial line so the next record stays whole
-            self._file.write("\n")
+        # A full disk drops records (counted, warned about) instead of stopping the job:
+        # an exactly-once check then finds the steps it lacks, and says so.
+        self._file = AppendFile(self.path, what="the ledger")
+
+    @property
+    def dropped(self) -> int:
+        """Records that could not be written (a full disk)."""
+        return self._file.dropped
 
     def served(
         self,
@@ -67,7 +78,7 @@ class Ledger:
             entry["skipped"] = True
         self._write(entry)
 
-    def skipped(self, samples: list[int], *, step: int | None, reason: str) -> None:
+    def skip_samples(self, samples: list[int], *, step: int | None, reason: str) -> None:
         """``samples`` are left out of every step from ``step`` on (a work fault skipped)."""
         self._write({"kind": "skip", "run": self.run_id, "step": -1 if step is None else step,
                      "samples": [int(i) for i in samples], "reason": reason})
@@ -83,8 +94,7 @@ class Ledger:
         return out
 
     def _write(self, entry: dict[str, Any]) -> None:
-        self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")
-        self._file.flush()
+        self._file.write_line(json.dumps(entry, separators=(",", ":")))
 
     def close(self) -> None:
         self._file.close()
@@ -111,30 +121,45 @@ class Ledger:
         return out
 
     @staticmethod
-    def committed_records(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
-        """Committed step → the served records of the attempt that committed it."""
+    def _counting(run_dir: Path, *, skipped: bool) -> dict[int, list[dict[str, Any]]]:
+        """Step → the served records of the attempt its last commit record names, for the
+        steps whose last record is (``skipped``) or is not a skip."""
         records = Ledger.read(run_dir)
-        last: dict[int, tuple[Any, Any]] = {}
+        last: dict[int, tuple[Any, Any, bool]] = {}
         for r in records:
             if r["kind"] == "commit":
-                last[int(r["step"])] = (r.get("run"), r.get("gen"))
-        out: dict[int, list[dict[str, Any]]] = {step: [] for step in last}
+                last[int(r["step"])] = (r.get("run"), r.get("gen"), bool(r.get("skipped")))
+        wanted = {step: key[:2] for step, key in last.items() if key[2] == skipped}
+        out: dict[int, list[dict[str, Any]]] = {step: [] for step in wanted}
         for r in records:
             step = int(r["step"])
-            if r["kind"] == "served" and last.get(step) == (r.get("run"), r.get("gen")):
+            if r["kind"] == "served" and wanted.get(step) == (r.get("run"), r.get("gen")):
                 out[step].append(r)
         return out
 
     @staticmethod
+    def committed_records(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+        """Trained step → the served records of the attempt that committed it (a skipped
+        step is not here: see :meth:`skipped_records`)."""
+        return Ledger._counting(run_dir, skipped=False)
+
+    @staticmethod
+    def skipped_records(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+        """Skipped step (its update dropped on purpose) → the served records of the attempt
+        that was skipped: samples consumed but trained on nothing."""
+        return Ledger._counting(run_dir, skipped=True)
+
+    @staticmethod
     def committed(run_dir: Path) -> dict[int, list[int]]:
-        """Committed step → the ids its committing attempt was served (in rank order)."""
-        return {
-            step: [int(i) for r in served for i in r["ids"]]
-            for step, served in Ledger.committed_records(run_dir).items()
-        }
+        """Trained step → the ids its committing attempt was served (in rank order)."""
+        return _ids(Ledger.committed_records(run_dir))
+
+    @staticmethod
+    def skipped(run_dir: Path) -> dict[int, list[int]]:
+        """Skipped step → the ids it was served (consumed, not trained)."""
+        return _ids(Ledger.skipped_records(run_dir))
 
 
-def _ends_line(path: Path) -> bool:
-    with path.open("rb") as f:
-        f.seek(-1, 2)
-        return f.read(1) == b"\n"
+def _ids(records: dict[int, list[dict[str, Any]]]) -> dict[int, list[int]]:
+    return {step: [int(i) for r in served for i in r["ids"]] for step, served in records.items()}
+

@@ -32,7 +32,7 @@ def route_ray_logs(run_dir: Path) -> Path:
     reconfigures the ``ray`` logger).
     """
     path = Path(run_dir) / RAY_LOG
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = _RunDirFileHandler(path)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     for name in ("ray", *_INIT_LOGGERS):
@@ -47,6 +47,23 @@ def route_ray_logs(run_dir: Path) -> Path:
         logger.propagate = False
     _divert_raylet_notices()
     return path
+
+
+class _RunDirFileHandler(logging.FileHandler):
+    """``ray.log`` in the run directory: a record it cannot write (a full disk) is dropped
+    after one warning, not printed to the terminal with a traceback each time; later
+    records are tried again."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, encoding="utf-8", delay=True)  # opened at the first record
+        self.dropped = 0
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.dropped += 1
+        if self.dropped == 1:
+            logging.getLogger("planaria.events").warning(
+                "cannot write %s: Ray's messages are dropped while it cannot be written",
+                self.baseFilename)
 
 
 def _divert_raylet_notices() -> None:

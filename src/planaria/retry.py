@@ -15,6 +15,12 @@ the same process, with the job's state intact::
 
     with job:
         train()
+
+The saving rules are ``fit``'s: a user-code error (a :class:`UserCodeError` from the
+workers, or any exception of ``fn``'s own code) stops the job after saving what is safe:
+the save in flight is finished, then the committed state is saved (with checkpoints on),
+and the error is raised. Differences from pathways-utils' ``elastic_retry`` are in
+docs/design.md ("elastic_retry").
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from planaria.controller import Job
-from planaria.errors import ElasticRuntimeError, Failure, UserCodeError
+from planaria.errors import ElasticRuntimeError, Failure, PlanariaError, UserCodeError
 
 __all__ = ["elastic_retry"]
 
@@ -41,10 +47,12 @@ def elastic_retry(
 ) -> Callable[[Callable[..., R]], Callable[..., R]]:
     """Decorates ``fn(job, *args, **kwargs)`` so that failures are recovered and ``fn`` re-run.
 
-    A user's own bug (:class:`~planaria.errors.UserCodeError`) is raised at
-    once, never retried. After ``max_retries`` retries, or when the policy gives
-    up, :class:`~planaria.errors.ElasticRuntimeError` is raised, chained to the
-    last failure. ``on_retry(attempt, failure)`` runs before each new call.
+    A user's own bug (:class:`~planaria.errors.UserCodeError`, or an exception ``fn``
+    raises itself) is never retried: what is safe is saved first, as ``fit`` does
+    (the committed state, with checkpoints on), then it is raised. After
+    ``max_retries`` retries, or when the policy gives up,
+    :class:`~planaria.errors.ElasticRuntimeError` is raised, chained to the last
+    failure. ``on_retry(attempt, failure)`` runs before each new call.
     """
     if max_retries < 0:
         raise ValueError(f"max_retries={max_retries} is not valid: an integer >= 0")
@@ -58,8 +66,9 @@ def elastic_retry(
             while True:
                 try:
                     return fn(job, *args, **kwargs)
-                except UserCodeError:
-                    raise
+                except UserCodeError as failure:
+                    job.recovery.handle(failure)  # saves what is safe, then raises it
+                    raise  # not reached
                 except Failure as failure:
                     attempt += 1
                     if attempt > max_retries:
@@ -72,7 +81,26 @@ def elastic_retry(
                     )
                     if on_retry is not None:
                         on_retry(attempt, failure)
+                except Exception as err:
+                    if isinstance(err, PlanariaError):
+                        raise  # planaria's own verdict (the policy gave up, a config error)
+                    _stop_for_own_code(job, fn, err)
+                    raise
 
         return wrapper
 
     return decorate
+
+
+def _stop_for_own_code(job: Job, fn: Callable[..., Any], err: Exception) -> None:
+    """``fn``'s own code raised (between the job's calls, so the job is consistent): the
+    job stops as for a user-code error in a worker, saving what is safe; the caller
+    raises ``err`` itself."""
+    failure = UserCodeError(f"{fn.__name__} raised {type(err).__name__}: {err}",
+                            step=job.steps_done)
+    try:
+        job.recovery.handle(failure)
+    except UserCodeError:
+        pass
+    except Exception:
+        _log.exception("could not save before stopping for %s's error", fn.__name__)

@@ -89,9 +89,22 @@ write (planaria.worker_checkpoint.ckpt_wait), which may last as long as the writ
 STATUS_TAIL = 32
 """Slots after the first fp32/fp64 gradient buffer that carry the autonomous loop's status
 (:data:`planaria.worker_loop.STATUS` and the metrics' sums) in the gradient's all-reduce; a
-longer status, or a model with no such buffer, is reduced on its own (fp32 sums: loss and
-metric totals to ~1e-7 relative, sample counts exact below 2**24)."""
+longer status, or a model with no such buffer, is reduced on its own, in fp64 (see
+:func:`status_in_tail`)."""
 _TAIL_DTYPES = (torch.float32, torch.float64)
+FP32_EXACT_COUNT = 2**24
+"""fp32 holds every integer up to 2**24 exactly, and not 2**24 + 1."""
+
+
+def status_in_tail(tail: torch.Tensor | None, status_len: int, global_batch_size: int) -> bool:
+    """Whether a step's status may ride in the gradient buffer's ``tail`` (its dtype: the
+    gradient's): it must fit, and its sample count must stay exact. Every partial sum of
+    the ranks' counts is at most the global batch, so an fp32 tail is exact for a global
+    batch below 2**24; a larger one sends the status beside the gradient, in fp64 (exact
+    to 2**53). Loss and metric sums in an fp32 tail are good to ~1e-7 relative."""
+    if tail is None or status_len > len(tail):
+        return False
+    return tail.dtype == torch.float64 or global_batch_size < FP32_EXACT_COUNT
 
 
 def param_checksum(model: torch.nn.Module) -> int:
@@ -627,7 +640,8 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             self.buffer_sync.reduced(extra)
             return self._step_result(step, loaded, loss_sum, metric_sums, t0, t1, data_wait_s)
         if status is not None:
-            in_tail = overlap is None and tail is not None and len(status) <= len(tail)
+            in_tail = overlap is None and status_in_tail(
+                tail, len(status), self.spec.global_batch_size)
             if in_tail:
                 assert tail is not None
                 tail[: len(status)].copy_(status)

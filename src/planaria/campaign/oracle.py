@@ -39,6 +39,9 @@ class ExactlyOnce:
 
     duplicated: int = 0
     missing: int = 0
+    skipped: int = 0
+    """Samples of steps skipped on purpose (non-finite, the policy's skip): consumed, not
+    trained, and neither missing nor duplicated."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -46,13 +49,27 @@ class ExactlyOnce:
         return not self.duplicated and not self.missing
 
 
-def exactly_once(ledger: Mapping[int, list[int]], plan: DataPlan, steps: int) -> ExactlyOnce:
+def exactly_once(ledger: Mapping[int, list[int]], plan: DataPlan, steps: int,
+                 skipped: Mapping[int, list[int]] | None = None) -> ExactlyOnce:
     """Counts, over steps ``0..steps-1`` of the committed lineage, the samples each step
     trained beyond its planned batch (duplicated) and the planned ones it lacks (missing).
-    Every sample appears once per epoch in the plan, so this is exactly-once per epoch."""
+    Every sample appears once per epoch in the plan, so this is exactly-once per epoch.
+    ``skipped`` (:meth:`Ledger.skipped <planaria.ledger.Ledger.skipped>`) holds the steps
+    skipped on purpose, with what they were served: their samples count as skipped."""
     out = ExactlyOnce()
+    skipped = skipped or {}
     for step in range(steps):
         planned = Counter(int(i) for i in plan.batch(step))
+        if step in skipped and step not in ledger:
+            got = Counter(int(i) for i in skipped[step])
+            out.skipped += sum((got & planned).values())
+            extra, lacking = got - planned, planned - got
+            if extra or lacking:
+                out.problems.append(f"skipped step {step}: {sum(extra.values())} samples "
+                                    f"beyond its batch, {sum(lacking.values())} missing")
+            out.duplicated += sum(extra.values())
+            out.missing += sum(lacking.values())
+            continue
         got = Counter(int(i) for i in ledger.get(step, []))
         extra, lacking = got - planned, planned - got
         if step not in ledger:

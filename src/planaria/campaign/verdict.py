@@ -152,7 +152,8 @@ def _run_checks(
                              f"{_first_divergence(run_dir, run, references, atol, rtol)}")
     meta = json.loads((run_dir / META_FILE).read_text())
     plan = DataPlan(meta["num_samples"], meta["global_batch_size"], meta["seed"])
-    once = oracle.exactly_once(Ledger.committed(run_dir), plan, run.steps)
+    once = oracle.exactly_once(Ledger.committed(run_dir), plan, run.steps,
+                               skipped=Ledger.skipped(run_dir))
     v.duplicated, v.missing = once.duplicated, once.missing
     if not once.ok:
         v.reasons.append(f"{run_dir}: ledger: {once.duplicated} duplicated, {once.missing} "

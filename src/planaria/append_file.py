@@ -1,0 +1,136 @@
+"""Appending records to a file of the run directory, where a full disk is not fatal.
+
+The run directory's writers (the event log, the ledger) append one line per
+record. A disk that fills (``ENOSPC``, a quota, an I/O error) must not stop
+training nor the job's cleanup: a record that cannot be written is dropped and
+counted, a warning is logged once per stretch of failures, and every later
+record is tried again, so a disk that frees space gets records again (with a
+note of the gap, see :attr:`AppendFile.gap`). A write that fails part-way is cut
+back, so the file holds whole lines only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["AppendFile"]
+
+_log = logging.getLogger("planaria.events")
+
+
+class AppendFile:
+    """Whole lines appended to ``path``, one ``os.write`` each (nothing buffered in this
+    process, so a crash loses at most the line being written); thread-safe."""
+
+    def __init__(self, path: str | Path, *, what: str,
+                 on_gap: Callable[[int, float], None] | None = None) -> None:
+        self.path = Path(path)
+        self.what = what
+        """What the file holds, for warnings ("the event log")."""
+        self.on_gap = on_gap
+        """Called with (records dropped, since when) after the first record written again
+        after a stretch of failures: a writer notes the gap in its own format."""
+        self.dropped = 0
+        """Records that could not be written, over the file's life."""
+        self.gap = 0
+        """Records dropped since the last one written (0 while writes succeed)."""
+        self.gap_since_t: float | None = None
+        self.error: str | None = None
+        """The last write error, while records are being dropped."""
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._closed = False
+        self._open()
+
+    def _open(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as err:
+            self._failed(err)
+            return False
+        self._fd = fd
+        try:
+            size = os.fstat(fd).st_size
+            if size and not self._ends_line(size):
+                os.write(fd, b"\n")  # a crash mid-write: end the partial line
+        except OSError as err:
+            self._failed(err)
+        return True
+
+    def _ends_line(self, size: int) -> bool:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return os.pread(fd, 1, size - 1) == b"\n"
+        finally:
+            os.close(fd)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def write_line(self, line: str) -> bool:
+        """Appends ``line`` and a newline; False (the record dropped and counted) if the
+        file cannot take it now."""
+        data = (line + "\n").encode()
+        gap: tuple[int, float] | None = None
+        with self._lock:
+            if self._closed:
+                return False
+            if self._fd is None and not self._open():
+                return self._drop()
+            fd = self._fd
+            assert fd is not None
+            try:
+                start = os.fstat(fd).st_size
+            except OSError as err:
+                self._failed(err)
+                return self._drop()
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError as err:
+                with contextlib.suppress(OSError):  # the reader skips a torn line anyway
+                    os.ftruncate(fd, start)  # no torn line: the next record starts clean
+                self._failed(err)
+                return self._drop()
+            if self.gap:
+                _log.warning("%s (%s) is written again after %d records were dropped",
+                             self.what, self.path, self.gap)
+                gap = (self.gap, self.gap_since_t or time.time())
+                self.gap, self.gap_since_t = 0, None
+            self.error = None
+        if gap is not None and self.on_gap is not None:
+            self.on_gap(*gap)
+        return True
+
+    def _drop(self) -> bool:
+        self.dropped += 1
+        if not self.gap:
+            self.gap_since_t = time.time()
+        self.gap += 1
+        return False
+
+    def _failed(self, err: OSError) -> None:
+        first = self.error is None
+        self.error = f"{type(err).__name__}: {err}"
+        if first:
+            _log.warning("cannot write %s (%s: %s); its records are dropped (and counted) "
+                         "until it can be written again: free space there", self.what,
+                         self.path, self.error)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError as err:
+                _log.warning("closing %s (%s): %s", self.what, self.path, err)
