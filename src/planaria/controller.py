@@ -41,7 +41,7 @@ from planaria.errors import (
     classify,
 )
 from planaria.events import EventLog
-from planaria.integrity import describe_mismatch, divergent_replicas
+from planaria.integrity import describe_global_draws, describe_mismatch, divergent_replicas
 from planaria.liveness import IO_STALL_S, WORK_PHASES, Liveness
 from planaria.network import (
     host_store,
@@ -236,6 +236,10 @@ class Job:
         ready.sort(key=lambda h: int(h.name[1:]))
         self._check_same_init(ready)
         self.pool.data_fingerprint = ready[0].info["data_fingerprint"]
+        if ready[0].info.get("dataset_draws"):  # each worker found it at setup, and loads so
+            drawn = ready[0].info["dataset_draws"]
+            self.log.emit("dataset_global_rng", generators=drawn, loader_thread=False,
+                          message=describe_global_draws(drawn))
         if self.spec.compile and cfg.share_compile_cache:
             self._keep_compile_cache(ready[0])
         self.pool.replenish()  # spares start once the members are up, never before them

@@ -7,13 +7,15 @@
   when a replacement joins (:func:`describe_mismatch`).
 - :func:`divergent_replicas`: which replicas' parameter checksums disagree with
   the majority.
+- :func:`describe_global_draws`: what a dataset drawing from the global
+  generators costs.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 __all__ = [
     "Served",
     "dataset_fingerprint",
+    "describe_global_draws",
     "describe_mismatch",
     "divergent_replicas",
     "sample_digest",
@@ -141,3 +144,19 @@ class Served:
         self.ids += sample_ids
         if self.digests_on:
             self.digests += [sample_digest(s) for s in samples]
+
+
+def describe_global_draws(drawn: Sequence[str]) -> str:
+    """What planaria does for a dataset whose ``dataset[i]`` draws from the global
+    generators ``drawn`` (found at setup), and what it costs."""
+    names = {"torch": "torch's global generator", "torch.cuda": "torch's CUDA generators",
+             "numpy": "numpy's global generator", "random": "Python's random"}
+    return (
+        f"dataset[i] draws from {', '.join(names.get(d, d) for d in drawn)}: every sample is "
+        "served with the global generators seeded from its own seed (planaria.sample_seed) "
+        "and the training thread's generators put back after it, so it is the same at any "
+        "width and through failures; the global generators are shared by the process's "
+        "threads, so samples load on the training thread (no loader thread, whatever "
+        "RunConfig.prefetch says). To load in a background thread again, draw from "
+        "planaria.sample_generator() instead"
+    )

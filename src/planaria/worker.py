@@ -52,7 +52,7 @@ from planaria.overlap import OverlappedReduce
 from planaria.randomness import (
     factory_seed,
     micro_batch_seed,
-    sample_scope,
+    probe_sample,
     seed_globals,
     seed_torch,
     serve_samples,
@@ -156,6 +156,9 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self.overlap_reduction = overlap_reduction
         self._prefetch_setting = prefetch
         self._prefetch_on = bool(prefetch)  # decided at each join (see _want_prefetch)
+        # The global generators dataset[i] draws from, found at setup (_fingerprint_sample):
+        # if any, every sample is served with them seeded, on the training thread only.
+        self._global_draws: set[str] = set()
         self._overlap: OverlappedReduce | None = None
         self.spec = ray.cloudpickle.loads(spec) if isinstance(spec, bytes) else spec
         self.threads = threads
@@ -255,6 +258,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
             self.collate = default_collate
         num_samples = _user("len(dataset)", len, self.dataset)
+        self._global_draws = set()
         fingerprint = _user(
             "dataset[i]", dataset_fingerprint, self.dataset, spec.seed, self._fingerprint_sample
         )
@@ -273,6 +277,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             "checksum": param_checksum(self.model),
             "num_samples": int(num_samples),
             "data_fingerprint": fingerprint,
+            "dataset_draws": sorted(self._global_draws),
             "param_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "threads": torch.get_num_threads(),
             "init_t": self._init_t,
@@ -724,26 +729,34 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         return first, count
 
     def _load(self, ids: np.ndarray, step: int) -> _Loaded:
-        """Loads whole micro-batches; runs in the loader thread (never touches global RNGs)."""
+        """Loads whole micro-batches; runs in the loader thread (which touches no global
+        generator), or on the training thread for a dataset that draws from them."""
         mbs, seed, getitem = self.spec.micro_batch_size, self.spec.seed, self.dataset.__getitem__
+        reseed = bool(self._global_draws)  # then never in the loader thread: _want_prefetch
         served = Served(digests_on=self.record_digests)
         out = []
         for start in range(0, len(ids), mbs):
             chunk = ids[start : start + mbs].tolist()
             # dataset[i] for each, with the sample's own random stream, recorded as served
-            samples = _user("dataset[i]", serve_samples, seed, step, getitem, chunk)
+            samples = _user("dataset[i]", serve_samples, seed, step, getitem, chunk, reseed)
             served.extend(chunk, samples)
             batch = _user("collate", self.collate, samples)
             out.append((len(chunk), _to_device(batch, self.device)))
         return _Loaded(out, served)
 
     def _fingerprint_sample(self, i: int) -> Any:
-        with sample_scope(self.spec.seed, -1, i):
-            return self.dataset[i]
+        """``dataset[i]`` at setup (step -1), noting the global generators it draws from."""
+        sample, drawn = probe_sample(self.spec.seed, -1, self.dataset.__getitem__, i)
+        self._global_draws.update(drawn)
+        return sample
 
     def _want_prefetch(self) -> bool:
         """RunConfig.prefetch, or (auto) whether this node has a core to spare for a loader
-        thread: more cores than the planaria workers alive on it use."""
+        thread: more cores than the planaria workers alive on it use. Never for a dataset
+        that draws from the global generators: they are the process's, and the training
+        thread draws from torch's (dropout) and seeds it while the loader thread would run."""
+        if self._global_draws:
+            return False
         if self._prefetch_setting is not None:
             return self._prefetch_setting
         workers = max(1, len(live_workers()))
