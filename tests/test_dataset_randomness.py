@@ -1,6 +1,7 @@
 """Datasets that draw from the global generators in ``__getitem__`` (random augmentation
 torchvision-style, numpy's or Python's global generator) train the same at any width and
-through a kill, with the loader thread on or off.
+through a kill, with the loader thread on or off; a dataset whose samples change when
+served again is named in the event log.
 
 Pure functions first (no Ray), then real workers.
 """
@@ -18,7 +19,9 @@ import torch
 
 import planaria
 from planaria import Job, RunConfig, fit
+from planaria.data_plan import Ledger
 from planaria.examples import bn_mlp, mlp
+from planaria.integrity import ServedAgain
 from planaria.randomness import GlobalStates, drawn_from, probe_sample, serve_samples
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
@@ -106,6 +109,28 @@ def test_reseeded_samples_depend_on_the_sample_alone_and_the_callers_streams_go_
     assert torch.equal(expected[0], got[0]) and expected[1:] == got[1:]
 
 
+def test_served_again_names_the_samples_whose_content_changed():
+    seen = ServedAgain(keep=10)
+    assert seen.observe(5, [3, 1, 2], [10, 11, 12]) == []  # first served
+    assert seen.observe(5, [2, 4], [12, 13]) == []  # again, the same; and a new one
+    assert seen.observe(5, [3, 4, 1, 3], [99, 13, 11, 99]) == [3]
+    assert seen.observe(6, [3], [99]) == []  # another step: another augmentation
+    assert seen.observe(6, [3], [98]) == [3]
+    assert seen.observe(7, list(range(9)), [0] * 9) == []  # 10 samples held at most
+    assert seen.observe(5, [3], [1]) == []  # forgotten: step 5 is the oldest
+
+
+def test_the_ledger_reports_a_sample_served_again_with_other_content(tmp_path):
+    changed = []
+    ledger = Ledger(tmp_path, on_changed=lambda *args: changed.append(args))
+    ledger.served(5, gen=0, worker="w0", ids=[1, 2], digests=[7, 8])
+    ledger.served(5, gen=0, worker="w1", ids=[3, 4], digests=[9, 10])
+    ledger.served(5, gen=1, worker="w0", ids=[1, 2, 3], digests=[7, 8, 11])
+    ledger.served(5, gen=1, worker="w2", ids=[4], digests=[10])
+    ledger.close()
+    assert changed == [(5, 1, "w0", [3])]
+
+
 def spec_of(dataset):
     """The BatchNorm + dropout model (the training thread draws from torch's global
     generator too) on an augmenting dataset."""
@@ -148,9 +173,10 @@ def test_an_augmenting_dataset_trains_the_same_at_any_width_and_through_a_kill(
     assert [f["kind"] for f in of(evs, "fault")] == ["worker_lost"]
     assert_same_state(reference, killed.state_dict)
     assert_exactly_once(tmp_path / "kill", num_samples=N, global_batch_size=G, steps=STEPS)
-    # Said once, at start.
+    # Said once, at start; and the step served again after the kill was the same.
     (drawn,) = of(evs, "dataset_global_rng")
     assert drawn["generators"] == [name] and drawn["loader_thread"] is False
+    assert not of(evs, "dataset_nondeterministic")
 
 
 def _loads_in_background(worker) -> bool:
@@ -173,3 +199,36 @@ def test_only_a_dataset_drawing_from_the_globals_loses_the_loader_thread(tmp_pat
         assert background == [True, True] and not draws
     else:
         assert background == [False, False] and draws[0]["generators"] == ["torch"]
+
+
+class Counting(mlp.Regression):
+    """Not deterministic: each call's sample depends on how many calls this process made."""
+
+    def __init__(self) -> None:
+        super().__init__(n=N)
+        self.calls = 0
+
+    def __getitem__(self, i: int):
+        self.calls += 1
+        x, y = super().__getitem__(i)
+        return x + 1e-3 * self.calls, y
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_nondeterministic_dataset_served_again_after_a_kill_is_named(tmp_path):
+    fit(spec_of(Counting), steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True,
+        chaos="kill:w1@step5")
+    evs = events(tmp_path)
+    changed = of(evs, "dataset_nondeterministic")
+    assert changed and {e["step"] for e in changed} == {5}
+    # Every sample of the broken attempt the ledger holds was served again, otherwise.
+    records = Ledger.read(tmp_path)
+    commit_gen = next(r["gen"] for r in records if r["kind"] == "commit" and r["step"] == 5)
+    broken = {i for r in records if r["kind"] == "served" and r["step"] == 5
+              and r["gen"] != commit_gen for i in r["ids"]}
+    assert broken and {i for e in changed for i in e["samples"]} == broken
+    assert sum(e["count"] for e in changed) == len(broken)
+    assert "not deterministic" in changed[0]["message"]
+    assert not of(evs, "dataset_global_rng")

@@ -64,6 +64,7 @@ _mlog = logging.getLogger("planaria.membership")
 RAY_START_ATTEMPTS = 3
 """Tries at starting a local Ray node (its start can time out on a loaded machine)."""
 LOSS_HISTORY = 100_000  # committed (step, loss) pairs kept in memory; the event log has all
+SAMPLES_NAMED = 64  # the ids a dataset_nondeterministic event names (its count has them all)
 RECHECK_S = 2.0
 """A wait in which no call has ended for this long asks Ray whether one has (see CallWatch)."""
 CONFIRM_S = 1.0
@@ -135,7 +136,8 @@ class Job:
         for listener in listeners:  # progress display, Prometheus, logging
             self.log.add_listener(listener)
         self.run_id = uuid.uuid4().hex[:12]
-        self.ledger = Ledger(self.run_dir, run_id=self.run_id) if config.ledger else None
+        self.ledger = (Ledger(self.run_dir, run_id=self.run_id, on_changed=self._served_changed)
+                       if config.ledger else None)
         self.deadline = StepDeadline(self.hang)
         self.recovery = Recovery(self)
         self.run_ahead = RunAhead(self)
@@ -610,6 +612,19 @@ class Job:
             self.ledger.served(step, gen=self.gen, worker=r.get("worker", name), ids=r["ids"],
                                digests=r.get("digests"))
         self._ledger_last = (self.gen, step)
+
+    def _served_changed(self, step: int, gen: int, worker: str, ids: list[int]) -> None:
+        """The ledger saw samples of ``step`` served again with other content."""
+        message = (
+            f"dataset[i] served other content for {len(ids)} sample(s) of step {step} when "
+            f"they were served again ({worker}, generation {gen}; samples {ids[:8]}"
+            f"{' ...' if len(ids) > 8 else ''}): the dataset is not deterministic (it reads "
+            "the clock, a counter, files that change, or a random generator planaria does not "
+            "seed), so a run with failures does not compute the fault-free training"
+        )
+        _log.warning(message)
+        self.log.emit("dataset_nondeterministic", step=step, gen=gen, worker=worker,
+                      samples=ids[:SAMPLES_NAMED], count=len(ids), message=message)
 
     def _ledger_dropped(self, joined: dict[str, Any]) -> None:
         """Records what survivors were served in a step attempt that failed (from their join)."""

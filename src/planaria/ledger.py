@@ -13,14 +13,19 @@ Two kinds of records, one JSON object a line, never rewritten:
 
 A step can have several attempts (a failure, a rollback, a run resumed past a
 crash); the attempt that counts is the one named by the step's *last* commit
-record, found by ``(run, gen)``.
+record, found by ``(run, gen)``. A sample served again in a step with another
+digest than before is reported to ``on_changed`` (a dataset that is not
+deterministic: see :class:`planaria.integrity.ServedAgain`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from planaria.integrity import ServedAgain
 
 __all__ = ["Ledger"]
 
@@ -30,9 +35,16 @@ class Ledger:
 
     FILE = "ledger.jsonl"
 
-    def __init__(self, run_dir: Path, *, run_id: str = "") -> None:
+    def __init__(
+        self, run_dir: Path, *, run_id: str = "",
+        on_changed: Callable[[int, int, str, list[int]], None] | None = None,
+    ) -> None:
+        """``on_changed(step, gen, worker, ids)``: a record served samples ``ids`` of ``step``
+        with other content (digests) than an earlier record of that step."""
         self.path = Path(run_dir) / self.FILE
         self.run_id = run_id
+        self._on_changed = on_changed
+        self._again = ServedAgain() if on_changed is not None else None
         torn = self.path.exists() and self.path.stat().st_size > 0 and not _ends_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
         if torn:  # a crash mid-write: end the partial line so the next record stays whole
@@ -58,6 +70,10 @@ class Ledger:
         if digests:
             entry["digests"] = digests
         self._write(entry)
+        if digests and self._again is not None and self._on_changed is not None:
+            changed = self._again.observe(step, ids, digests)
+            if changed:
+                self._on_changed(step, gen, worker, changed)
 
     def commit(self, step: int, *, gen: int, skipped: bool = False) -> None:
         entry: dict[str, Any] = {"kind": "commit", "run": self.run_id, "step": step, "gen": gen}
