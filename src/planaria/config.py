@@ -54,7 +54,9 @@ class TrainSpec:
     :mod:`planaria.randomness`): every factory runs with Python's, numpy's and
     torch's generators seeded from ``seed``; torch is seeded again before every
     micro-batch from (seed, step, the micro-batch's place in the global batch),
-    and a dataset that augments draws from :func:`planaria.sample_generator`.
+    and each ``dataset[i]`` has a stream of its own from (seed, step, i):
+    :func:`planaria.sample_generator`, or the global generators, which are then
+    seeded for the call (at the cost of the loader thread: see ``RunConfig.prefetch``).
     """
 
     model: Callable[[], Any]
@@ -224,7 +226,10 @@ class RunConfig:
     (auto): only where the node has a core to spare for it (more cores than the planaria
     workers on it use): with none, the loader's Python competes with the compute for the
     same core and slows the step (measured: the tiny bench model's step took 15.6 ms with
-    it, 12.7 ms without, on 2 cores with 2 workers)."""
+    it, 12.7 ms without, on 2 cores with 2 workers). Never for a dataset whose
+    ``dataset[i]`` draws from a global generator (torch's, numpy's, ``random``): the
+    generators are the process's, so its samples load on the training thread (event
+    ``dataset_global_rng``)."""
     threads_per_worker: int | None = None
     """torch threads per worker; None: the CPUs of this machine split over the replicas."""
     use_gpu: bool = False

@@ -45,7 +45,7 @@ from planaria.errors import (
     classify,
 )
 from planaria.events import EventLog
-from planaria.integrity import describe_mismatch, divergent_replicas
+from planaria.integrity import describe_global_draws, describe_mismatch, divergent_replicas
 from planaria.liveness import (
     IO_STALL_S,
     NOTICES_KEY,
@@ -75,6 +75,7 @@ _mlog = logging.getLogger("planaria.membership")
 
 RAY_START_ATTEMPTS = 3
 """Tries at starting a local Ray node (its start can time out on a loaded machine)."""
+SAMPLES_NAMED = 64  # the ids a dataset_nondeterministic event names (its count has them all)
 RECHECK_S = 2.0
 """A wait in which no call has ended for this long asks Ray whether one has (see CallWatch)."""
 CONFIRM_S = 1.0
@@ -146,7 +147,8 @@ class Job:
         for listener in listeners:  # progress display, Prometheus, logging
             self.log.add_listener(listener)
         self.run_id = uuid.uuid4().hex[:12]
-        self.ledger = Ledger(self.run_dir, run_id=self.run_id) if config.ledger else None
+        self.ledger = (Ledger(self.run_dir, run_id=self.run_id, on_changed=self._served_changed)
+                       if config.ledger else None)
         self.deadline = StepDeadline(self.hang)
         self.attribution = Attribution()  # the work's fault or the worker's (planaria.attribution)
         self.skipped_samples: set[int] = set()  # never loaded again: a work fault, skipped
@@ -259,6 +261,10 @@ class Job:
         ready.sort(key=lambda h: int(h.name[1:]))
         self._check_same_init(ready)
         self.pool.data_fingerprint = ready[0].info["data_fingerprint"]
+        if ready[0].info.get("dataset_draws"):  # each worker found it at setup, and loads so
+            drawn = ready[0].info["dataset_draws"]
+            self.log.emit("dataset_global_rng", generators=drawn, loader_thread=False,
+                          message=describe_global_draws(drawn))
         if self.spec.compile and cfg.share_compile_cache:
             self._keep_compile_cache(ready[0])
         self.pool.replenish()  # spares start once the members are up, never before them
@@ -692,6 +698,19 @@ class Job:
             self.ledger.served(step, gen=self.gen, worker=r.get("worker", name), ids=r["ids"],
                                digests=r.get("digests"))
         self._ledger_last = (self.gen, step)
+
+    def _served_changed(self, step: int, gen: int, worker: str, ids: list[int]) -> None:
+        """The ledger saw samples of ``step`` served again with other content."""
+        message = (
+            f"dataset[i] served other content for {len(ids)} sample(s) of step {step} when "
+            f"they were served again ({worker}, generation {gen}; samples {ids[:8]}"
+            f"{' ...' if len(ids) > 8 else ''}): the dataset is not deterministic (it reads "
+            "the clock, a counter, files that change, or a random generator planaria does not "
+            "seed), so a run with failures does not compute the fault-free training"
+        )
+        _log.warning(message)
+        self.log.emit("dataset_nondeterministic", step=step, gen=gen, worker=worker,
+                      samples=ids[:SAMPLES_NAMED], count=len(ids), message=message)
 
     def _ledger_dropped(self, joined: dict[str, Any]) -> None:
         """Records what survivors were served in a step attempt that failed (from their join)."""

@@ -7,13 +7,17 @@
   when a replacement joins (:func:`describe_mismatch`).
 - :func:`divergent_replicas`: which replicas' parameter checksums disagree with
   the majority.
+- :class:`ServedAgain`: the samples whose content differs when a step is served
+  again (a nondeterministic dataset), from the ledger's digests;
+  :func:`describe_global_draws`: what a dataset drawing from the global
+  generators costs.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +26,9 @@ import torch
 
 __all__ = [
     "Served",
+    "ServedAgain",
     "dataset_fingerprint",
+    "describe_global_draws",
     "describe_mismatch",
     "divergent_replicas",
     "sample_digest",
@@ -141,3 +147,64 @@ class Served:
         self.ids += sample_ids
         if self.digests_on:
             self.digests += [sample_digest(s) for s in samples]
+
+
+class ServedAgain:
+    """The digests of the samples served recently, by (step, sample id): which ones differ
+    when a step is served again (the attempt after a failure, the steps after a restore).
+
+    A sample's content in a step depends only on the dataset, the sample and the step
+    (its random stream is :func:`planaria.sample_seed`'s): a digest that changes names a
+    dataset that is not deterministic. Memory is bounded: the newest ``keep`` samples
+    served (12 bytes each), so a restore further back than that is not checked."""
+
+    def __init__(self, keep: int = 1 << 20) -> None:
+        self.keep = keep
+        self._steps: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._held = 0
+
+    def observe(self, step: int, ids: Sequence[int], digests: Sequence[int]) -> list[int]:
+        """Notes what one record served; returns the ids (in served order, once each)
+        served before in ``step`` with another digest."""
+        new_ids = np.asarray(ids, dtype=np.int64)
+        new_digests = np.asarray(digests, dtype=np.uint32)
+        if len(new_ids) != len(new_digests):
+            return []  # no digests for this record (or a malformed one): nothing to compare
+        known_ids, known_digests = self._steps.pop(step, (new_ids[:0], new_digests[:0]))
+        self._held -= len(known_ids)
+        changed: list[int] = []
+        fresh = np.ones(len(new_ids), dtype=bool)
+        if len(known_ids):
+            at = np.searchsorted(known_ids, new_ids).clip(max=len(known_ids) - 1)
+            seen = known_ids[at] == new_ids
+            differ = seen & (known_digests[at] != new_digests)
+            changed = list(dict.fromkeys(int(i) for i in new_ids[differ]))
+            fresh = ~seen
+        # The first serving of a sample is the one others are compared with; a sample twice
+        # in one record (a batch straddling two epochs) keeps its first digest.
+        add_ids, first = np.unique(new_ids[fresh], return_index=True)
+        merged_ids = np.concatenate([known_ids, add_ids])
+        merged_digests = np.concatenate([known_digests, new_digests[fresh][first]])
+        order = np.argsort(merged_ids, kind="stable")
+        self._steps[step] = (merged_ids[order], merged_digests[order])
+        self._held += len(merged_ids)
+        while self._held > self.keep and len(self._steps) > 1:
+            _, (old, _) = self._steps.popitem(last=False)
+            self._held -= len(old)
+        return changed
+
+
+def describe_global_draws(drawn: Sequence[str]) -> str:
+    """What planaria does for a dataset whose ``dataset[i]`` draws from the global
+    generators ``drawn`` (found at setup), and what it costs."""
+    names = {"torch": "torch's global generator", "torch.cuda": "torch's CUDA generators",
+             "numpy": "numpy's global generator", "random": "Python's random"}
+    return (
+        f"dataset[i] draws from {', '.join(names.get(d, d) for d in drawn)}: every sample is "
+        "served with the global generators seeded from its own seed (planaria.sample_seed) "
+        "and the training thread's generators put back after it, so it is the same at any "
+        "width and through failures; the global generators are shared by the process's "
+        "threads, so samples load on the training thread (no loader thread, whatever "
+        "RunConfig.prefetch says). To load in a background thread again, draw from "
+        "planaria.sample_generator() instead"
+    )

@@ -20,16 +20,20 @@ record, found by ``(run, gen)``. A step whose counting record is a skip was
 served but trained on nothing: its samples are consumed (the data plan moves
 past them) and read as *skipped* (:meth:`Ledger.skipped_records`), never as
 trained (:meth:`Ledger.committed_records`), so exactly-once checks count them
-apart.
+apart. A sample served again in a step with another digest than before is
+reported to ``on_changed`` (a dataset that is not deterministic: see
+:class:`planaria.integrity.ServedAgain`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from planaria.append_file import AppendFile
+from planaria.integrity import ServedAgain
 
 __all__ = ["Ledger"]
 
@@ -39,9 +43,16 @@ class Ledger:
 
     FILE = "ledger.jsonl"
 
-    def __init__(self, run_dir: Path, *, run_id: str = "") -> None:
+    def __init__(
+        self, run_dir: Path, *, run_id: str = "",
+        on_changed: Callable[[int, int, str, list[int]], None] | None = None,
+    ) -> None:
+        """``on_changed(step, gen, worker, ids)``: a record served samples ``ids`` of ``step``
+        with other content (digests) than an earlier record of that step."""
         self.path = Path(run_dir) / self.FILE
         self.run_id = run_id
+        self._on_changed = on_changed
+        self._again = ServedAgain() if on_changed is not None else None
         # A full disk drops records (counted, warned about) instead of stopping the job:
         # an exactly-once check then finds the steps it lacks, and says so.
         self._file = AppendFile(self.path, what="the ledger")
@@ -71,6 +82,10 @@ class Ledger:
         if digests:
             entry["digests"] = digests
         self._write(entry)
+        if digests and self._again is not None and self._on_changed is not None:
+            changed = self._again.observe(step, ids, digests)
+            if changed:
+                self._on_changed(step, gen, worker, changed)
 
     def commit(self, step: int, *, gen: int, skipped: bool = False) -> None:
         entry: dict[str, Any] = {"kind": "commit", "run": self.run_id, "step": step, "gen": gen}

@@ -54,7 +54,7 @@ from planaria.overlap import OverlappedReduce
 from planaria.randomness import (
     factory_seed,
     micro_batch_seed,
-    sample_scope,
+    probe_sample,
     seed_globals,
     seed_torch,
     serve_samples,
@@ -176,6 +176,9 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self.overlap_reduction = overlap_reduction
         self._prefetch_setting = prefetch
         self._prefetch_on = bool(prefetch)  # decided at each join (see _want_prefetch)
+        # The global generators dataset[i] draws from, found at setup (_fingerprint_sample):
+        # if any, every sample is served with them seeded, on the training thread only.
+        self._global_draws: set[str] = set()
         self._overlap: OverlappedReduce | None = None
         self.spec = ray.cloudpickle.loads(spec) if isinstance(spec, bytes) else spec
         self.threads = threads
@@ -294,6 +297,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
             self.collate = default_collate
         num_samples = _user("len(dataset)", len, self.dataset)
+        self._global_draws = set()
         fingerprint = _user(
             "dataset[i]", dataset_fingerprint, self.dataset, spec.seed, self._fingerprint_sample
         )
@@ -312,6 +316,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             "checksum": param_checksum(self.model),
             "num_samples": int(num_samples),
             "data_fingerprint": fingerprint,
+            "dataset_draws": sorted(self._global_draws),
             "param_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "threads": torch.get_num_threads(),
             "init_t": self._init_t,
@@ -803,10 +808,12 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     def _load(self, ids: np.ndarray, step: int, first: int = 0) -> _Loaded:
         """Loads whole micro-batches (``first``: the first one's place in the global batch);
-        runs in the loader thread (never touches global RNGs). Skipped samples (a work
-        fault the user chose to skip) are left out; a micro-batch left with none is
-        ``(0, None)``. Each sample bumps the progress, and the heartbeat names it."""
+        runs in the loader thread (which touches no global generator), or on the training
+        thread for a dataset that draws from them. Skipped samples (a work fault the user
+        chose to skip) are left out; a micro-batch left with none is ``(0, None)``. Each
+        sample bumps the progress, and the heartbeat names it."""
         mbs, seed, base = self.spec.micro_batch_size, self.spec.seed, self.dataset.__getitem__
+        reseed = bool(self._global_draws)  # then never in the loader thread: _want_prefetch
         self._loader_thread = current_thread_ids()
 
         def getitem(i: int) -> Any:
@@ -826,7 +833,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 continue
             # dataset[i] for each, with the sample's own random stream, recorded as served
             try:
-                samples = _user("dataset[i]", serve_samples, seed, step, getitem, chunk)
+                samples = _user("dataset[i]", serve_samples, seed, step, getitem, chunk, reseed)
             except Failure as err:
                 sample = getattr(err.__cause__, "planaria_sample", None)
                 err.work = Work(step=step, micro_batch=first + start // mbs, sample=sample)
@@ -837,12 +844,18 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         return _Loaded(out, served)
 
     def _fingerprint_sample(self, i: int) -> Any:
-        with sample_scope(self.spec.seed, -1, i):
-            return self.dataset[i]
+        """``dataset[i]`` at setup (step -1), noting the global generators it draws from."""
+        sample, drawn = probe_sample(self.spec.seed, -1, self.dataset.__getitem__, i)
+        self._global_draws.update(drawn)
+        return sample
 
     def _want_prefetch(self) -> bool:
         """RunConfig.prefetch, or (auto) whether this node has a core to spare for a loader
-        thread: more cores than the planaria workers alive on it use."""
+        thread: more cores than the planaria workers alive on it use. Never for a dataset
+        that draws from the global generators: they are the process's, and the training
+        thread draws from torch's (dropout) and seeds it while the loader thread would run."""
+        if self._global_draws:
+            return False
         if self._prefetch_setting is not None:
             return self._prefetch_setting
         workers = max(1, len(live_workers()))
