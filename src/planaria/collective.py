@@ -34,6 +34,7 @@ import torch.distributed as dist
 __all__ = ["Collective", "connect_store"]
 
 CHUNK_BYTES = 32 << 20  # big sends in chunks: gloo moves 8 chunks ~10x faster than one cold call
+WINDOW = 8  # chunks of a transfer in flight at once (256 MB): progress is reported between
 STAGING_SLOTS = 4  # chunks of another device's tensor in flight at once (4 x 32 MB staged)
 PRESENCE_POLL_S = 0.1  # how often a rank waiting for its peers looks at the abort key
 WAIT_SLICE_S = 0.05  # how often a rank waiting in a gloo collective looks at its interrupt
@@ -168,26 +169,40 @@ class Collective:
             stage_in=self.rank == src, stage_out=self.rank != src,
         )
 
-    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
-        """Sends contiguous tensors to ``dst`` in chunks, in flight together, then waits."""
-        self._transfer_all(tensors, lambda pg, c, i: pg.send([c], dst, i), True, False)
+    def send(self, tensors: list[torch.Tensor], dst: int,
+             on_progress: Any = None) -> None:
+        """Sends contiguous tensors to ``dst`` in chunks, a window of them in flight at a
+        time; ``on_progress(nbytes)`` after each window (a transfer that moves bytes is
+        busy, however long it takes: see planaria.liveness)."""
+        self._transfer_all(tensors, lambda pg, c, i: pg.send([c], dst, i), True, False,
+                           on_progress)
 
-    def recv(self, tensors: list[torch.Tensor], src: int) -> None:
+    def recv(self, tensors: list[torch.Tensor], src: int,
+             on_progress: Any = None) -> None:
         """Receives what :meth:`send` sent, into contiguous tensors of the same layout."""
-        self._transfer_all(tensors, lambda pg, c, i: pg.recv([c], src, i), False, True)
+        self._transfer_all(tensors, lambda pg, c, i: pg.recv([c], src, i), False, True,
+                           on_progress)
 
     def _transfer_all(
-        self, tensors: list[torch.Tensor], op: Any, stage_in: bool, stage_out: bool
+        self, tensors: list[torch.Tensor], op: Any, stage_in: bool, stage_out: bool,
+        on_progress: Any = None,
     ) -> None:
-        """Tensors on the group's device go all at once; the others are staged (below).
-        Chunk tags count on over the whole call, as the peer's do."""
+        """Tensors on the group's device go :data:`WINDOW` chunks at a time; the others are
+        staged (below). Chunk tags count on over the whole call, as the peer's do."""
         if all(self._native(t) for t in tensors):
             chunks = [c for t in tensors for c in _chunks(t)]
-            self._run(lambda pg: [op(pg, c, i) for i, c in enumerate(chunks)])
+            for start in range(0, len(chunks), WINDOW):
+                window = chunks[start : start + WINDOW]
+                self._run(lambda pg, w=window, f=start: [op(pg, c, f + i)
+                                                          for i, c in enumerate(w)])
+                if on_progress is not None:
+                    on_progress(sum(c.numel() * c.element_size() for c in window))
             return
         tag = 0
         for t in tensors:
             tag = self._transfer(t, op, stage_in=stage_in, stage_out=stage_out, tag=tag)
+            if on_progress is not None:
+                on_progress(t.numel() * t.element_size())
 
     def _native(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self.device.type

@@ -251,6 +251,9 @@ class RunConfig:
     """Deadline for building a generation's process group."""
     collective_timeout_s: float = 300.0
     """Deadline for one collective (the hang watchdog usually acts much sooner)."""
+    min_transfer_bytes_per_s: float = 20e6
+    """A state transfer to joiners may take ``collective_timeout_s`` plus one second per this
+    many bytes; while its bytes move it is busy, not hung, past that too."""
     drain_poll_s: float | None = 2.0
     """Ask Ray for draining nodes every this many seconds (in the background): the workers
     on a node Ray drains leave at the next step boundary, as after a preemption notice
@@ -333,7 +336,7 @@ class RunConfig:
             self.verify_every,
             "an integer >= 1 (steps between replica checksum comparisons) or None",
         )
-        for name in ("join_timeout_s", "collective_timeout_s"):
+        for name in ("join_timeout_s", "collective_timeout_s", "min_transfer_bytes_per_s"):
             check(getattr(self, name) > 0, name, getattr(self, name), "a number of seconds > 0")
         check(
             self.drain_poll_s is None

@@ -486,7 +486,13 @@ class Job:
             h = self.members[r]
             refs[h.name] = h.actor.recv_state.remote(self.gen, src_rank, source)
         self._hook("join", src=src.name, joiners=[self.members[r].name for r in joiners])
-        sizes = self._gather(refs, deadline_s=self.config.collective_timeout_s, step=None)
+        # A transfer that moves bytes is busy: its deadline grows with them (a 30 GB shard on
+        # 1 GbE takes minutes), and past it the workers are judged by their bytes moving.
+        nbytes = sum(math.prod(shape) * getattr(torch, dtype).itemsize
+                     for shape, dtype in _layouts(source))
+        deadline = (self.config.collective_timeout_s
+                    + len(joiners) * nbytes / self.config.min_transfer_bytes_per_s)
+        sizes = self._gather(refs, deadline_s=deadline, step=None)
         seconds = time.time() - t0
         nbytes = int(sizes[src.name])
         for r in joiners:
@@ -1210,6 +1216,14 @@ class Job:
     def data_ids(self, step: int) -> np.ndarray:
         assert self.plan is not None
         return self.plan.batch(step)
+
+
+def _layouts(source: dict[str, Any]) -> list[tuple[list[int], str]]:
+    """Every tensor's (shape, dtype) in a state description (a sharded replica's: each
+    shard's)."""
+    parts = source.get("shards", [source])
+    return [(list(shape), str(dtype)) for part in parts
+            for shape, dtype in part["layout"].values()]
 
 
 def _work_of(hb: Heartbeat) -> Work | None:

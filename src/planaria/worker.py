@@ -922,7 +922,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         buffers += [torch.cat([tensors[k].reshape(-1).to(wire) for k in names])
                     for names in small]
         for dst in dsts:
-            self.comm.send(buffers, dst)
+            self.comm.send(buffers, dst, on_progress=self._bytes_moved)
         self._set_phase("idle", self.steps_done)
         return sum(_nbytes(b) for b in buffers) * len(dsts)
 
@@ -962,7 +962,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             for names in small
         ]
         with torch.no_grad():
-            self.comm.recv([tensors[k] for k in big] + flats, src)
+            self.comm.recv([tensors[k] for k in big] + flats, src, on_progress=self._bytes_moved)
             for names, flat in zip(small, flats, strict=True):
                 offset = 0
                 for k in names:
