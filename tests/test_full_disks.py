@@ -240,3 +240,32 @@ def test_the_command_line_saves_the_final_state_at_its_fallback(tmp_path, capsys
         assert f"--checkpoint-root {tmp_path / 'fallback'}" in err
         steps = [c.step for c in list_checkpoints(str(tmp_path / "fallback")) if c.committed]
         assert steps == [10]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("on_failing", ["warn", "stop"])
+def test_a_checkpoint_root_that_fills_is_escalated_and_leaves_no_partial_file(tmp_path,
+                                                                              on_failing):
+    # ~250 KB a save: two fit in 640 KB, the rest fail with ENOSPC part-way.
+    with tmpfs(tmp_path / "ckpt", "640k") as root:
+        config = CheckpointConfig(root=str(root), every=2, keep_last=5, fsync=False,
+                                  max_failed_saves=3, on_failing=on_failing)
+        run = tmp_path / "run"
+        spec = mlp.make_spec(n=N)
+        if on_failing == "stop":
+            with pytest.raises(CheckpointError, match="3 checkpoints in a row were not "
+                               r"committed.*newest committed one is step 4"):
+                fit(spec, steps=20, replicas=2, run_dir=run, checkpoint=config)
+        else:
+            with pytest.raises(FinalSaveFailed) as err:
+                fit(spec, steps=20, replicas=2, run_dir=run, checkpoint=config)
+            err.value.job.close()
+        evs = events(run)
+        failing = of(evs, "checkpoints_failing")
+        assert failing and failing[0]["failed"] == 3 and failing[0]["newest_step"] == 4
+        assert failing[0]["action"] == on_failing
+        assert [c.step for c in list_checkpoints(str(root)) if c.committed] == [2, 4]
+        # Nothing a failed save wrote stays: no temporary directory, no partial shard.
+        leftovers = [p.name for p in root.iterdir() if ".tmp-" in p.name]
+        assert leftovers == [], leftovers

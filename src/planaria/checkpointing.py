@@ -82,7 +82,7 @@ from planaria.checkpoint.restore import CheckpointInfo, read_run_id
 from planaria.checkpoint.retention import delete_checkpoint
 from planaria.checkpoint.storage import Storage
 from planaria.config import check
-from planaria.errors import Failure, StorageError
+from planaria.errors import Failure, StorageError, root_cause
 
 if TYPE_CHECKING:
     from planaria.controller import Job
@@ -158,6 +158,14 @@ class CheckpointConfig:
     """On local disk, write each staged shard and read it back with ``O_DIRECT`` (the disk's
     DMA moves the bytes; no page-cache copy competes with training for CPU). File systems
     without it fall back to buffered writes by themselves; False forces buffered writes."""
+    max_failed_saves: int = 3
+    """This many saves in a row that do not commit (a full disk, a lost bucket) are escalated:
+    a ``checkpoints_failing`` event and a warning naming the newest committed step, then
+    ``on_failing``."""
+    on_failing: Literal["warn", "stop"] = "warn"
+    """After ``max_failed_saves`` failed saves in a row: go on training (warn; every further
+    failure is warned about again), or stop the job with a CheckpointError (its trained
+    state is not durable: the newest committed checkpoint is older and older)."""
     timeout_s: float = 600.0
     """Base deadline for a blocking save (final, just in time) or a restore's reads (plus
     one second per ``min_bytes_per_s`` bytes)."""
@@ -202,6 +210,10 @@ class CheckpointConfig:
         check(self.restore_strategy in ("auto", "read_all", "share"), "restore_strategy",
               self.restore_strategy, "'auto', 'read_all' or 'share'")
         check(self.timeout_s > 0, "timeout_s", self.timeout_s, "seconds > 0")
+        check(isinstance(self.max_failed_saves, int) and self.max_failed_saves >= 1,
+              "max_failed_saves", self.max_failed_saves, "an integer >= 1")
+        check(self.on_failing in ("warn", "stop"), "on_failing", self.on_failing,
+              "'warn' or 'stop'")
 
     @classmethod
     def from_cli(
@@ -303,6 +315,8 @@ class Checkpointer:
         self._wait_s = 0.0  # training blocked on the save in flight, owed to the next save
         self._restoring = False
         self._last_failure: str | None = None
+        self.failed_in_a_row = 0  # saves that did not commit since the last one that did
+        self._stop_reason: str | None = None
         self.restores: list[dict[str, Any]] = []
 
     # ---- hooks called by the job -----------------------------------------------------------
@@ -406,6 +420,7 @@ class Checkpointer:
         now = time.monotonic()
         self._observe(now)
         self._progress(block_s=0.0)
+        self.raise_if_failing()
         self._keep_lease()
         if self.interval is None or not job.members:
             return
@@ -593,6 +608,10 @@ class Checkpointer:
                 _log.debug("could not finish the save in flight at close", exc_info=True)
         if self._inflight is not None:
             self._abandon(self._inflight, "abandoned: the job closed before it committed")
+        if self._abandoned:  # what failed saves left is removed before the job goes
+            self._wait_abandoned(min(30.0, self.config.timeout_s))
+        with contextlib.suppress(Exception):  # the removals queued behind the commits
+            self._committer.submit(lambda: None).result(timeout=30.0)
         self._wait_retention(timeout_s=60.0)
         try:
             self.lease.release()
@@ -773,9 +792,12 @@ class Checkpointer:
         try:
             out = fut.result()
         except BaseException as err:  # its write failed, or it died before it finished
+            cause = root_cause(err)
+            text = str(cause).strip().splitlines()
             with save.lock:
                 if save.failed is None and save.commit is None:
-                    save.failed = f"writer {name} failed: {type(err).__name__}: {err}"
+                    save.failed = (f"writer {name} failed: {type(cause).__name__}: "
+                                   f"{text[0] if text else ''}")
                     save.settled.set()
             return
         with save.lock:
@@ -863,6 +885,7 @@ class Checkpointer:
             self._failed(save, f"commit failed: {type(err).__name__}: {err}")
             return
         self.last_committed, self.last_path = save.step, path
+        self.failed_in_a_row = 0
         if self.interval is not None:
             self.interval.observe_save_time(max(save.written_t.values(), default=time.time())
                                             - save.t0)
@@ -906,6 +929,31 @@ class Checkpointer:
         self._last_failure = f"step {save.step}: {why}"
         _log.warning("checkpoint of step %d not committed: %s", save.step, why)
         self.job.log.emit("checkpoint_failed", step=save.step, error=why, reason=save.reason)
+        self.failed_in_a_row += 1
+        if self.failed_in_a_row >= self.config.max_failed_saves:
+            self._escalate(why)
+
+    def _escalate(self, why: str) -> None:
+        """Saves keep failing: the run goes on without durability. Said loudly, and with
+        ``on_failing="stop"`` the job stops (at the next boundary, where this is raised)."""
+        newest = ("none" if self.last_committed is None
+                  else f"step {self.last_committed} ({self.last_path})")
+        message = (f"{self.failed_in_a_row} checkpoints in a row were not committed under "
+                   f"{self.root} (last: {why}); the newest committed one is {newest}, and "
+                   f"the job is at step {self.job.steps_done}: free space or fix the storage "
+                   "(a job killed now loses every step since), or give the job another root")
+        self.job.log.emit("checkpoints_failing", failed=self.failed_in_a_row,
+                          newest_step=self.last_committed, step=self.job.steps_done,
+                          error=why, action=self.config.on_failing)
+        _log.error("%s", message)
+        if self.config.on_failing == "stop":
+            self._stop_reason = message
+
+    def raise_if_failing(self) -> None:
+        """Raises the CheckpointError of ``on_failing="stop"`` once saves failed too often."""
+        reason, self._stop_reason = self._stop_reason, None
+        if reason is not None:
+            raise CheckpointError(f"{reason} (CheckpointConfig(on_failing='stop'))")
 
     def _settle_inflight(self, why: str) -> None:
         """Before a restore: a save whose writers all live is finished (bounded by its

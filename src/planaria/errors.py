@@ -297,7 +297,7 @@ def is_peer_failure(err: BaseException) -> bool:
     )
 
 
-def _root_cause(err: BaseException) -> BaseException:
+def root_cause(err: BaseException) -> BaseException:
     """Unwraps Ray's task errors to the exception the worker raised."""
     try:
         from ray.exceptions import RayTaskError
@@ -349,7 +349,7 @@ def classify(
     storage: list[tuple[str, StorageError]] = []
     peer: list[str] = []
     for name, raw in errors.items():
-        err = _root_cause(raw)
+        err = root_cause(raw)
         if isinstance(err, UserCodeError):
             user.append((name, err))
         elif isinstance(raw, died_types) or isinstance(err, (*died_types, WorkerLost)):

@@ -18,6 +18,7 @@ from planaria.checkpoint.plan import ShardPlan
 from planaria.checkpoint.staging import ShardImage, slice_of
 from planaria.checkpoint.writer import (
     ShardRecord,
+    remove_shard,
     write_description,
     write_image,
     write_record,
@@ -181,10 +182,15 @@ class AsyncShardWriter:
                                save_id=save_id, fsync=self.fsync, verify=self.verify,
                                storage_options=self.storage_options, direct=self.direct)
 
-        record = with_retries(
-            attempt,
-            what=f"writing shard {plan.index} of step {step}", attempts=self.attempts,
-        )
+        try:
+            record = with_retries(
+                attempt,
+                what=f"writing shard {plan.index} of step {step}", attempts=self.attempts,
+            )
+        except BaseException:
+            remove_shard(self.root, step, plan.index, plan.num_shards, save_id,
+                         storage_options=self.storage_options)  # no partial file stays
+            raise
         written_t = time.time()
         with_retries(
             lambda: write_record(self.root, record, written_t=written_t,

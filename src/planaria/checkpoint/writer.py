@@ -10,6 +10,7 @@ step's directory, invisible to readers until the commit marker names it.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -39,6 +40,8 @@ from planaria.checkpoint.plan import parse_slice_key
 from planaria.checkpoint.shard_file import ShardLayout, lay_out
 from planaria.checkpoint.staging import ShardImage
 from planaria.checkpoint.storage import Storage
+
+_log = logging.getLogger("planaria.checkpoint")
 
 __all__ = ["RecordedSlice", "ShardRecord", "write_image", "write_shard"]
 
@@ -132,6 +135,21 @@ def write_description(root: str, step: int, save_id: str | None, describe: dict[
     directory = shard_dir(storage, step, check_save_id(save_id or DEFAULT_SAVE_ID))
     storage.makedirs(directory)
     storage.write_bytes(f"{directory}/{SAVE_FILE}", json.dumps(describe).encode(), fsync=fsync)
+
+
+def remove_shard(root: str, step: int, shard_index: int, num_shards: int, save_id: str | None,
+                 *, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Removes what a failed write of a shard left (its file, its record), best effort: a
+    disk that filled must not keep the partial file."""
+    storage = Storage(root, storage_options)
+    directory = shard_dir(storage, step, check_save_id(save_id or DEFAULT_SAVE_ID))
+    path = f"{directory}/{shard_file_name(shard_index, num_shards)}"
+    for p in (path, record_path(path)):
+        try:
+            if storage.exists(p):
+                storage.remove(p)
+        except OSError as err:
+            _log.warning("could not remove the partial %s: %s", p, err)
 
 
 def shard_dir(storage: Storage, step: int, save_id: str) -> str:
