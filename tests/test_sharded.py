@@ -119,8 +119,12 @@ def _run_with_fault(
     pytest.param("w0", "loaded", signal.SIGKILL, "worker_lost",  # as a one-worker replica's
                  marks=pytest.mark.extended),
     ("w1.1", "applied", signal.SIGSTOP, "worker_hung"),
+    # Stopped before its replica's reduction across replicas: its leader waits there on a
+    # peer, never stuck in its own work; the follower's own heartbeat names it.
+    ("w1.1", "computed", signal.SIGSTOP, "worker_hung"),
     ("w1.1", "loaded", signal.SIGTERM, "preempted"),
-], ids=["kill-follower", "kill-leader", "hang-follower", "preempt-follower"])
+], ids=["kill-follower", "kill-leader", "hang-follower", "hang-follower-before-reduce",
+        "preempt-follower"])
 def test_a_fault_of_one_worker_takes_its_replica_out(tmp_path, reference, worker, phase,
                                                      signum, kind):
     """One worker of a 2 x 2 job fails: its replica leaves as one (the controller sees its

@@ -8,6 +8,7 @@ What to do about a failure lives in :mod:`planaria.recovery`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -41,6 +42,8 @@ from planaria.errors import (
     Preempted,
     ReplicaDivergence,
     Work,
+    WorkerLost,
+    WorkerUnreachable,
     WorkFault,
     classify,
 )
@@ -81,6 +84,9 @@ RECHECK_S = 2.0
 CONFIRM_S = 1.0
 """How long a failure's classification waits to learn whether a worker that answered with
 an error beside a peer's death is alive (see Job._confirm_survivors)."""
+LINK_GRACE_S = 1.0
+"""Every rank of a run waiting on its peers this long past the step deadline is looked into:
+some rank cannot be reached (planaria.links)."""
 WAIT_REPORT_S = 30.0
 """A wait longer than the step deadline logs whom it still waits for, and their heartbeats,
 this often (not while steps commit)."""
@@ -789,8 +795,10 @@ class Job:
         work_hung: dict[str, tuple[Work | None, str]] = {}  # hangs the work is to blame for
         end = time.monotonic() + deadline_s
         calls = CallWatch(by_ref)  # a wait costs O(1) in the number of calls
-        self.liveness.watch(list(refs))
+        self.liveness.watch(self._with_followers(list(refs)))
+        unreachable: list[str] = []  # ranks cut off from their peers (planaria.links)
         began = last_end = last_report = time.monotonic()
+        next_link_check = began
         while len(calls):
             now = time.monotonic()
             if now >= end:
@@ -825,8 +833,23 @@ class Job:
             if now - last_report >= WAIT_REPORT_S and now - began >= self.deadline.seconds:
                 last_report = now  # longer than a step should take: say what holds it
                 self._report_wait([by_ref[r] for r in calls.pending], step, now - began)
-            stale = self.liveness.hung([by_ref[r] for r in calls.pending], self._deadline_for)
+            pending = [by_ref[r] for r in calls.pending]
+            found = self.liveness.hung(self._with_followers(pending), self._deadline_for)
+            for name in found:  # a replica's other worker: dated from its own record
+                if "." in name:
+                    seen = (self.liveness.last_alive_t(name) if self.liveness.stopped(name)
+                            else self.liveness.last_progress_t(name))
+                    self._stuck_since.setdefault(name.split(".")[0], seen or time.time())
+            stale = self._leaders(found)
             stale = [n for n in stale if n not in hung]
+            if not stale and now >= next_link_check and len(pending) > 1:
+                next_link_check = now + 1.0
+                watched = self._with_followers(pending)
+                if self.liveness.all_waiting(watched, self.deadline.seconds + LINK_GRACE_S,
+                                             phases=frozenset({"reduce"})):
+                    next_link_check = now + self.deadline.seconds
+                    stale = self._find_unreachable(pending)
+                    unreachable += stale
             if stale:
                 hung += stale
                 for name in stale:
@@ -844,8 +867,14 @@ class Job:
             for h in hung_set:
                 errors.pop(h, None)  # the death is the one we caused
         faulty = set(hung_set) | {n for n, e in errors.items() if _is_death(e)}
-        if self.evacuating and (leave or errors):
-            failure: Failure = Preempted(
+        if unreachable and set(hung_set) <= set(unreachable) and not any(
+                _is_death(e) for n, e in errors.items() if n not in hung_set):
+            failure: Failure = WorkerUnreachable(
+                f"worker {', '.join(hung_set)} could not be reached by its peers (its "
+                "process-group link is dead though it runs): evicted", workers=tuple(hung_set),
+                step=step)
+        elif self.evacuating and (leave or errors):
+            failure = Preempted(
                 f"{', '.join(self.evacuating)} leave together: every replica holding the "
                 "state got a preemption notice", workers=self.evacuating, step=step)
         elif work_hung:
@@ -927,6 +956,60 @@ class Job:
             _log.debug("could not set abort/%d", self.gen, exc_info=True)
         for handle in self.members:  # fire and forget: a dead one needs no telling
             handle.actor.abort.remote(self.gen)
+
+    def _with_followers(self, names: list[str]) -> list[str]:
+        """``names`` and, for a sharded replica, its other workers (``w<N>.<i>``): each one's
+        own heartbeat is watched (a stopped follower stalls its leader in a collective)."""
+        k = self.config.workers_per_replica
+        if k == 1:
+            return names
+        return [*names, *(f"{n}.{i}" for n in names for i in range(1, k))]
+
+    @staticmethod
+    def _leaders(names: list[str]) -> list[str]:
+        """The replicas (their leaders' names) that ``names`` belong to."""
+        return list(dict.fromkeys(n.split(".", 1)[0] for n in names))
+
+    def _find_unreachable(self, names: list[str]) -> list[str]:
+        """Every rank of the run waits on its peers past the deadline: probes them all
+        (planaria.links) and returns the replicas whose ranks cannot be reached (none when
+        no one is to blame: the failure then rebuilds the generation on fresh links)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from planaria.links import find_unreachable, probe, probe_key
+
+        watched = self._with_followers(names)
+        addresses: dict[str, str] = {}
+        for n in watched:
+            with contextlib.suppress(Exception):
+                if self.store.check([probe_key(n)]):
+                    addresses[n] = self.store.get(probe_key(n)).decode()
+        with ThreadPoolExecutor(max_workers=max(1, len(addresses))) as pool:
+            mine = dict(zip(addresses, pool.map(probe, addresses.values()), strict=True))
+        asks = {}
+        for h in self.members:
+            if h.name in names:
+                peers = {n: a for n, a in addresses.items() if n.split(".")[0] != h.name}
+                asks[h.actor.probe_links.remote(peers, 1.0)] = h.name
+        done, _ = ray.wait(list(asks), num_returns=len(asks), timeout=2 * len(watched) + 2.0)
+        reports = {}
+        for ref in done:
+            with contextlib.suppress(Exception):
+                reports[asks[ref]] = ray.get(ref)
+        verdict = find_unreachable(watched, mine, reports)
+        self.log.emit("link_check", workers=watched, culprits=list(verdict.culprits),
+                      reason=verdict.reason, controller_reached=mine, reports=reports)
+        culprits = self._leaders(list(verdict.culprits))
+        for name in culprits:  # dated from its own record: when its work stopped moving
+            self._stuck_since[name] = self.liveness.last_progress_t(name) or time.time()
+        if not culprits:
+            _log.warning("every rank waited on its peers past the deadline and none could be "
+                         "named (%s): the generation is built again", verdict.reason)
+            self._abort_generation()
+            raise WorkerLost("every rank waited on its peers past the deadline (a stalled "
+                             f"link; {verdict.reason}): rebuilding on fresh connections",
+                             workers=(), step=None)
+        return culprits
 
     def _deadline_for(self, hb: Heartbeat) -> float:
         """How long a worker may make no progress on its current work: the step deadline, or

@@ -139,8 +139,9 @@ class Heartbeat:
 class _Seen:
     record: Heartbeat
     changed_t: float  # controller's monotonic clock: when the record last changed
-    progress_t: float  # ... when the progress counter (or the phase) last changed
+    progress_t: float  # ... when the progress counter, the phase or the busy count changed
     observed_t: float  # ... when it was last read
+    step_t: float = 0.0  # ... when the progress counter or the phase changed (busy aside)
 
 
 class Liveness:
@@ -206,16 +207,18 @@ class Liveness:
                 continue
             seen = self._seen.get(name)
             if seen is None:
-                self._seen[name] = _Seen(record, now, now, now)
+                self._seen[name] = _Seen(record, now, now, now, now)
                 continue
             if name in self._vouched and seen.observed_t < self._vouch_t:
                 # The vouch was a sighting: alive and moving then, whatever the record says
                 # (a worker whose run commits skips its beats, see beat).
                 seen.changed_t = max(seen.changed_t, self._vouch_t)
                 seen.progress_t = max(seen.progress_t, self._vouch_t)
+                seen.step_t = max(seen.step_t, self._vouch_t)
             if record != seen.record:
-                moved = ((record.progress, record.phase, record.busy)
-                         != (seen.record.progress, seen.record.phase, seen.record.busy))
+                stepped = (record.progress, record.phase) != (seen.record.progress,
+                                                              seen.record.phase)
+                moved = stepped or record.busy != seen.record.busy
                 # Not read while a vouch stood: it changed by the vouch, maybe not since. Dated
                 # no earlier than vouch_s ago (well inside the timeout): a read long after
                 # the vouch (the next generation's) must not find a live worker silent.
@@ -225,6 +228,8 @@ class Liveness:
                 seen.record, seen.changed_t = record, at
                 if moved:
                     seen.progress_t = at
+                if stepped:
+                    seen.step_t = at
             seen.observed_t = now
 
     def watch(self, names: list[str]) -> None:
@@ -235,7 +240,7 @@ class Liveness:
         for name in names:
             seen = self._seen.get(name)
             if seen is not None:
-                seen.progress_t = now
+                seen.progress_t = seen.step_t = now
 
     def last(self, name: str) -> Heartbeat | None:
         seen = self._seen.get(name)
@@ -264,17 +269,18 @@ class Liveness:
         seen = self._seen.get(name)
         return 0.0 if seen is None else self._clock() - seen.progress_t
 
-    def all_waiting(self, names: list[str], for_s: float) -> bool:
-        """Every one of ``names`` has waited on its peers (a collective, a rendezvous, a
-        transfer) with no progress for longer than ``for_s``: some rank cannot be reached.
-        Reads nothing: call after :meth:`observe`."""
+    def all_waiting(self, names: list[str], for_s: float,
+                    phases: frozenset[str] = PEER_PHASES) -> bool:
+        """Every one of ``names`` has waited on its peers (in one of ``phases``: a
+        collective, a rendezvous, a transfer) with no progress for longer than ``for_s``:
+        some rank cannot be reached. Reads nothing: call after :meth:`observe`."""
         if not names:
             return False
         for name in names:
             seen = self._seen.get(name)
-            if seen is None or seen.record.phase not in PEER_PHASES:
+            if seen is None or seen.record.phase not in phases:
                 return False
-            if self._clock() - seen.progress_t <= for_s:
+            if self._clock() - seen.step_t <= for_s:  # a thread spinning in a wait is no step
                 return False
         return True
 

@@ -49,6 +49,13 @@ from planaria.errors import (
 from planaria.faults import user_call
 from planaria.integrity import Served, dataset_fingerprint
 from planaria.key_watch import KeyWatch
+from planaria.links import (
+    ProbeServer,
+    local_endpoints,
+    probe,
+    probe_key,
+    stalled_connections,
+)
 from planaria.liveness import Heartbeat, beat, quiet_s
 from planaria.overlap import OverlappedReduce
 from planaria.randomness import (
@@ -240,6 +247,10 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self.ray_node = _ray_node_id()
         register_worker(name, node_id=self.ray_node, gcs_address=_gcs_address())
         self._store = connect_store(store_host, store_port, timeout_s=30)
+        # Answers the controller's and its peers' probes on the address its group uses
+        # (planaria.links: who cannot be reached when every rank waits on its peers).
+        self._probe = ProbeServer(_group_address())
+        self._store.set(probe_key(name), self._probe.address)
         self._publish_heartbeat()
         threading.Thread(
             target=beat, name="planaria-heartbeat", daemon=True,
@@ -499,6 +510,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     def shutdown(self) -> None:
         self._stop.set()
         self._wake_beat.set()
+        self._probe.close()
         self._keys.close()
         if self.comm is not None:
             self.comm.close()
@@ -1109,6 +1121,16 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             )
 
     @ray.method(concurrency_group="control")
+    def probe_links(self, peers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+        """Beside the step: which of ``peers`` (name → probe address) answer, and this
+        process's TCP connections whose bytes go unacked (planaria.links)."""
+        with ThreadPoolExecutor(max_workers=max(1, len(peers))) as pool:
+            reached = dict(zip(peers, pool.map(lambda a: probe(a, timeout_s),
+                                               peers.values()), strict=True))
+        return {"reached": reached, "stalled": stalled_connections(),
+                "endpoints": local_endpoints()}
+
+    @ray.method(concurrency_group="control")
     def alive(self) -> bool:
         """Answers beside any step: the controller's question after a peer's death."""
         return True
@@ -1134,6 +1156,21 @@ def _nccl_survives_errors() -> None:
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort comms, keep process
     os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")  # no kill from the heartbeat
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+
+
+def _group_address() -> str:
+    """The address this worker's process groups use: the interface gloo is told to use, or
+    what the host name resolves to (as gloo does)."""
+    from planaria.network import interface_address
+
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    if name:
+        with contextlib.suppress(Exception):
+            return interface_address(name.split(",")[0])
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def _ray_node_id() -> str | None:

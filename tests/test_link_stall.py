@@ -1,0 +1,150 @@
+"""A dead process-group link is found, though the process and its heartbeat live.
+
+The victim's gloo connections are black-holed with netfilter (its TCP flows to its peers
+dropped both ways, its store connections left alone), in the middle of a step, before the
+gradient's all-reduce: every rank then waits on its peers, none stuck in its own work,
+and only the collective timeout (minutes) would end it. The controller finds the rank
+whose traffic is lost (planaria.links) within the step deadline plus a few seconds and
+evicts it, and no one else; with two ranks, where the evidence cannot tell the ends of a
+dropped flow apart, no one is blamed and the generation is built again on fresh links.
+Either way the training equals a fault-free run's and every sample is used once.
+
+Needs root and iptables (Debian's ``iptables``, installed by ``.ci/run``); skips otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from planaria import HangConfig, Job, RunConfig
+from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.test_durable_saves import G, N, drive, spec
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+
+STEPS = 8
+CHAIN = f"PLANARIA-LINK-{os.getpid()}"
+
+
+def _iptables(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["iptables", "-w", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def netfilter():
+    if shutil.which("iptables") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iptables (apt-get install iptables) to drop a link")
+    if _iptables("-N", CHAIN).returncode != 0 or _iptables("-I", "OUTPUT", "-j", CHAIN).returncode:
+        pytest.skip("iptables is not usable here (no netfilter in this kernel or sandbox)")
+    try:
+        yield CHAIN
+    finally:
+        _iptables("-D", "OUTPUT", "-j", CHAIN)
+        _iptables("-F", CHAIN)
+        _iptables("-X", CHAIN)
+
+
+def _tcp_endpoints(pid: int) -> dict[int, tuple[str, str]]:
+    """Socket inode -> (local, remote) of process ``pid``'s established TCP connections."""
+    from planaria.links import _endpoint
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    out = {}
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[9]) in inodes:
+                    out[int(fields[9])] = (_endpoint(fields[1]), _endpoint(fields[2]))
+    return out
+
+
+class CutLinks:
+    """At ``step``, once its gradient is computed (before the all-reduce): drops every TCP
+    flow between this worker and the ``peers`` processes (its process group's links; its
+    store and Ray connections go elsewhere), both ways, in netfilter chain ``chain``."""
+
+    def __init__(self, step: int, peers: list[int], chain: str, marker: str) -> None:
+        self.step, self.peers, self.chain, self.marker = step, peers, chain, marker
+
+    def __call__(self, worker, step: int, phase: str) -> None:
+        if phase != "computed" or step != self.step or os.path.exists(self.marker):
+            return
+        theirs = {local for pid in self.peers for local, _ in _tcp_endpoints(pid).values()}
+        flows = [(lo, re) for lo, re in _tcp_endpoints(os.getpid()).values() if re in theirs]
+        for lo, re in flows:
+            (lip, lport), (rip, rport) = lo.rsplit(":", 1), re.rsplit(":", 1)
+            for src, sport, dst, dport in ((lip, lport, rip, rport), (rip, rport, lip, lport)):
+                subprocess.run(["iptables", "-w", "-A", self.chain, "-p", "tcp", "-s", src,
+                                "--sport", sport, "-d", dst, "--dport", dport, "-j", "DROP"],
+                               check=True, timeout=30)
+        Path(self.marker).write_text(f"{time.time()} {len(flows)}")
+
+
+def install(job: Job, name: str, hook) -> None:
+    handle = next(h for h in job.members if h.name == name)
+    ray.get(handle.actor.__ray_call__.remote(lambda self: setattr(self, "loop_fault", hook)))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    with Job(spec(), RunConfig(steps=STEPS, replicas=3,
+                               run_dir=tmp_path_factory.mktemp("ref"))) as job:
+        return drive(job, STEPS)
+
+
+HANG = HangConfig(floor_s=2.0)
+
+
+@pytest.mark.parametrize("replicas", [3, 2])
+def test_a_black_holed_link_is_found_within_the_deadline(tmp_path, netfilter, reference,
+                                                         replicas):
+    run = tmp_path / "run"
+    job = Job(spec(micro_s=0.05), RunConfig(steps=STEPS, replicas=replicas, run_dir=run,
+                                            ledger=True),
+              hang=HANG)
+    marker = tmp_path / "cut"
+    with job:
+        victim = job.members[-1]
+        peers = [h.pid for h in job.members if h is not victim]
+        install(job, victim.name, CutLinks(3, peers, netfilter, str(marker)))
+        state = drive(job, STEPS)
+        job.wait_for_width(replicas, timeout_s=120)
+    cut_t, flows = marker.read_text().split()
+    assert int(flows) >= 1
+    assert_same_state(reference, state)
+    assert_exactly_once(run, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(run)
+    check = of(evs, "link_check")[0]
+    deadline = HANG.floor_s  # the steps are far shorter than the floor
+    if replicas >= 3:
+        faults = of(evs, "fault")
+        assert [(f["kind"], f["worker"]) for f in faults] == [("worker_unreachable",
+                                                              victim.name)]
+        assert check["culprits"] == [victim.name]
+        found = of(evs, "detected")[0]["t"]
+        assert found - float(cut_t) < deadline + 5.0
+        assert of(evs, "detected")[0]["detect_s"] >= deadline  # dated from its own record
+    else:  # two ends of one dropped flow: no one to blame; fresh links
+        assert check["culprits"] == []
+        assert not [f for f in of(evs, "fault") if f.get("worker")]
+        rebuilt = next(g for g in of(evs, "generation") if g["t"] > float(cut_t))
+        assert rebuilt["workers"] == of(evs, "generation")[0]["workers"]
+        assert rebuilt["t"] - float(cut_t) < deadline + 5.0
