@@ -75,6 +75,8 @@ class ProbeServer:
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone would not)
+        with contextlib.suppress(OSError):
             self._sock.close()
 
 
