@@ -261,6 +261,10 @@ class Liveness:
         seen = self._seen.get(name)
         if seen is None or seen.record.phase not in WORK_PHASES:
             return False
+        if self.silent_s(name) > self.vouch_s:
+            # Its heartbeat is silent too: the whole process is frozen or paused (a GC, swap,
+            # SIGSTOP), which the heartbeat timeout judges, not the step's deadline.
+            return False
         limit = deadline_s(seen.record) if callable(deadline_s) else deadline_s
         return self._clock() - seen.progress_t > limit
 
