@@ -75,14 +75,18 @@ def reference(tmp_path_factory):
         return drive(job, STEPS)
 
 
-def test_a_reclaim_wave_inside_a_long_step_is_saved_and_restored(tmp_path, reference):
-    # Steps of ~2 s (two 1 s micro-batches per rank); the notices land inside step 3.
-    job = Job(spec(micro_s=1.0), RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path,
-                                           ledger=True),
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicas", "sharded-replicas"])
+def test_a_reclaim_wave_inside_a_long_step_is_saved_and_restored(tmp_path, reference, sharded):
+    # Steps of ~2 s (two 1 s micro-batches per rank); the notices land inside step 3. A
+    # sharded job (2 replicas of 2 workers) gets them on every worker, as a node reclaim does.
+    replicas, k = (2, 2) if sharded else (3, 1)
+    job = Job(spec(micro_s=1.0 if not sharded else 0.7),
+              RunConfig(steps=STEPS, replicas=replicas, workers_per_replica=k,
+                        run_dir=tmp_path, ledger=True),
               checkpoint=CheckpointConfig(every=100, fsync=False))
     marker = tmp_path / "noticed"
     with job:
-        pids = [h.pid for h in job.members]
+        pids = [p for h in job.members for p in (h.pid, *h.info.get("follower_pids", ()))]
         install(job, "w0", NoticeEveryone(3, pids, str(marker)))
         kill_after_grace(marker, pids, grace_s=2.0)
         state = drive(job, STEPS)

@@ -593,12 +593,17 @@ class Job:
             return
         self._notices_seen = count
         for handle in self.members:
-            if handle.name not in self._draining and self.store.check([notice_key(handle.name)]):
-                self._draining.add(handle.name)
-                at = float(self.store.get(notice_key(handle.name)).decode() or time.time())
-                self._chaos_at.setdefault(handle.name, at)  # the fault's time: its notice
-                self.log.emit("preempt_notice", worker=handle.name, step=self.steps_done,
-                              source="sigterm", notice_t=at)
+            if handle.name in self._draining:
+                continue
+            # A sharded replica's other workers' notices are the replica's.
+            for name in self._with_followers([handle.name]):
+                if self.store.check([notice_key(name)]):
+                    self._draining.add(handle.name)
+                    at = float(self.store.get(notice_key(name)).decode() or time.time())
+                    self._chaos_at.setdefault(handle.name, at)  # the fault's time: its notice
+                    self.log.emit("preempt_notice", worker=handle.name, step=self.steps_done,
+                                  source="sigterm", notice_t=at)
+                    break
         holders = {h.name for h in self.members if h.has_state}
         if holders and holders <= self._draining and not self.evacuating:
             self._save_before_leaving()
