@@ -105,3 +105,16 @@ def drive(job: Any, steps: int, *, wait_width_at: int | None = None, width: int 
             job.train_step()
         except planaria.Failure as failure:
             job.recovery.handle(failure)
+
+
+def run_to(job: Any, steps: int) -> dict:
+    """``fit()``'s loop on an open job, in autonomous runs: train until ``steps`` steps are
+    committed, recovering from every failure; returns the final model state."""
+    import planaria
+
+    while job.steps_done < steps:
+        try:
+            job.run_steps(steps)
+        except planaria.Failure as failure:
+            job.recovery.handle(failure)
+    return job.model_state_dict()

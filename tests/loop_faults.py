@@ -26,6 +26,12 @@ class SignalSelfAt:
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+def install(job: Any, name: str, hook: Any) -> None:
+    """Sets worker ``name``'s ``loop_fault`` to ``hook`` (sent by value)."""
+    handle = next(h for h in job.members if h.name == name)
+    ray.get(handle.actor.__ray_call__.remote(lambda self: setattr(self, "loop_fault", hook)))
+
+
 class DieLeavingSocketsOpen:
     """At ``step``, once its gradient is computed (before the all-reduce): this worker dies
     by SIGKILL, but a child it forked just before holds its sockets open, so its peers'

@@ -36,6 +36,8 @@ from planaria.checkpoint.writer import SAVE_FILE, shard_dir
 from planaria.checkpointing import CheckpointConfig
 from planaria.examples import mlp
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import run_to as drive
+from tests.test_long_steps import SlowLoss
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -43,18 +45,6 @@ REPO = Path(__file__).resolve().parents[1]
 N, G, MBS = 256, 48, 8
 
 
-class SlowLoss:
-    """mse, each micro-batch at least ``seconds`` (a step of a known length)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def __call__(self, model, batch):
-        end = time.monotonic() + self.seconds
-        loss = mlp.mse(model, batch)
-        while time.monotonic() < end:
-            time.sleep(0.005)
-        return loss
 
 
 def spec(micro_s: float = 0.0, *, gated: bool = False) -> planaria.TrainSpec:
@@ -72,13 +62,6 @@ def spec(micro_s: float = 0.0, *, gated: bool = False) -> planaria.TrainSpec:
     )
 
 
-def drive(job: Job, steps: int) -> dict:
-    while job.steps_done < steps:
-        try:
-            job.run_steps(steps)
-        except planaria.Failure as failure:
-            job.recovery.handle(failure)
-    return job.model_state_dict()
 
 
 # ---- a file system whose writes wait at a gate --------------------------------------------

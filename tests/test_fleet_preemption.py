@@ -24,6 +24,7 @@ import planaria
 from planaria import Job, RunConfig
 from planaria.checkpointing import CheckpointConfig
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.loop_faults import install
 from tests.test_durable_saves import G, N, drive, gated_options, register_gated, spec
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -63,9 +64,6 @@ def kill_after_grace(marker: Path, pids: list[int], grace_s: float) -> threading
     return thread
 
 
-def install(job: Job, name: str, hook) -> None:
-    handle = next(h for h in job.members if h.name == name)
-    ray.get(handle.actor.__ray_call__.remote(lambda self: setattr(self, "loop_fault", hook)))
 
 
 @pytest.fixture(scope="module")

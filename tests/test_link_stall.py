@@ -26,6 +26,7 @@ import ray
 
 from planaria import HangConfig, Job, RunConfig
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.loop_faults import install
 from tests.test_durable_saves import G, N, drive, spec
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -98,9 +99,6 @@ class CutLinks:
         Path(self.marker).write_text(f"{time.time()} {len(flows)}")
 
 
-def install(job: Job, name: str, hook) -> None:
-    handle = next(h for h in job.members if h.name == name)
-    ray.get(handle.actor.__ray_call__.remote(lambda self: setattr(self, "loop_fault", hook)))
 
 
 @pytest.fixture(scope="module")

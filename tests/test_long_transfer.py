@@ -20,6 +20,7 @@ import planaria
 from planaria import Job, RunConfig
 from planaria.examples import mlp
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import run_to as drive
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -51,13 +52,6 @@ def slow_link(worker) -> None:
     worker._bytes_moved = slowly
 
 
-def drive(job: Job, steps: int) -> dict:
-    while job.steps_done < steps:
-        try:
-            job.run_steps(steps)
-        except planaria.Failure as failure:
-            job.recovery.handle(failure)
-    return job.model_state_dict()
 
 
 def test_a_transfer_longer_than_the_collective_timeout_keeps_its_source(tmp_path):

@@ -26,6 +26,7 @@ from planaria.data_plan import DataPlan
 from planaria.examples import mlp
 from planaria.integrity import dataset_fingerprint
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import run_to as drive
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -132,13 +133,6 @@ def spec_with(*, dataset=None, loss=None) -> planaria.TrainSpec:
     )
 
 
-def drive(job: Job, steps: int) -> dict:
-    while job.steps_done < steps:
-        try:
-            job.run_steps(steps)
-        except planaria.Failure as failure:
-            job.recovery.handle(failure)
-    return job.model_state_dict()
 
 
 def reference(run_dir: Path, *, skipped: set[int] = frozenset()) -> dict:
@@ -215,15 +209,12 @@ def test_a_second_real_death_at_the_same_step_is_the_workers(tmp_path):
     assert not of(evs, "attribution")  # deaths are never the work's
 
 
-@pytest.mark.parametrize("prefetch", [True, False], ids=["loader-thread", "inline"])
-def test_a_sample_that_takes_seconds_to_load_is_busy_not_hung(tmp_path, prefetch):
-    slow = pick_sample(2, 10)
+def busy_run(tmp_path, spec: planaria.TrainSpec, **options) -> None:
+    """Trains ``spec`` (one slow load, or one heavy micro-batch, in steps of milliseconds
+    with a step deadline of 1 s) and checks no one was evicted: busy is not hung."""
     ref = reference(tmp_path / "ref")
     run = tmp_path / "run"
-    # Steps of milliseconds, a step deadline of 1 s (the floor): the 4 s load is judged by
-    # the I/O deadline instead, and no one is evicted.
-    job = Job(spec_with(dataset=lambda: SlowSample(slow, 4.0)),
-              RunConfig(steps=STEPS, replicas=3, run_dir=run, ledger=True, prefetch=prefetch),
+    job = Job(spec, RunConfig(steps=STEPS, replicas=3, run_dir=run, ledger=True, **options),
               hang=FAST_HANG)
     with job:
         state = drive(job, STEPS)
@@ -233,18 +224,16 @@ def test_a_sample_that_takes_seconds_to_load_is_busy_not_hung(tmp_path, prefetch
     assert not of(evs, "fault") and set(widths(evs)) == {3}
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["loader-thread", "inline"])
+def test_a_sample_that_takes_seconds_to_load_is_busy_not_hung(tmp_path, prefetch):
+    # The 4 s load is judged by the I/O deadline, not the step's.
+    slow = pick_sample(2, 10)
+    busy_run(tmp_path, spec_with(dataset=lambda: SlowSample(slow, 4.0)), prefetch=prefetch)
+
+
 def test_a_micro_batch_that_computes_for_seconds_is_busy_not_hung(tmp_path):
-    heavy = pick_sample(2, 10)
-    ref = reference(tmp_path / "ref")
-    run = tmp_path / "run"
-    job = Job(spec_with(loss=HeavyLoss(heavy, 4.0)),
-              RunConfig(steps=STEPS, replicas=3, run_dir=run, ledger=True), hang=FAST_HANG)
-    with job:
-        state = drive(job, STEPS)
-    assert_same_state(ref, state)
-    assert_exactly_once(run, num_samples=N, global_batch_size=G, steps=STEPS)
-    evs = events(run)
-    assert not of(evs, "fault") and set(widths(evs)) == {3}
+    # Its thread burns CPU for 4 s: busy beats, though no micro-batch ends.
+    busy_run(tmp_path, spec_with(loss=HeavyLoss(pick_sample(2, 10), 4.0)))
 
 
 def test_a_stalled_thread_is_evicted_once_and_its_work_runs_on(tmp_path):
