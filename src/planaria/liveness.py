@@ -286,6 +286,8 @@ class Liveness:
                 return False
             if self._clock() - seen.step_t <= for_s:  # a thread spinning in a wait is no step
                 return False
+            if self.silent_s(name) > self.vouch_s:
+                return False  # frozen or paused as a whole: the heartbeat timeout judges it
         return True
 
     def last_progress_t(self, name: str) -> float | None:

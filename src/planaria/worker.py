@@ -892,11 +892,15 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         dataset error is kept for that step, which raises it as its own."""
         if ids is None:
             return
+        phase, at = self.phase, self.phase_step
+        self._set_phase("loading", step)  # its own work, not a wait on the peers
         future: Future[_Loaded] = Future()
         try:
             future.set_result(self._load(ids, step, first))
         except Exception as err:  # the next step's error, not this one's
             future.set_exception(err)
+        finally:
+            self._set_phase(phase, at)
         self._prefetched = (self._share_key(ids, step), future)
 
     def _take(self, ids: np.ndarray, step: int, first: int) -> _Loaded:
