@@ -1005,8 +1005,9 @@ class Job:
         self.log.emit("link_check", workers=watched, culprits=list(verdict.culprits),
                       reason=verdict.reason, controller_reached=mine, reports=reports)
         culprits = self._leaders(list(verdict.culprits))
-        for name in culprits:  # dated from its own record: when its work stopped moving
-            self._stuck_since[name] = self.liveness.last_progress_t(name) or time.time()
+        for name in culprits:  # dated from its own record: when its wait on the peers began
+            self._stuck_since[name] = (self.liveness.last_progress_t(name, steps_only=True)
+                                       or time.time())
         if not culprits:
             _log.warning("every rank waited on its peers past the deadline and none could be "
                          "named (%s): the generation is built again", verdict.reason)

@@ -290,13 +290,15 @@ class Liveness:
                 return False  # frozen or paused as a whole: the heartbeat timeout judges it
         return True
 
-    def last_progress_t(self, name: str) -> float | None:
+    def last_progress_t(self, name: str, *, steps_only: bool = False) -> float | None:
         """Wall-clock estimate of when ``name`` last made progress (its own record's view:
-        when a stuck or cut-off worker stopped; for fault timing)."""
+        when a stuck worker stopped; with ``steps_only``, its progress counter or phase
+        alone, not its busy beats: when a cut-off worker's waiting began; for fault
+        timing)."""
         seen = self._seen.get(name)
         if seen is None:
             return None
-        at = seen.progress_t
+        at = seen.step_t if steps_only else seen.progress_t
         if name in self._vouched:
             at = max(at, self._vouch_t)
         return time.time() - (self._clock() - at)
