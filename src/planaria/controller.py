@@ -52,6 +52,7 @@ from planaria.network import (
 )
 from planaria.placement import Placement
 from planaria.policy import HangConfig, RecoveryPolicy
+from planaria.reaper import Reaper
 from planaria.run_ahead import RunAhead
 from planaria.watchdog import StepDeadline
 from planaria.workers import WorkerHandle, WorkerPool
@@ -156,6 +157,7 @@ class Job:
         self._verified_at = 0  # steps_done at the last replica checksum comparison
         self._ledger_last: tuple[int, int] | None = None  # (gen, step) last written as served
         self.hooks: list[Callable[..., None]] = []  # hook(job, phase, **info): see _hook
+        self.reaper: Reaper | None = None  # ends the job's processes if this one is killed
         self.closed = False
         self.started = False
 
@@ -191,6 +193,9 @@ class Job:
             planaria_version=__version__,
             torch_version=torch.__version__,
         )
+        # Before Ray: a controller killed from here on leaves nothing behind (planaria.reaper).
+        self.reaper = Reaper(self.log.path)
+        self.log.add_listener(self.reaper.on_event)
         self._init_ray()
         if cfg.drain_poll_s is not None:
             self._drain_watch = NodeDrainWatch(cfg.drain_poll_s)
@@ -221,6 +226,7 @@ class Job:
             placement=self.placement,
             env=worker_env(cfg),
         )
+        self.pool.owner_env = self.reaper.env  # warm workers carry the job's mark
         cache_file = self.run_dir / CACHE_FILE
         if self.spec.compile and cfg.share_compile_cache and cache_file.exists():
             self.pool.compile_cache = cache_file.read_bytes()  # a resumed job starts warm
@@ -297,9 +303,12 @@ class Job:
             "configure_logging": False,
         }
         kwargs.update(cfg.ray_init_kwargs)
+        reaper = self.reaper
+        assert reaper is not None
         for attempt in range(RAY_START_ATTEMPTS):
             try:
-                ray.init(**kwargs)
+                with reaper.marking():  # the session's processes are the job's
+                    ray.init(**kwargs)
                 break
             except Exception as err:  # Ray raises a bare Exception for a node start timeout
                 if attempt + 1 == RAY_START_ATTEMPTS or "timed out during startup" not in str(err):
@@ -312,6 +321,8 @@ class Job:
                 time.sleep(2.0 * (attempt + 1))
         route_ray_logs(self.run_dir)
         self._started_ray = True
+        node: Any = ray._private.worker._global_node
+        reaper.session(node.get_session_dir_path())
 
     def _wait_ready(self, count: int, *, timeout_s: float) -> list[WorkerHandle]:
         ready: list[WorkerHandle] = []
@@ -365,6 +376,9 @@ class Job:
             self.ledger.close()
         if self._started_ray:
             ray.shutdown()
+        if self.reaper is not None:  # what Ray left (agents whose GCS was gone), then itself
+            self.reaper.sweep(session=self._started_ray)
+            self.reaper.close()
 
     # ---- membership --------------------------------------------------------------------------
 

@@ -113,6 +113,7 @@ class WorkerPool:
         self._spec_blob = (ray.cloudpickle.dumps(spec) if config.workers_per_replica > 1
                            else None)
         self.warm_start = warm_start_enabled(config)
+        self.owner_env: dict[str, str] = {}  # the job's mark (planaria.reaper), warm workers'
 
     def start(
         self,
@@ -140,6 +141,8 @@ class WorkerPool:
             runtime_env["env_vars"] = dict(self.env)
         if self.warm_start and attempt == 1:  # a retry starts cold, whatever failed
             runtime_env["py_executable"] = forkserver.py_executable()
+            # The fork server and its workers are the job's: its reaper kills them.
+            runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **self.owner_env}
         if runtime_env:
             where["runtime_env"] = runtime_env
         resources: dict[str, Any] = {
@@ -271,6 +274,7 @@ class WorkerPool:
                 node=handle.info.get("node"),
                 ray_node=handle.info.get("ray_node"),
                 ready_s=ready_s,
+                follower_pids=handle.info.get("follower_pids"),
                 warm=self.compile_cache is not None if self.spec.compile else None,
                 **start,
             )
