@@ -52,6 +52,7 @@ from planaria.network import (
 )
 from planaria.placement import Placement
 from planaria.policy import HangConfig, RecoveryPolicy
+from planaria.ray_health import RayWatch
 from planaria.reaper import Reaper
 from planaria.run_ahead import RunAhead
 from planaria.watchdog import StepDeadline
@@ -158,6 +159,7 @@ class Job:
         self._ledger_last: tuple[int, int] | None = None  # (gen, step) last written as served
         self.hooks: list[Callable[..., None]] = []  # hook(job, phase, **info): see _hook
         self.reaper: Reaper | None = None  # ends the job's processes if this one is killed
+        self.ray_watch: RayWatch | None = None  # Ray's GCS and raylet (planaria.ray_health)
         self.closed = False
         self.started = False
 
@@ -197,6 +199,7 @@ class Job:
         self.reaper = Reaper(self.log.path)
         self.log.add_listener(self.reaper.on_event)
         self._init_ray()
+        self.ray_watch = RayWatch(self.log, owned=self._started_ray)
         if cfg.drain_poll_s is not None:
             self._drain_watch = NodeDrainWatch(cfg.drain_poll_s)
         private = ray_is_private()
@@ -227,6 +230,7 @@ class Job:
             env=worker_env(cfg),
         )
         self.pool.owner_env = self.reaper.env  # warm workers carry the job's mark
+        self.pool.check = self.check_ray  # a wait for workers ends when Ray's processes die
         cache_file = self.run_dir / CACHE_FILE
         if self.spec.compile and cfg.share_compile_cache and cache_file.exists():
             self.pool.compile_cache = cache_file.read_bytes()  # a resumed job starts warm
@@ -354,8 +358,11 @@ class Job:
         if self.closed:
             return
         self.closed = True
-        if self._drain_watch is not None:
-            self._drain_watch.stop()
+        lost = self.ray_watch is not None and self.ray_watch.lost is not None
+        if self.ray_watch is not None:
+            self.ray_watch.stop()
+        if self._drain_watch is not None:  # a query to a lost GCS would hold the close
+            self._drain_watch.stop(wait_s=0.0 if lost else 5.0)
         if self.checkpointer is not None:
             self.checkpointer.close()
         if hasattr(self, "pool"):
@@ -374,11 +381,21 @@ class Job:
         self.log.close()
         if self.ledger is not None:
             self.ledger.close()
-        if self._started_ray:
+        if self._started_ray or lost:
+            # A driver whose GCS or raylet is gone is disconnected too: Ray's C++ would end
+            # this process at its reconnect timeout, and Ray's excepthook would wait on the
+            # GCS before printing the job's error.
             ray.shutdown()
         if self.reaper is not None:  # what Ray left (agents whose GCS was gone), then itself
-            self.reaper.sweep(session=self._started_ray)
+            self.reaper.sweep(session=self._started_ray, marked=self._started_ray or lost)
             self.reaper.close()
+
+    def check_ray(self, *, save: bool = False, cause: BaseException | None = None) -> None:
+        """Raises :class:`~planaria.errors.RayLost` once Ray's GCS or this node's raylet
+        died (see :mod:`planaria.ray_health`), after saving the step in hand with ``save``
+        (at a step boundary); ``cause``: a failure that followed the loss."""
+        if self.ray_watch is not None and self.ray_watch.lost is not None:
+            raise self.ray_watch.end(self, save=save) from cause
 
     # ---- membership --------------------------------------------------------------------------
 
@@ -831,6 +848,7 @@ class Job:
 
     def boundary(self) -> None:
         """Between steps: drain preempted workers, admit ready replacements, save, inject chaos."""
+        self.check_ray(save=True)  # Ray's own processes died: save and end
         self._verify_if_due()  # before a joiner could copy a diverged replica's state
         self._hook("boundary")
         ready = self.pool.poll(timeout_s=0.0)
@@ -849,6 +867,8 @@ class Job:
         """Why a run of steps should end at the next boundary now, or None: something the
         controller could not plan for (see :mod:`planaria.run_ahead`). Queries nothing
         remote but the replacements' readiness."""
+        if self.ray_watch is not None and self.ray_watch.lost is not None:
+            return "ray_lost"
         if self.width < self.config.replicas and self.pool.has_ready():
             return "join"
         if self._drain_watch is not None:

@@ -21,6 +21,7 @@ __all__ = [
     "NonFiniteLoss",
     "PlanariaError",
     "Preempted",
+    "RayLost",
     "ReplicaDivergence",
     "StaleGeneration",
     "StepAborted",
@@ -62,6 +63,22 @@ class StepAborted(PlanariaError):
 
 class ElasticRuntimeError(PlanariaError):
     """planaria gave up: the retry budget is spent or the job cannot go on. Chained to the cause."""
+
+
+class RayLost(ElasticRuntimeError):
+    """A process of Ray's own died under the job: its GCS, or the raylet of the
+    controller's node (see :mod:`planaria.ray_health`). The job cannot go on without it:
+    planaria saved what was safe to save and ended. ``process`` names what died
+    (``"gcs_server"``, ``"raylet"``), ``pid`` its process id where it ran on the
+    controller's machine (else None), ``saved`` the checkpoint the end saved (None:
+    none; the newest committed one stands)."""
+
+    def __init__(self, message: str, *, process: str, pid: int | None = None,
+                 saved: str | None = None) -> None:
+        super().__init__(message)
+        self.process = process
+        self.pid = pid
+        self.saved = saved
 
 
 class Failure(PlanariaError):

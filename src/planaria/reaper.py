@@ -128,15 +128,18 @@ class Reaper:
             if isinstance(pid, int):
                 self.watch(pid)
 
-    def sweep(self, *, session: bool) -> list[int]:
+    def sweep(self, *, session: bool, marked: bool | None = None) -> list[int]:
         """Kills the job's processes now (at close, once Ray is shut down): the reported
-        workers still running and their descendants, and with ``session`` (a Ray session
-        this job started) every process marked as the job's. Returns the pids killed."""
+        workers still running and their descendants; with ``session`` (a Ray session this
+        job started) its processes; with ``marked`` (default: ``session``) every process
+        marked as the job's (on a cluster: the fork server, which jobs of this process
+        share while its Ray lives). Returns the pids killed."""
+        marked = session if marked is None else marked
         if self._proc is None and not self._known:
             return []
         exclude = {self.pid} | ({self._proc.pid} if self._proc is not None else set())
         known = {p: s for p, s in self._known.items() if _reaper.start_time(p) == s}
-        killed = _reaper.sweep(self.mark if session else None, known, exclude,
+        killed = _reaper.sweep(self.mark if marked else None, known, exclude,
                                self._session_dir if session else None)
         if killed:
             _log.info("killed %d processes left of the job: %s", len(set(killed)),

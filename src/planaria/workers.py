@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,7 @@ class WorkerPool:
                            else None)
         self.warm_start = warm_start_enabled(config)
         self.owner_env: dict[str, str] = {}  # the job's mark (planaria.reaper), warm workers'
+        self.check: Callable[[], None] | None = None  # raises to end a wait (Ray's loss)
 
     def start(
         self,
@@ -238,7 +240,10 @@ class WorkerPool:
         A start that fails in the user's own factories raises UserCodeError:
         retrying cannot help. A worker whose dataset differs from the job's is
         refused (killed) and raises DataMismatch: it would poison the training.
+        Raises what :attr:`check` raises (Ray's own processes died: none can start).
         """
+        if self.check is not None:
+            self.check()
         now = time.time()
         for due, old in list(self._retry_at):
             if due <= now:
