@@ -38,7 +38,7 @@ REAP_BOUND_S = 10.0
 """A job's processes are gone this long after its controller was (measured: < 1 s)."""
 
 CHILD = r"""
-import dataclasses, sys, time
+import dataclasses, os, sys, time
 from planaria import fit
 from planaria.checkpointing import CheckpointConfig
 from planaria.examples import mlp
@@ -51,7 +51,8 @@ def slow_mse(model, batch):  # ~0.05 s steps: a kill lands inside a run of steps
     return mlp.mse(model, batch)
 
 spec = dataclasses.replace(mlp.make_spec(n=512), loss=slow_mse)
-fit(spec, steps=steps, replicas=2, run_dir=run_dir, address=address,
+warm = {"0": False, "1": True}.get(os.environ.get("TEST_WARM_START", ""))  # None: planaria's
+fit(spec, steps=steps, replicas=2, run_dir=run_dir, address=address, warm_start=warm,
     checkpoint=CheckpointConfig(every=5))
 """
 
@@ -274,8 +275,11 @@ def test_the_gcs_killed_mid_run_ends_the_job_with_a_save_and_leaves_nothing(run)
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_the_raylet_killed_mid_run_ends_the_job_with_a_save_and_leaves_nothing(run) -> None:
-    r = run()
+@pytest.mark.parametrize("warm", ["1", "0"], ids=["forked", "cold"])
+def test_the_raylet_killed_mid_run_ends_the_job_with_a_save_and_leaves_nothing(
+    run, warm: str
+) -> None:
+    r = run(TEST_WARM_START=warm)
     r.wait_step(12)
     before = r.processes()
     raylet = r.ray_process("raylet")
@@ -375,3 +379,27 @@ def test_the_gcs_of_a_cluster_killed_ends_the_job_and_leaves_the_cluster_alone(
         "the cluster's raylet was killed: not the job's")
     print(f"a cluster's GCS killed: the job ended in {took:.1f} s, its {len(before)} processes "
           f"gone, the cluster's {len(set(theirs) - set(before))} left to it")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_raylet_killed_with_every_worker_ends_the_job_saying_the_newest_save_stands(
+    run,
+) -> None:
+    r = run()
+    r.wait_step(12)
+    before = r.processes()
+    raylet = r.ray_process("raylet")
+    killed_t = time.time()
+    for pid in [raylet, *r.workers()]:  # the node gone at once: nothing left to save from
+        os.kill(pid, signal.SIGKILL)
+    took, end = ended_for(r, "raylet", killed_t)
+    assert took < END_BOUND_S, f"the job took {took:.1f} s to end after its raylet died"
+    evs = events(r.run_dir)
+    assert not [e for e in of(evs, "checkpoint_saved") if e["reason"] == "ray_lost"]
+    newest = max(e["step"] for e in of(evs, "checkpoint_saved"))
+    assert "nothing was saved" in end["error"], end["error"]
+    assert f"the newest committed checkpoint, step {newest}, stands" in end["error"], end["error"]
+    left, waited = wait_gone(before, REAP_BOUND_S)
+    assert not left, f"left {waited:.1f} s after the end: {describe(left)}"

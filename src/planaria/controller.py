@@ -395,7 +395,7 @@ class Job:
         died (see :mod:`planaria.ray_health`), after saving the step in hand with ``save``
         (at a step boundary); ``cause``: a failure that followed the loss."""
         if self.ray_watch is not None and self.ray_watch.lost is not None:
-            raise self.ray_watch.end(self, save=save) from cause
+            raise self.ray_watch.end(self, save=save, cause=cause) from cause
 
     # ---- membership --------------------------------------------------------------------------
 

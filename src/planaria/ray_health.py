@@ -189,17 +189,23 @@ class RayWatch:
 
     # ---- ending the job ----------------------------------------------------------------------
 
-    def end(self, job: Job, *, save: bool) -> RayLost:
+    def end(self, job: Job, *, save: bool, cause: BaseException | None = None) -> RayLost:
         """The error to end ``job`` with, once :attr:`lost` is set. With ``save`` (the job
         is at a step boundary: every member holds the committed state) the step in hand
-        is saved first; the outcome goes into the error's message. Once only: a second
-        call returns the same error."""
+        is saved first; the outcome goes into the error's message. ``cause``: a failure
+        that followed the loss (nothing is saved then). Once only: a second call returns
+        the same error."""
         if self._ended is not None:
             return self._ended
         lost = self.lost
         assert lost is not None
-        saved, outcome = _save(job) if save else (None, _no_save(job, "the job was not at a "
-                                                                        "step boundary"))
+        if save:
+            saved, outcome = _save(job)
+        else:
+            kind = getattr(cause, "kind", None)
+            why = (f"{kind} followed it" if kind is not None
+                   else "the job was not at a step boundary")
+            saved, outcome = None, _no_save(job, why)
         self._ended = RayLost(f"{lost}; {outcome}", process=lost.process, pid=lost.pid,
                               saved=saved)
         job.log.emit("action", fault_id=None, action="abort", reason=str(self._ended))
