@@ -194,10 +194,11 @@ class Run:
         return self.proc.stdout.read().decode(errors="replace")[-4000:]
 
     def cleanup(self) -> None:
-        self.seen.update(job_processes(self.proc.pid, self.workers()) if
-                         self.proc.poll() is None else {})
-        with_proc = {self.proc.pid: 0} if self.proc.poll() is None else {}
-        for pid in [*with_proc, *alive(self.seen)]:
+        """Kills the job and every process of it ever seen or marked as its own now."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.seen.update(job_processes(self.proc.pid, self.workers()))
+        for pid in alive(self.seen):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         if self.proc.poll() is None:

@@ -241,6 +241,8 @@ def _no_save(job: Job, why: str) -> str:
 def _raylet_pid(socket_name: str) -> int | None:
     """The pid of the raylet on this machine that listens on ``socket_name``, if any."""
     needle = f"--raylet_socket_name={socket_name}".encode()
+    if not os.path.isdir("/proc"):  # not Linux: its death is seen through its workers'
+        return None
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
