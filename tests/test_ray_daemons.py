@@ -297,19 +297,24 @@ def test_the_raylet_killed_mid_run_ends_the_job_with_a_save_and_leaves_nothing(
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_sigkilled_controller_leaves_no_process_of_its_job(run) -> None:
+@pytest.mark.parametrize("target", ["group", "pid"])
+def test_a_sigkilled_controller_leaves_no_process_of_its_job(run, target: str) -> None:
     r = run()
     r.wait_step(12)
     before = r.processes()
     assert len(before) >= 8, describe(before)  # Ray's daemons and agents, workers, reaper
     t0 = time.monotonic()
-    os.killpg(r.proc.pid, signal.SIGKILL)  # the controller's process group, as a job kill
+    if target == "group":  # the controller's process group, as a job kill
+        os.killpg(r.proc.pid, signal.SIGKILL)
+    else:  # the controller alone (the OOM killer)
+        os.kill(r.proc.pid, signal.SIGKILL)
     r.proc.wait(timeout=30)
     left, took = wait_gone(before, REAP_BOUND_S)
     assert not left, f"left {took:.1f} s after the controller's SIGKILL: {describe(left)}"
     reaped = of(events(r.run_dir), "reaped")
     assert len(reaped) == 1 and reaped[0]["controller"] == r.proc.pid
-    print(f"controller killed: its {len(before)} processes gone in {time.monotonic() - t0:.2f}"
+    print(f"controller killed ({target}): its {len(before)} processes gone in "
+          f"{time.monotonic() - t0:.2f}"
           f" s (the reaper's sweep {reaped[0]['sweep_s']} s)")
 
 
@@ -404,3 +409,27 @@ def test_the_raylet_killed_with_every_worker_ends_the_job_saying_the_newest_save
     assert f"the newest committed checkpoint, step {newest}, stands" in end["error"], end["error"]
     left, waited = wait_gone(before, REAP_BOUND_S)
     assert not left, f"left {waited:.1f} s after the end: {describe(left)}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_raylet_of_a_cluster_killed_ends_the_job_and_leaves_its_gcs_alone(
+    run, cluster
+) -> None:
+    address, temp = cluster
+    r = run(address=address, **CLUSTER_ENV)
+    r.wait_step(12)
+    before = r.processes()
+    theirs = holding(temp)
+    gcs = ray_process("gcs_server", list(theirs))
+    raylet = ray_process("raylet", list(theirs))
+    killed_t = time.time()
+    os.kill(raylet, signal.SIGKILL)
+    took, end = ended_for(r, "raylet", killed_t)
+    assert took < END_BOUND_S, f"the job ended {took:.1f} s after its raylet died"
+    assert_saved_in_hand(r, end)
+    left, waited = wait_gone(before, REAP_BOUND_S)  # its workers, the fork server, the reaper
+    assert not left, f"left {waited:.1f} s after the end: {describe(left)}"
+    assert gcs not in before and alive({gcs: theirs[gcs]}), (
+        "the cluster's GCS was killed: not the job's")

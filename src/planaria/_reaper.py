@@ -11,7 +11,7 @@ one of two things:
 - the controller's death (a pidfd that becomes readable; where there is none, its
   pid polled with its start time): the reaper kills the job's processes on this
   machine, appends a ``reaped`` record to the run's event log (its writer is
-  dead), then leaves.
+  dead; an error of the reaper's own goes to ``reaper.log`` beside it), then leaves.
 
 The job's processes are those whose environment carries ``PLANARIA_OWNER=<mark>``
 (the controller sets it while it starts its own Ray session, so Ray's daemons, the
@@ -222,8 +222,6 @@ def main(argv: list[str]) -> int:
     killed = sweep(mark, told.known, {os.getpid(), controller}, told.session_dir)
     pids = sorted(set(killed))
     sweep_s = round(time.monotonic() - t0, 3)
-    print(f"planaria reaper {os.getpid()}: controller {controller} died; killed {len(pids)} "
-          f"processes in {sweep_s} s: {pids}", file=sys.stderr, flush=True)
     if events:
         _record(events, event="reaped", controller=controller, killed=pids, sweep_s=sweep_s)
     return 0
@@ -232,4 +230,14 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     # Run as a file: its own directory (planaria's modules) must not shadow top-level names.
     sys.path.pop(0)
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except Exception:  # said beside the run's event log: no one else would see it
+        if len(sys.argv) > 4:
+            import traceback
+
+            with contextlib.suppress(OSError), open(
+                os.path.join(os.path.dirname(sys.argv[4]), "reaper.log"), "a"
+            ) as log:
+                traceback.print_exc(file=log)
+        raise

@@ -31,7 +31,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from planaria import _reaper
 
@@ -67,21 +67,15 @@ class Reaper:
         argv = [sys.executable, "-S", "-E", SCRIPT, str(self.pid), str(start), self.mark]
         if events_path is not None:
             argv.append(str(events_path))
-        log: IO[bytes] | int = subprocess.DEVNULL
-        if events_path is not None:
-            log = (Path(events_path).parent / "reaper.log").open("ab")
         try:
             # A session of its own: a SIGKILL to the controller's process group spares it.
             self._proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
-                start_new_session=True, close_fds=True, env=env,
+                argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, env=env,
             )
         except OSError as err:  # no reaper: a killed controller may leave processes
             _log.warning("could not start the reaper (%s): a killed controller may leave "
                          "processes behind", err)
-        finally:
-            if not isinstance(log, int):
-                log.close()
 
     @property
     def reaper_pid(self) -> int | None:
