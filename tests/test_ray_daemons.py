@@ -433,3 +433,27 @@ def test_the_raylet_of_a_cluster_killed_ends_the_job_and_leaves_its_gcs_alone(
     assert not left, f"left {waited:.1f} s after the end: {describe(left)}"
     assert gcs not in before and alive({gcs: theirs[gcs]}), (
         "the cluster's GCS was killed: not the job's")
+
+
+# ---- no Ray ----------------------------------------------------------------------------------
+
+
+def test_a_clusters_gcs_is_given_most_of_rays_own_reconnect_timeout(monkeypatch) -> None:
+    from planaria.ray_health import RECONNECT_VAR, gcs_grace_s
+
+    for reconnect, grace in (("60", 40.0), ("30", 15.0), ("600", 580.0), ("bad", 40.0)):
+        monkeypatch.setenv(RECONNECT_VAR, reconnect)
+        assert gcs_grace_s() == grace
+    monkeypatch.delenv(RECONNECT_VAR)
+    assert gcs_grace_s() == 40.0
+
+
+def test_ray_lost_keeps_what_died_across_pickling() -> None:
+    import pickle
+
+    from planaria import ElasticRuntimeError, RayLost
+
+    err = pickle.loads(pickle.dumps(RayLost("the GCS died", process="gcs_server", pid=7,
+                                            saved="/ckpt/step_000000010")))
+    assert isinstance(err, ElasticRuntimeError) and str(err) == "the GCS died"
+    assert (err.process, err.pid, err.saved) == ("gcs_server", 7, "/ckpt/step_000000010")

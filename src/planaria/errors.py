@@ -80,6 +80,13 @@ class RayLost(ElasticRuntimeError):
         self.pid = pid
         self.saved = saved
 
+    def __reduce__(self) -> Any:  # keep keyword fields across pickling
+        return (_rebuild_ray_lost, (self.args[0], self.process, self.pid, self.saved))
+
+
+def _rebuild_ray_lost(message: str, process: str, pid: int | None, saved: str | None) -> RayLost:
+    return RayLost(message, process=process, pid=pid, saved=saved)
+
 
 class Failure(PlanariaError):
     """A fault the recovery policy acts on. ``workers`` names the workers at fault (``w<N>``)."""
