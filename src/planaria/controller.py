@@ -67,6 +67,8 @@ from planaria.network import (
 )
 from planaria.placement import Placement
 from planaria.policy import HangConfig, RecoveryPolicy
+from planaria.ray_health import RayWatch
+from planaria.reaper import Reaper
 from planaria.run_ahead import RunAhead
 from planaria.watchdog import StepDeadline
 from planaria.workers import WorkerHandle, WorkerPool
@@ -181,6 +183,8 @@ class Job:
         self._verified_at = 0  # steps_done at the last replica checksum comparison
         self._ledger_last: tuple[int, int] | None = None  # (gen, step) last written as served
         self.hooks: list[Callable[..., None]] = []  # hook(job, phase, **info): see _hook
+        self.reaper: Reaper | None = None  # ends the job's processes if this one is killed
+        self.ray_watch: RayWatch | None = None  # Ray's GCS and raylet (planaria.ray_health)
         self.closed = False
         self.started = False
 
@@ -222,7 +226,11 @@ class Job:
             planaria_version=__version__,
             torch_version=torch.__version__,
         )
+        # Before Ray: a controller killed from here on leaves nothing behind (planaria.reaper).
+        self.reaper = Reaper(self.log.path)
+        self.log.add_listener(self.reaper.on_event)
         self._init_ray()
+        self.ray_watch = RayWatch(self.log, owned=self._started_ray)
         if cfg.drain_poll_s is not None:
             self._drain_watch = NodeDrainWatch(cfg.drain_poll_s)
         private = ray_is_private()
@@ -252,6 +260,8 @@ class Job:
             placement=self.placement,
             env=worker_env(cfg),
         )
+        self.pool.owner_env = self.reaper.env  # warm workers carry the job's mark
+        self.pool.check = self.check_ray  # a wait for workers ends when Ray's processes die
         cache_file = self.run_dir / CACHE_FILE
         if self.spec.compile and cfg.share_compile_cache and cache_file.exists():
             self.pool.compile_cache = cache_file.read_bytes()  # a resumed job starts warm
@@ -336,9 +346,12 @@ class Job:
             "configure_logging": False,
         }
         kwargs.update(cfg.ray_init_kwargs)
+        reaper = self.reaper
+        assert reaper is not None
         for attempt in range(RAY_START_ATTEMPTS):
             try:
-                ray.init(**kwargs)
+                with reaper.marking():  # the session's processes are the job's
+                    ray.init(**kwargs)
                 break
             except Exception as err:  # Ray raises a bare Exception for a node start timeout
                 if attempt + 1 == RAY_START_ATTEMPTS or "timed out during startup" not in str(err):
@@ -351,6 +364,8 @@ class Job:
                 time.sleep(2.0 * (attempt + 1))
         route_ray_logs(self.run_dir)
         self._started_ray = True
+        node: Any = ray._private.worker._global_node
+        reaper.session(node.get_session_dir_path())
 
     def _wait_ready(self, count: int, *, timeout_s: float) -> list[WorkerHandle]:
         ready: list[WorkerHandle] = []
@@ -396,8 +411,13 @@ class Job:
                 _mlog.warning("closing the job: %s failed: %s: %s", what, type(err).__name__,
                               err)
 
-        if self._drain_watch is not None:
-            release("stopping the drain watch", self._drain_watch.stop)
+        lost = self.ray_watch is not None and self.ray_watch.lost is not None
+        if self.ray_watch is not None:
+            release("stopping the Ray watch", self.ray_watch.stop)
+        if self._drain_watch is not None:  # a query to a lost GCS would hold the close
+            drain_watch = self._drain_watch
+            release("stopping the drain watch",
+                    lambda: drain_watch.stop(wait_s=0.0 if lost else 5.0))
         if self.checkpointer is not None:
             release("closing the checkpointer", self.checkpointer.close)
         if hasattr(self, "pool"):
@@ -419,10 +439,25 @@ class Job:
         release("closing the event log", self.log.close)
         if self.ledger is not None:
             release("closing the ledger", self.ledger.close)
-        if self._started_ray:
+        if self._started_ray or lost:
+            # A driver whose GCS or raylet is gone is disconnected too: Ray's C++ would end
+            # this process at its reconnect timeout, and Ray's excepthook would wait on the
+            # GCS before printing the job's error.
             release("shutting Ray down", ray.shutdown)
+        if self.reaper is not None:  # what Ray left (agents whose GCS was gone), then itself
+            reaper = self.reaper
+            release("sweeping what Ray left", lambda: reaper.sweep(
+                session=self._started_ray, marked=self._started_ray or lost))
+            release("stopping the reaper", reaper.close)
         if errors:
             raise errors[0]
+
+    def check_ray(self, *, save: bool = False, cause: BaseException | None = None) -> None:
+        """Raises :class:`~planaria.errors.RayLost` once Ray's GCS or this node's raylet
+        died (see :mod:`planaria.ray_health`), after saving the step in hand with ``save``
+        (at a step boundary); ``cause``: a failure that followed the loss."""
+        if self.ray_watch is not None and self.ray_watch.lost is not None:
+            raise self.ray_watch.end(self, save=save, cause=cause) from cause
 
     # ---- membership --------------------------------------------------------------------------
 
@@ -1077,6 +1112,7 @@ class Job:
 
     def boundary(self) -> None:
         """Between steps: drain preempted workers, admit ready replacements, save, inject chaos."""
+        self.check_ray(save=True)  # Ray's own processes died: save and end
         self._verify_if_due()  # before a joiner could copy a diverged replica's state
         self._hook("boundary")
         ready = self.pool.poll(timeout_s=0.0)
@@ -1095,6 +1131,8 @@ class Job:
         """Why a run of steps should end at the next boundary now, or None: something the
         controller could not plan for (see :mod:`planaria.run_ahead`). Queries nothing
         remote but the replacements' readiness."""
+        if self.ray_watch is not None and self.ray_watch.lost is not None:
+            return "ray_lost"
         if self.width < self.config.replicas and self.pool.has_ready():
             return "join"
         if self._drain_watch is not None:

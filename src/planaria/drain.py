@@ -120,9 +120,11 @@ class NodeDrainWatch:
         while not self._stop.wait(self.interval_s):
             self._poll()
 
-    def stop(self) -> None:
+    def stop(self, *, wait_s: float = 5.0) -> None:
+        """Stops the polls; waits up to ``wait_s`` for one in progress (0: a query that
+        cannot end, its GCS gone, is left to its daemon thread)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=wait_s)
 
 
 # ---- worker markers --------------------------------------------------------------------------

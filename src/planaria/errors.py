@@ -24,6 +24,7 @@ __all__ = [
     "NonFiniteLoss",
     "PlanariaError",
     "Preempted",
+    "RayLost",
     "ReplicaDivergence",
     "StaleGeneration",
     "StepAborted",
@@ -130,6 +131,29 @@ class StepAborted(PlanariaError):
 
 class ElasticRuntimeError(PlanariaError):
     """planaria gave up: the retry budget is spent or the job cannot go on. Chained to the cause."""
+
+
+class RayLost(ElasticRuntimeError):
+    """A process of Ray's own died under the job: its GCS, or the raylet of the
+    controller's node (see :mod:`planaria.ray_health`). The job cannot go on without it:
+    planaria saved what was safe to save and ended. ``process`` names what died
+    (``"gcs_server"``, ``"raylet"``), ``pid`` its process id where it ran on the
+    controller's machine (else None), ``saved`` the checkpoint the end saved (None:
+    none; the newest committed one stands)."""
+
+    def __init__(self, message: str, *, process: str, pid: int | None = None,
+                 saved: str | None = None) -> None:
+        super().__init__(message)
+        self.process = process
+        self.pid = pid
+        self.saved = saved
+
+    def __reduce__(self) -> Any:  # keep keyword fields across pickling
+        return (_rebuild_ray_lost, (self.args[0], self.process, self.pid, self.saved))
+
+
+def _rebuild_ray_lost(message: str, process: str, pid: int | None, saved: str | None) -> RayLost:
+    return RayLost(message, process=process, pid=pid, saved=saved)
 
 
 class Failure(PlanariaError):

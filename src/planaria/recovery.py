@@ -65,8 +65,10 @@ class Recovery:
         """Recovers from ``failure`` (and from any failure during that recovery), or raises.
 
         Raises the UserCodeError itself for a bug in user code, and
-        ElasticRuntimeError (chained to the failure) when the policy gives up.
+        ElasticRuntimeError (chained to the failure) when the policy gives up, RayLost
+        when the failure followed the death of Ray's GCS or raylet (its consequence).
         """
+        self.job.check_ray(cause=failure)
         for _ in range(MAX_CASCADE):
             try:
                 self._handle_one(failure)

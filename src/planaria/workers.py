@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,8 @@ class WorkerPool:
         self._spec_blob = (ray.cloudpickle.dumps(spec) if config.workers_per_replica > 1
                            else None)
         self.warm_start = warm_start_enabled(config)
+        self.owner_env: dict[str, str] = {}  # the job's mark (planaria.reaper), warm workers'
+        self.check: Callable[[], None] | None = None  # raises to end a wait (Ray's loss)
 
     def start(
         self,
@@ -140,6 +143,8 @@ class WorkerPool:
             runtime_env["env_vars"] = dict(self.env)
         if self.warm_start and attempt == 1:  # a retry starts cold, whatever failed
             runtime_env["py_executable"] = forkserver.py_executable()
+            # The fork server and its workers are the job's: its reaper kills them.
+            runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **self.owner_env}
         if runtime_env:
             where["runtime_env"] = runtime_env
         resources: dict[str, Any] = {
@@ -235,7 +240,10 @@ class WorkerPool:
         A start that fails in the user's own factories raises UserCodeError:
         retrying cannot help. A worker whose dataset differs from the job's is
         refused (killed) and raises DataMismatch: it would poison the training.
+        Raises what :attr:`check` raises (Ray's own processes died: none can start).
         """
+        if self.check is not None:
+            self.check()
         now = time.time()
         for due, old in list(self._retry_at):
             if due <= now:
@@ -271,6 +279,7 @@ class WorkerPool:
                 node=handle.info.get("node"),
                 ray_node=handle.info.get("ray_node"),
                 ready_s=ready_s,
+                follower_pids=handle.info.get("follower_pids"),
                 warm=self.compile_cache is not None if self.spec.compile else None,
                 **start,
             )
