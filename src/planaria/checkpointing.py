@@ -825,6 +825,9 @@ class Checkpointer:
             writers_done_t=max(save.written_t.values(), default=None),
         )
         _log.info("checkpoint of step %d committed: %s", save.step, path)
+        # Known at once to whoever asks (an ending job names its newest checkpoint); the rest
+        # of the bookkeeping is the main thread's (_progress).
+        self.last_committed, self.last_path = save.step, path
         save.settled.set()
         return path
 
