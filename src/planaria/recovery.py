@@ -366,7 +366,14 @@ class Recovery:
         job.log.emit("action", fault_id=fault.fault_id, action="abort", reason=why)
         self._open.remove(fault)
         self._save_what_is_safe(reason="work_fault")
-        raise failure
+        ck = job.checkpointer
+        if ck is not None and ck.last_committed is not None:
+            kept = f"the job stops with step {ck.last_committed} saved under {ck.root}"
+        else:
+            kept = (f"checkpointing is off: the {job.steps_done} steps trained stop with the "
+                    "job (pass checkpoint=CheckpointConfig(every=...) to keep them)")
+        raise WorkFault(f"{failure.args[0]} ({kept})", remote_traceback=failure.remote_traceback,
+                        workers=failure.workers, step=failure.step, work=failure.work)
 
     # ---- actions -----------------------------------------------------------------------------
 
