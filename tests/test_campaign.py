@@ -483,3 +483,39 @@ def test_a_kill_of_the_last_replica_is_rightly_all_replicas_lost(tmp_path):
     events.write_text(events.read_text().replace('"all_replicas_lost"', '"worker_hung"'))
     v = check_run(tmp_path, run, refs)
     assert any("reported as worker_hung" in r for r in v.reasons)
+
+
+# ---- the independent reference ---------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "bn_mlp", "tiny_gpt"])
+def test_the_plain_loop_reference_equals_a_faultless_planaria_run(tmp_path, name):
+    """The campaign's reference (one process, no controller, no collective) trains what
+    planaria trains at 3 replicas, past an epoch boundary: BatchNorm's statistics composed
+    over the ranks, dropout seeded per micro-batch, the scheduler, the clipping."""
+    from planaria.campaign.reference import train_reference
+    from planaria.campaign.specs import EPOCH_STEPS, build_spec
+    from planaria.fit import fit
+
+    spec = build_spec(name, control=None)
+    steps = EPOCH_STEPS + 2
+    ref = train_reference(spec, [steps])[steps]
+    result = fit(spec, steps=steps, replicas=3, run_dir=tmp_path, threads_per_worker=1)
+    assert oracle.weights_differ(ref, result.state_dict) is None
+
+
+def test_the_reference_leaves_a_skipped_sample_out_from_its_step_on():
+    from planaria.campaign.reference import train_reference
+    from planaria.campaign.specs import build_spec
+
+    spec = build_spec("mlp", control=None)
+    plan = DataPlan(640, 64, spec.seed)
+    sample = int(plan.batch(3)[5])
+    plain = train_reference(spec, [2, 4])
+    skipped = train_reference(spec, [2, 4], skip={sample: 3})
+    assert oracle.weights_differ(plain[2], skipped[2]) is None  # before its step: the same
+    assert oracle.weights_differ(plain[4], skipped[4]) is not None
+    late = train_reference(spec, [4], skip={sample: 4})  # armed after its only appearance
+    assert oracle.weights_differ(plain[4], late[4]) is None
