@@ -93,9 +93,10 @@ def test_slow_loads_and_heavy_micro_batches_outlast_the_step_deadline():
 
     fault = PlannedFault(index=0, kind="heavy_microbatch", step=7, target=0, micro_batch=0,
                          fraction=0.5, draw=0.0)
-    assert busy_s(fault, 0.05) == 6.0  # past the deadline's 5 s floor
-    assert busy_s(fault, 2.0) == 10.0  # five step lengths: past 4 x the slowest step
-    assert busy_s(dataclasses.replace(fault, draw=0.99), 2.0) > 15.0
+    assert busy_s(fault, 0.05) == 8.0  # past the deadline's 5 s floor
+    assert busy_s(fault, 2.0, 8.0) == 11.0  # past 4 x the slowest step
+    assert busy_s(fault, 0.5, 26.0) == 29.0  # an earlier slow step raised the deadline
+    assert busy_s(dataclasses.replace(fault, draw=0.99), 10.0, 40.0) > 75.0
 
 
 @pytest.mark.parametrize(
@@ -161,6 +162,10 @@ def test_healthy_evicted_names_the_workers_the_campaign_did_not_fault():
     assert oracle.healthy_evicted(events, {0: {"w1", "w2"}, 1: {"w1"}}) == []
     assert oracle.healthy_evicted(events, {0: {"w1"}, 1: {"w1"}}) == [(0, "w2")]
     assert oracle.healthy_evicted(events, {0: {"w1", "w2"}}) == [(1, "w1")]
+    over = [_ev("run_start"), _ev("generation", workers=["w4", "w5"], reason="restore"),
+            _ev("generation", workers=["w6", "w7"], reason="restore"),
+            _ev("restore", step=0, path=None, lost_steps=13)]
+    assert oracle.healthy_evicted(over, {}) == []  # a start over replaces every member
 
 
 # ---- the injection machinery -----------------------------------------------------------------
@@ -216,6 +221,103 @@ def test_faulty_storage_errors_armed_back_to_back_both_fire_in_order(tmp_path, o
     assert st.read_bytes(st.path("x")) == b"data"
     assert [r["id"] for r in storage_faults.fired(control)] == ["first", "second"]
     assert storage_faults.armed(control, op) == []
+
+
+def test_faulty_storage_fills_a_disk_part_way_through_a_write_until_freed(tmp_path):
+    import errno
+
+    control = tmp_path / "control"
+    control.mkdir()
+    st = Storage(f"faulty://{tmp_path}/root", {"control": str(control)})
+    st.write_bytes(st.path("a"), b"x" * 100)
+    storage_faults.fill(control, fault_id="full", fraction=0.25)
+    for _ in range(2):  # every write fails while the disk is full, part of its bytes written
+        with pytest.raises(OSError) as err:
+            st.write_bytes(st.path("b"), b"y" * 100)
+        assert err.value.errno == errno.ENOSPC
+    assert (tmp_path / "root" / "b").read_bytes() == b"y" * 25
+    assert [r["id"] for r in storage_faults.fired(control)] == ["full", "full"]
+    storage_faults.free(control)
+    st.write_bytes(st.path("b"), b"z" * 100)
+    assert st.read_bytes(st.path("b")) == b"z" * 100
+    # The write record holds the files that were written, not those a full disk failed.
+    assert [Path(w["path"]).name for w in storage_faults.writes(control)] == ["a", "b"]
+
+
+def test_faulty_storage_preempts_a_writer_part_way_through_its_shard(tmp_path):
+    """``term``: SIGTERM to the writing process after ``fraction`` of the bytes; the write
+    goes on (``kill`` does the same with SIGKILL, which no test process survives)."""
+    import signal
+
+    control = tmp_path / "control"
+    control.mkdir()
+    st = Storage(f"faulty://{tmp_path}/root", {"control": str(control)})
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        storage_faults.arm(control, "write", fault_id="t1", match=".safetensors",
+                           only_pid=os.getpid() + 1, action="term")
+        st.write_bytes(st.path("s.safetensors"), b"q" * 10)  # armed for another process
+        assert got == []
+        storage_faults.arm(control, "write", fault_id="t2", match=".safetensors",
+                           only_pid=os.getpid(), action="term", fraction=0.3)
+        st.write_bytes(st.path("s.safetensors"), b"w" * 10)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert got == [signal.SIGTERM]
+    assert st.read_bytes(st.path("s.safetensors")) == b"w" * 10
+    assert [(r["id"], r["action"]) for r in storage_faults.fired(control)] == [
+        ("t2", "term_in_io")]
+
+
+def test_the_campaign_dataset_records_loads_and_serves_armed_sample_faults(tmp_path):
+    from planaria.campaign.dataset import CampaignData, arm_sample, read_loads
+    from planaria.randomness import sample_scope, serve_samples
+
+    data = CampaignData(lambda: list(range(100)), control=str(tmp_path), limit=20)()
+    assert len(data) == 20
+    with sample_scope(0, -1, 3):
+        assert data[3] == 3  # a worker's setup (step -1): not recorded, never faulted
+    assert serve_samples(0, 4, data.__getitem__, [1, 2]) == [1, 2]
+    arm_sample(tmp_path, fault_id="bad", sample=7, action="raise", from_step=5)
+    arm_sample(tmp_path, fault_id="slow", sample=8, action="sleep", from_step=5, sleep_s=0.2)
+    assert serve_samples(0, 4, data.__getitem__, [7, 8]) == [7, 8]  # before its step
+    for _ in range(2):  # every time from its step on
+        with pytest.raises(OSError, match="sample 7 cannot be read"):
+            serve_samples(0, 5, data.__getitem__, [7])
+    import time
+
+    t0 = time.monotonic()
+    serve_samples(0, 5, data.__getitem__, [8])
+    assert time.monotonic() - t0 >= 0.2
+    t0 = time.monotonic()
+    serve_samples(0, 6, data.__getitem__, [8])  # once only
+    assert time.monotonic() - t0 < 0.2
+    with sample_scope(0, 5, 7):
+        assert data[3] == 3
+    loads = sorted((step, i) for _, step, i in read_loads(tmp_path))
+    assert loads == [(4, 1), (4, 2), (4, 7), (4, 8), (5, 3), (5, 8), (6, 8)]
+    fired = storage_faults.fired(tmp_path)
+    assert [(r["id"], r["action"]) for r in fired] == [("bad", "bad_sample"),
+                                                        ("slow", "slow_sample")]
+
+
+def test_loss_triggers_signal_the_processes_they_name_and_burn_the_cpu(tmp_path):
+    import subprocess
+    import time
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    loss = CampaignLoss(lambda model, batch: torch.tensor(1.0), delay_s=0.0, control=str(tmp_path))
+    arm_trigger(tmp_path, os.getpid(), fault_id="k", action="kill_pids", micro_batch=0,
+                fraction=0.5, pids=[sleeper.pid])
+    loss(None, None)
+    assert sleeper.wait(timeout=10) == -9
+    arm_trigger(tmp_path, os.getpid(), fault_id="h", action="heavy", micro_batch=0,
+                fraction=0.5, seconds=0.3)
+    t0, c0 = time.monotonic(), time.process_time()
+    loss(None, None)
+    assert time.monotonic() - t0 >= 0.3 and time.process_time() - c0 >= 0.2  # computed
+    assert [r["id"] for r in storage_faults.fired(tmp_path)] == ["k", "h"]
 
 
 def test_loss_trigger_fires_once_on_the_planned_micro_batch(tmp_path):

@@ -74,10 +74,12 @@ def read_injections(run_dir: str | Path) -> list[dict[str, Any]]:
     return storage_faults.read_jsonl(Path(run_dir) / INJECTIONS_FILE)
 
 
-def busy_s(fault: PlannedFault, step_s: float) -> float:
+def busy_s(fault: PlannedFault, step_s: float, deadline_s: float = 5.0) -> float:
     """How long a slow sample's load or a heavy micro-batch takes: 5 to 8 step lengths
-    (past the step deadline's 4), and never under 6 s (past its 5 s floor)."""
-    return min(90.0, max(6.0, (5.0 + 3.0 * fault.draw) * step_s))
+    (past the step deadline's 4 x the slowest step), and at least 3 s past the job's
+    deadline when it is armed (its 5 s floor; or a deadline an earlier slow step of the
+    run raised)."""
+    return round(min(120.0, max(deadline_s + 3.0, (5.0 + 3.0 * fault.draw) * step_s)), 3)
 
 
 class Injector:
@@ -274,7 +276,7 @@ class Injector:
         """The trigger's own parameters, per kind."""
         kind = fault.kind
         if kind in ("heavy_microbatch",):
-            return {"seconds": busy_s(fault, self.run.step_s)}
+            return {"seconds": busy_s(fault, self.run.step_s, job.deadline.seconds)}
         if kind == "pause":
             deadline = job.hang.heartbeat_timeout_s
             return {"seconds": round(2.0 + max(0.0, deadline - 2.0) * fault.draw, 3)}
@@ -318,7 +320,7 @@ class Injector:
             self._log(fault, "primary", "bad_sample", None, None, job.steps_done, sample=sample,
                       from_step=step)
         else:
-            seconds = busy_s(fault, self.run.step_s)
+            seconds = busy_s(fault, self.run.step_s, job.deadline.seconds)
             campaign_dataset.arm_sample(self.control, fault_id=fid, sample=sample,
                                         action="sleep", from_step=step, sleep_s=seconds)
             self._log(fault, "primary", "slow_sample", None, None, job.steps_done,

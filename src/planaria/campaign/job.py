@@ -35,6 +35,10 @@ META_FILE = "campaign_job.json"
 JOB_DIR = "job"
 _log = logging.getLogger("planaria.campaign")
 FINISH_ATTEMPTS = 5
+MAX_FAILURES = 40
+"""Far more than a run's own faults (a few, two workers each at most): a runtime that
+blames the workers for the work's fault (a bad sample evicting every rank in turn) ends
+the job after this many, instead of after its timeout."""
 
 
 def final_file(run_dir: Path, worker: str) -> Path:
@@ -80,7 +84,7 @@ def _policy() -> Any:
     # campaign's runs go on (the reference leaves the same sample out).
     if "on_work_fault" in {f.name for f in dataclasses.fields(RecoveryPolicy)}:
         options["on_work_fault"] = "skip"
-    return RecoveryPolicy(on_nonfinite="rollback", max_failures=1000, pause_timeout_s=180.0,
+    return RecoveryPolicy(on_nonfinite="rollback", max_failures=MAX_FAILURES, pause_timeout_s=180.0,
                           allow_restart_from_scratch=True, **options)
 
 

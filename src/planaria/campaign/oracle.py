@@ -141,14 +141,16 @@ def segments(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 def leavers(segment: list[dict[str, Any]]) -> set[str]:
     """Workers that left the membership in one segment: dropped between two generations,
-    or named by a ``fault``, ``drained`` or ``hang_stack`` record."""
+    or named by a ``fault``, ``drained`` or ``hang_stack`` record. The members a start over
+    replaces (a restore with no checkpoint: fresh workers build the initial state, by the
+    policy's design) did not leave for a fault of theirs and are not counted."""
     gone: set[str] = set()
     previous: set[str] | None = None
-    for rec in segment:
+    for index, rec in enumerate(segment):
         ev = rec.get("event")
         if ev == "generation":
             current = set(rec.get("workers") or [])
-            if previous is not None:
+            if previous is not None and not _starts_over(segment, index):
                 gone |= previous - current
             previous = current
         elif ev == "fault":
@@ -156,6 +158,19 @@ def leavers(segment: list[dict[str, Any]]) -> set[str]:
         elif ev in ("drained", "hang_stack") and rec.get("worker"):
             gone.add(str(rec["worker"]))
     return gone
+
+
+def _starts_over(segment: list[dict[str, Any]], index: int) -> bool:
+    """The generation at ``index`` is a start over's: a ``restore`` of no checkpoint (step 0,
+    no path) follows it before the next generation."""
+    if segment[index].get("reason") != "restore":
+        return False
+    for rec in segment[index + 1:]:
+        if rec.get("event") == "generation":
+            return False
+        if rec.get("event") == "restore":
+            return rec.get("step") == 0 and rec.get("path") is None
+    return False
 
 
 def healthy_evicted(

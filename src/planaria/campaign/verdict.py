@@ -421,7 +421,8 @@ def _slow(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[dic
           tl: Timeline, run_dir: Path) -> list[str]:
     seg, name = int(hits[0]["incarnation"]), hits[0].get("worker")
     if name and seg < len(tl.segments) and name in oracle.leavers(tl.segments[seg]):
-        return [f"the straggler {name} was evicted"]
+        what = {"slow": "straggler", "pause": "paused worker"}.get(fault.kind, "busy worker")
+        return [f"the {what} {name} was evicted"]
     return []
 
 
