@@ -174,15 +174,19 @@ def _later(seconds: float, sig: str, pids: list[int]) -> None:
               "2>/dev/null")
 
 
-def _burn(seconds: float) -> None:
-    """Computes for ``seconds``: matrix products of a fixed matrix (no random generator)."""
+def _burn(seconds: float) -> int:
+    """Computes for ``seconds``: matrix products of a fixed matrix (no random generator).
+    Returns how many it computed."""
     import torch
 
     a = torch.full((192, 192), 1.0 / 192)
     end = time.monotonic() + seconds
+    products = 0
     while time.monotonic() < end:
         for _ in range(8):
             a = torch.mm(a, a).clamp_(0.0, 1.0 / 192)
+        products += 8
+    return products
 
 
 def fill_disk(path: str) -> None:

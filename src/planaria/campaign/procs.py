@@ -12,9 +12,10 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["RUN_MARKER", "job_workers", "marked", "ray_children"]
+__all__ = ["INCARNATION", "RUN_MARKER", "job_workers", "marked", "ray_children"]
 
 RUN_MARKER = "PLANARIA_CAMPAIGN_RUN"
+INCARNATION = "PLANARIA_CAMPAIGN_INCARNATION"
 
 
 def _cmdline(pid: int) -> str:
@@ -60,18 +61,22 @@ def ray_children(parent: int, binary: str) -> list[int]:
 
 
 def marked(run_dir: str | Path) -> dict[int, str]:
-    """pid -> command line of every live process started for the run at ``run_dir``."""
+    """pid -> ``incarnation N: command line`` of every live process started for the run at
+    ``run_dir`` (N: the job's incarnation that started it)."""
     marker = f"{RUN_MARKER}={Path(run_dir).resolve()}".encode()
+    prefix = f"{INCARNATION}=".encode()
     out = {}
     for pid in _pids():
         if pid == os.getpid():
             continue
         with contextlib.suppress(OSError):
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker not in f.read().split(b"\0"):
-                    continue
+                env = f.read().split(b"\0")
+            if marker not in env:
+                continue
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     continue  # a zombie: gone, its parent has not reaped it yet
-            out[pid] = _cmdline(pid)[:200]
+            inc = next((e[len(prefix):].decode() for e in env if e.startswith(prefix)), "?")
+            out[pid] = f"incarnation {inc}: {_cmdline(pid)[:200]}"
     return out

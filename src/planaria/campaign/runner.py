@@ -363,6 +363,7 @@ def _start(
     package_root = str(Path(__file__).resolve().parents[2])  # this planaria, not another one
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env[RUN_MARKER] = str(run_dir.resolve())  # every process of the job inherits it
+    env[procs.INCARNATION] = str(cfg["incarnation"])
     log_path = run_dir / f"job-{cfg['incarnation']}.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(

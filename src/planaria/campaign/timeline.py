@@ -75,9 +75,19 @@ class Timeline:
 
     # ---- steps -------------------------------------------------------------------------------
 
-    def high_before(self, t: float) -> int:
-        """The highest step committed before ``t`` (-1: none)."""
-        return max((c.step for c in self.commits if c.t <= t), default=-1)
+    def done_before(self, t: float, segment: int) -> int:
+        """The steps done at ``t`` in incarnation ``segment``: after its latest commit (or
+        restore) before ``t``; with none yet, what the incarnations before it had done."""
+        done = 0
+        for i, seg in enumerate(self.segments[: segment + 1]):
+            for r in seg:
+                if i == segment and float(r["t"]) > t:
+                    break
+                if r.get("event") == "step_committed":
+                    done = int(r["step"]) + 1
+                elif r.get("event") == "restore" and r.get("step") is not None:
+                    done = int(r["step"])
+        return done
 
     def first_commit_after(self, t: float, segment: int | None = None) -> Commit | None:
         for c in self.commits:
@@ -143,21 +153,24 @@ class Timeline:
         done = [d for s, _, d in self.saves_written() if s == step and d <= t]
         return max(done) if done else None
 
-    def newest_durable(self, t: float) -> int:
-        """The newest step whose save's writers had all finished by ``t`` (0: none): a
-        committed checkpoint, a save whose every shard was written, or a restored one."""
+    def newest_durable(self, t: float, at_most: int | None = None) -> int:
+        """The newest step (not past ``at_most``, the steps done then) whose save's writers
+        had all finished by ``t`` (0: none): a committed checkpoint, a save whose every
+        shard was written, or a restored one."""
         best = 0
+        cap = at_most if at_most is not None else 1 << 62
         for r in self.events:
             if float(r["t"]) > t:
                 continue
-            if r.get("event") == "checkpoint_saved":
+            if r.get("event") == "checkpoint_saved" and int(r["step"]) <= cap:
                 done = r.get("writers_done_t")
                 if done is None or float(done) <= t:
                     best = max(best, int(r["step"]))
-            elif r.get("event") == "restore" and r.get("step") is not None:
+            elif (r.get("event") == "restore" and r.get("step") is not None
+                    and int(r["step"]) <= cap):
                 best = max(best, int(r["step"]))
         for step, _, done in self.saves_written():
-            if done <= t:
+            if done <= t and step <= cap:
                 best = max(best, step)
         return best
 

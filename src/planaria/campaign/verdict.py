@@ -118,6 +118,9 @@ class FaultVerdict:
     """Why it was not injected on purpose (a tmpfs that could not be mounted)."""
     end_s: float | None = None
     """A fault of Ray's own processes: from the kill to the end of the job's process."""
+    outcome: str = ""
+    """A fault of Ray's own processes: whether the job ended (and was started again) or
+    outlived it and finished."""
 
     @property
     def violations(self) -> list[Bound]:
@@ -208,8 +211,8 @@ def check_run(
         _run_checks(v, run, tl, faulted, references, atol=atol, rtol=rtol)
     v.bounds = _commit_bounds(tl)
     for job in tl.jobs:
-        v.processes_left += [f"incarnation {job.get('incarnation')}: {pid} {cmd}"
-                             for pid, cmd in sorted((job.get("left") or {}).items())]
+        v.processes_left += [f"{pid} ({what})"
+                             for pid, what in sorted((job.get("left") or {}).items())]
     if v.processes_left:
         v.reasons.append(f"{run_dir}: {len(v.processes_left)} processes of the job left behind "
                          f"({'; '.join(v.processes_left[:3])})")
@@ -244,6 +247,10 @@ def _faulted(injections: list[dict[str, Any]], tl: Timeline) -> dict[int, set[st
             continue
         seg = int(inj["incarnation"])
         names = set(inj.get("victims") or [])
+        if inj["kind"] in _NAMES:  # Ray's own process: every worker of the job goes with it
+            names |= set(inj.get("workers") or {})
+            names |= {str(r["worker"]) for e in ("replacement_requested", "spare_requested")
+                      for r in tl.in_segment(seg, e) if float(r["t"]) >= float(hit["t"])}
         if inj.get("expect_victim") == "reader" or inj.get("action") == "kill_starting":
             name = tl.worker_of(seg, hit.get("pid")) or hit.get("worker")
             if name:
@@ -297,8 +304,9 @@ def _fault(
     problems += _KIND_CHECKS.get(fault.kind, _no_check)(fv, fault, run, hits, tl, run_dir)
     if fault.kind in WHOLE_JOB_KINDS:
         whole = next((i for i in hits if i["role"] == "primary"), first)
-        problems += _resumed(fv, fault, int(whole["incarnation"]),
-                             float(tl.fired[whole["id"]]["t"]), tl, run)
+        if not (fault.kind in _NAMES and _outlived(tl, int(whole["incarnation"]))):
+            problems += _resumed(fv, fault, int(whole["incarnation"]),
+                                 float(tl.fired[whole["id"]]["t"]), tl, run)
     if fault.kind in TOLERATED_KINDS:
         problems += _nothing_lost(fv, seg, t0, tl)
     if not completed:
@@ -352,10 +360,14 @@ def _reported(fv: FaultVerdict, fault: PlannedFault, inj: dict[str, Any], tl: Ti
         return [f"{what} (fault {rec.get('fault_id')}) never recovered"]
     recover = commit.t - t0
     fv.recover_s.append(round(recover, 4))
-    lost = max(0, tl.high_before(t0) + 1 - commit.step)
+    done = tl.done_before(t0, seg)
+    lost = max(0, done - commit.step)
     fv.lost_steps = (fv.lost_steps or 0) + lost
-    restores = fault.kind in CHECKPOINT_KINDS or rec.get("kind") == "all_replicas_lost"
-    limit = tl.high_before(t0) + 1 - tl.newest_durable(t0) if restores else 0
+    # A rollback restores a checkpoint, and so does a loss of every replica; a kill in the
+    # job started again (kill_resumed's second half) is a plain kill.
+    restores = (nan or rec.get("kind") == "all_replicas_lost"
+                or (fault.kind in CHECKPOINT_KINDS and fault.kind != "kill_resumed"))
+    limit = done - tl.newest_durable(t0, done) if restores else 0
     fv.bounds.append(Bound("lost_steps", lost, max(0, limit),
                            f"{what}: steps committed before it and again after"))
     if killed and rec.get("kind") == "worker_lost" and commit.segment == seg:
@@ -475,7 +487,7 @@ def _fleet(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[di
     inj = hits[0]
     seg = int(inj["incarnation"])
     t0 = float(tl.fired[inj["id"]]["t"])
-    in_hand = tl.high_before(t0) + 1
+    in_hand = tl.done_before(t0, seg)
     saves = [r for r in tl.in_segment(seg, "checkpoint_saved") if float(r["t"]) >= t0
              and r.get("reason") == "preemption"]
     started = [r for r in tl.in_segment(seg, "checkpoint_started") if float(r["t"]) >= t0
@@ -493,9 +505,9 @@ def _fleet(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[di
     if commit is None:
         return [*problems, "training never went on after the fleet's preemption"]
     fv.recover_s.append(round(commit.t - t0, 4))
-    lost = max(0, tl.high_before(t0) + 1 - commit.step)
+    lost = max(0, in_hand - commit.step)
     fv.lost_steps = lost
-    limit = 0 if saves else tl.high_before(t0) + 1 - tl.newest_durable(t0)
+    limit = 0 if saves else in_hand - tl.newest_durable(t0, in_hand)
     fv.bounds.append(Bound("lost_steps", lost, max(0, limit),
                            "the fleet's preemption: steps committed before it and again after"))
     return problems
@@ -563,22 +575,34 @@ def _disk_full(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
 
 def _ray_process(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
                  hits: list[dict[str, Any]], tl: Timeline, run_dir: Path) -> list[str]:
-    """The job ended with an error naming what died, and left no process behind."""
+    """The job ended with an error naming what died (then the job started again resumed),
+    or it outlived the loss and finished (a short run: Ray's own deadline had not come);
+    either way no process is left behind (the run-level check)."""
     inj = hits[0]
     seg = int(inj["incarnation"])
     t0 = float(tl.fired[inj["id"]]["t"])
     problems = []
     ends = tl.in_segment(seg, "run_end")
     words = _NAMES[fault.kind]
+    job = next((j for j in tl.jobs if j.get("incarnation") == seg), None)
+    if job is not None and job.get("ended_t") is not None:
+        fv.end_s = round(float(job["ended_t"]) - t0, 3)
+    if _outlived(tl, seg):
+        fv.outcome = "the job outlived it and finished"
+        return []
+    fv.outcome = "the job ended and was started again"
     if not ends:
         problems.append("the job ended without a run_end record")
     elif not any(w in str(ends[-1].get("error") or "").lower() for w in words):
         problems.append(f"the job's end names neither of {', '.join(words)} "
                         f"(status {ends[-1].get('status')}: {ends[-1].get('error')})")
-    job = next((j for j in tl.jobs if j.get("incarnation") == seg), None)
-    if job is not None and job.get("ended_t") is not None:
-        fv.end_s = round(float(job["ended_t"]) - t0, 3)
     return problems
+
+
+def _outlived(tl: Timeline, seg: int) -> bool:
+    """The job's process of incarnation ``seg`` finished (exit code 0), none after it."""
+    job = next((j for j in tl.jobs if j.get("incarnation") == seg), None)
+    return job is not None and job.get("rc") == 0 and seg + 1 >= len(tl.segments)
 
 
 _KIND_CHECKS: dict[str, Callable[..., list[str]]] = {
@@ -599,18 +623,22 @@ def _resumed(fv: FaultVerdict, fault: PlannedFault, seg: int, t0: float, tl: Tim
     if seg + 1 >= len(tl.segments):
         return ["no job resumed after the whole-job fault"]
     after = tl.segments[seg + 1]
+    restores = [r for r in after if r.get("event") == "restore"]
     commits = [c for c in tl.commits if c.segment == seg + 1]
-    if not commits:
+    done = tl.done_before(t0, seg)
+    if commits:
+        first_t, first_step = commits[0].t, commits[0].step
+    elif restores and int(restores[0].get("step") or 0) >= run.steps:
+        first_t, first_step = float(restores[0]["t"]), int(restores[0]["step"])  # all done
+    else:
         return ["the resumed job committed no step"]
-    first = commits[0]
-    fv.recover_s.append(round(first.t - t0, 4))
-    lost = max(0, tl.high_before(t0) + 1 - first.step)
+    fv.recover_s.append(round(first_t - t0, 4))
+    lost = max(0, done - first_step)
     fv.lost_steps = (fv.lost_steps or 0) + lost
-    limit = tl.high_before(t0) + 1 - tl.newest_durable(t0)
+    limit = done - tl.newest_durable(t0, done)
     fv.bounds.append(Bound("lost_steps", lost, max(0, limit),
                            "the job started again: steps committed before and again after"))
-    restores = [r for r in after if r.get("event") == "restore"]
-    if not restores and first.step > 0:
+    if not restores and first_step > 0:
         return ["the resumed job restored no checkpoint"]
     return []
 
