@@ -16,8 +16,10 @@ next); the fault itself lands where the kind targets:
 - inside a checkpoint's write or a restore's reads, or the controller's commit:
   ``faulty://`` (:mod:`planaria.campaign.storage_faults`) kills or preempts the
   process part-way through the file's bytes, or fails its writes with ENOSPC;
-- inside a save's snapshot, a state transfer, a replacement's or a spare's
-  start: a timer thread here sends SIGKILL at a drawn offset into the window.
+- inside a save's snapshot, a state transfer: a timer thread here sends SIGKILL
+  at a drawn offset into the window; inside a replacement's or a spare's start:
+  a watcher thread finds the new worker process as it appears and kills it a
+  drawn share of 0.3 s later, before it is ready.
 
 The second half of a compound fault waits for its phase: ``rerun`` (a boundary
 where the failed step is about to run again), ``join``, ``save``,
@@ -188,6 +190,8 @@ class Injector:
                 self._arm(job, self.todo.pop(0))
         elif not self.todo and self.tail_step is not None and step >= self.tail_step:
             job.wait_for_width(self.replicas, timeout_s=self.wait_s)
+            if self.spares:
+                job.wait_for_spares(timeout_s=self.wait_s)
             self.tail_step = None  # the run ends at full width, pending joins done
             self._free_disks(job, step, all_of_them=True)
             if self.final is not None and self.final.variant == "write":
@@ -263,7 +267,7 @@ class Injector:
         if kind in ("kill_starting", "kill_spare"):
             # The next worker process to start is the replacement (or, with a spare taking
             # the place, the new spare): names are never reused, so it is any name not seen.
-            self._watch_starting(job, fault, known=set(job.names) | set(self._standby(job)))
+            self._watch_starting(job, fault)
         elif kind in _SECONDARY_PHASE and kind != "kill_resumed":
             self.waiting[_SECONDARY_PHASE[kind]] = (fault, target)
 
@@ -495,39 +499,39 @@ class Injector:
 
         threading.Thread(target=kill, name="campaign-kill", daemon=True).start()
 
-    def _watch_starting(self, job: Job, fault: PlannedFault, known: set[str]) -> None:
+    def _watch_starting(self, job: Job, fault: PlannedFault) -> None:
         """Kills the next worker process of this job to start (a replacement, or a spare
-        warming up) at a drawn offset into its start, before it is ready."""
+        warming up) inside its start, before it is ready: a drawn share of 0.3 s after the
+        process appears (forked, or started by Ray), unless it is a member or a standby
+        spare by then."""
         gcs = self._gcs_address()
         fid = self._id(fault, "secondary")
         self._log(fault, "secondary", "kill_starting", None, None, job.steps_done,
                   expect_event="replacement_failed")
-        control = self.control
-        delay = fault.fraction * 0.5  # its start (imports done: the marker) takes a second or so
-        members = job.members
+        control, run_dir = self.control, self.run_dir
+        known = procs.worker_processes(run_dir)
+        delay = fault.fraction * 0.3
 
         def watch() -> None:
             end = time.monotonic() + STARTING_WAIT_S
             while time.monotonic() < end:
-                new = {n: p for n, p in procs.job_workers(gcs).items()
-                       if n.split(".", 1)[0] not in known}
+                new = procs.worker_processes(run_dir) - known
                 if new:
-                    name, pid = min(new.items())
+                    pid = min(new)
                     time.sleep(delay)
-                    if any(h.name == name for h in members):
-                        return  # ready and admitted already: too late
+                    names = {p: n for n, p in procs.job_workers(gcs).items()}
+                    name = names.get(pid)
+                    ready = {h.name for h in job.members} | {h.name for h in job.pool.standby}
+                    if name in ready:
+                        return  # ready already: too late (the verdict finds it never fired)
                     storage_faults.log_fired(control, {"id": fid, "action": "kill",
                                                        "worker": name, "victim_pid": pid})
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                     return
-                time.sleep(0.02)
+                time.sleep(0.01)
 
         threading.Thread(target=watch, name="campaign-starting", daemon=True).start()
-
-    @staticmethod
-    def _standby(job: Job) -> list[str]:
-        return [h.name for h in job.pool.standby + job.pool.starting]
 
     @staticmethod
     def _state_bytes(job: Job) -> int:

@@ -12,7 +12,8 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["INCARNATION", "RUN_MARKER", "job_workers", "marked", "ray_children"]
+__all__ = ["INCARNATION", "RUN_MARKER", "job_workers", "marked", "ray_children",
+           "worker_processes"]
 
 RUN_MARKER = "PLANARIA_CAMPAIGN_RUN"
 INCARNATION = "PLANARIA_CAMPAIGN_INCARNATION"
@@ -58,6 +59,33 @@ def ray_children(parent: int, binary: str) -> list[int]:
         if Path(argv0).name == binary:
             out.append(pid)
     return sorted(out)
+
+
+def worker_processes(run_dir: str | Path) -> set[int]:
+    """The run's Ray worker processes, from their first moment: the children of its fork
+    servers (a warm start) and the processes its raylet starts cold (Ray's
+    ``default_worker.py``, before Ray retitles them; not the fork server's launchers, which
+    stand for a forked worker)."""
+    mine = {pid: _cmdline(pid) for pid in _marked_pids(run_dir)}
+    servers = {pid for pid, cmd in mine.items() if "planaria/forkserver.py" in cmd}
+    raylets = {pid for pid, cmd in mine.items() if Path(cmd.split(" ", 1)[0]).name == "raylet"}
+    out = set()
+    for pid, cmd in mine.items():
+        parent = _ppid(pid)
+        if parent in servers or (parent in raylets and "default_worker.py" in cmd
+                                 and "_forkserver_launch" not in cmd):
+            out.add(pid)
+    return out
+
+
+def _marked_pids(run_dir: str | Path) -> list[int]:
+    marker = f"{RUN_MARKER}={Path(run_dir).resolve()}".encode()
+    out = []
+    for pid in _pids():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            if marker in f.read().split(b"\0"):
+                out.append(pid)
+    return out
 
 
 def marked(run_dir: str | Path) -> dict[int, str]:

@@ -116,8 +116,10 @@ class FaultVerdict:
     """It fired while an autonomous run of steps was in flight (not a step dispatched alone)."""
     skipped: str | None = None
     """Why it was not injected on purpose (a tmpfs that could not be mounted)."""
-    end_s: float | None = None
-    """A fault of Ray's own processes: from the kill to the end of the job's process."""
+    figures: dict[str, float] = field(default_factory=dict)
+    """Measured, with no bound: ``end_s`` (a fault of Ray's own processes: the kill to the
+    end of the job's process), ``restart_s`` (a kill in a start: the kill to the next
+    replacement or spare ready)."""
     outcome: str = ""
     """A fault of Ray's own processes: whether the job ended (and was started again) or
     outlived it and finished."""
@@ -545,7 +547,9 @@ def _starting(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
     hit = tl.fired[sec[0]["id"]]
     event = "spare_ready" if fault.kind == "kill_spare" else "replacement_ready"
     later = [r for r in tl.after(float(hit["t"]), event) if r.get("worker") != hit.get("worker")]
-    if not later:
+    if later:
+        fv.figures["restart_s"] = round(float(later[0]["t"]) - float(hit["t"]), 3)
+    else:
         problems.append(f"after {hit.get('worker')} was killed in its start, no {event} "
                         "followed (it was never started again)")
     return problems
@@ -567,7 +571,12 @@ def _disk_full(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
                hits: list[dict[str, Any]], tl: Timeline, run_dir: Path) -> list[str]:
     if fault.variant != "checkpoints":
         return []
-    left = partial_saves(run_dir / "checkpoints")
+    from planaria.campaign import storage_faults
+
+    hit = {r.get("path", "") for r in storage_faults.fired(run_dir / "control")
+           if r.get("id") == hits[0]["id"]}  # the files the full disk failed
+    left = [p for p in partial_saves(run_dir / "checkpoints")
+            if any(str(h).startswith(p + "/") for h in hit)]
     if left:
         return [f"{len(left)} partial checkpoint directories left behind ({', '.join(left[:2])})"]
     return []
@@ -586,7 +595,7 @@ def _ray_process(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
     words = _NAMES[fault.kind]
     job = next((j for j in tl.jobs if j.get("incarnation") == seg), None)
     if job is not None and job.get("ended_t") is not None:
-        fv.end_s = round(float(job["ended_t"]) - t0, 3)
+        fv.figures["end_s"] = round(float(job["ended_t"]) - t0, 3)
     if _outlived(tl, seg):
         fv.outcome = "the job outlived it and finished"
         return []
