@@ -81,11 +81,21 @@ def test_each_run_draws_its_configuration_and_what_its_faults_need():
             assert run.shape.spares == 1  # a spare takes the place, a new one warms up
         if "kill_starting" in kinds:
             assert run.shape.spares == 0  # a replacement starts (no spare takes the place)
+        workers = run.shape.replicas * run.shape.workers_per_replica
+        assert workers <= 8  # every worker runs whole micro-batches of the 8 a step
         if kinds & SAVING_KINDS:  # a save to hit, a checkpoint to roll back to
             assert isinstance(run.shape.checkpoint_every, int) and run.shape.ledger
         for f in run.faults:
             if f.kind in ("bad_sample", "slow_sample"):
                 assert f.ahead == 2  # armed before its step's samples are loaded ahead
+
+
+def test_a_spec_with_few_micro_batches_draws_no_more_workers_than_it_has():
+    runs = plan_campaign(MixConfig(faults=60, seed=2, specs=("x.py",), shardable=("x.py",),
+                                   step_micro_batches=4, sharded_share=0.5))
+    assert {r.shape.replicas for r in runs} <= {2, 3, 4}
+    assert all(r.shape.replicas * r.shape.workers_per_replica <= 4 for r in runs)
+    assert any(r.shape.workers_per_replica == 2 for r in runs)
 
 
 def test_slow_loads_and_heavy_micro_batches_outlast_the_step_deadline():
@@ -683,10 +693,16 @@ def test_a_stalled_worker_is_evicted_within_the_step_deadline(tmp_path):
 def test_a_fleet_preemption_needs_a_snapshot_within_a_second_and_loses_nothing(tmp_path):
     run, refs = _synthetic_run(tmp_path)
     run = _retarget(tmp_path, "fleet_preempt", "fleet", grace_s=0.1)
+    v = _check(tmp_path, run, refs)  # a replica kept the state (nothing restored): no save due
+    assert v.faults[0].recovered and "notice_to_snapshot_1s" not in _bounds(v)
+    events = _events(tmp_path)
+    restore = _ev("restore", step=0, path="faulty://x/step_000000000", reason="restore")
+    restore["t"] = T0 + 0.65  # the state left with the fleet: a restore before the commit
+    events.insert(-3, restore)
+    _write_events(tmp_path, events)
     v = _check(tmp_path, run, refs)
     assert _bounds(v)["notice_to_snapshot_1s"] == (None, 1.0, False)
     assert "no save of the step in hand (2)" in v.faults[0].reason
-    events = _events(tmp_path)
     started = _ev("checkpoint_started", step=2, save_id="s", reason="preemption")
     saved = _ev("checkpoint_saved", step=2, path="faulty://x/step_000000002", reason="preemption",
                 save_s=0.1)

@@ -87,11 +87,15 @@ def campaign_main(args: argparse.Namespace) -> int:
             f"--step-s={args.step_s!r} or --checkpoint-every={args.checkpoint_every!r} is not "
             "valid: use seconds separated by commas (e.g. 0.05,2) and steps or auto (2,3,auto)"
         ) from err
+    micro_batches = 8  # the campaign's specs'
     if args.target is not None:
         from planaria.campaign.specs import build_spec, has_buffers
 
+        spec = build_spec(args.target, control=None)
         specs: tuple[str, ...] = (args.target,)
-        shardable = () if has_buffers(build_spec(args.target, control=None)) else specs
+        shardable = () if has_buffers(spec) else specs
+        micro_batches = spec.global_batch_size // spec.micro_batch_size
+        replicas = (min(replicas[0], micro_batches), min(replicas[1], micro_batches))
     else:
         specs = tuple(s.strip() for s in args.specs.split(",") if s.strip())
         shardable = tuple(s for s in specs if s != "bn_mlp")
@@ -99,7 +103,8 @@ def campaign_main(args: argparse.Namespace) -> int:
                     kinds=tuple(k.strip() for k in args.mix.split(",") if k.strip()),
                     step_lengths=step_s, faults_per_run=per_run, gap=args.gap,
                     intervals=intervals, tail=args.tail, specs=specs, shardable=shardable,
-                    replicas=replicas, defaults_share=args.defaults_share)
+                    replicas=replicas, defaults_share=args.defaults_share,
+                    step_micro_batches=micro_batches)
     config = CampaignConfig(mix=mix, workdir=args.workdir, parallel=args.parallel,
                             resume=args.resume, record=args.record,
                             time_budget_s=args.time_budget_s)

@@ -212,6 +212,9 @@ class MixConfig:
     """The share of unsharded runs with overlapped reduction."""
     defaults_share: float = 0.25
     """The share of runs on the user's defaults: no ledger, the ``auto`` interval."""
+    step_micro_batches: int = 8
+    """Micro-batches in the specs' global batch: a run's workers (replicas x workers per
+    replica) never outnumber them (every worker runs whole micro-batches)."""
 
     def __post_init__(self) -> None:
         check(isinstance(self.faults, int) and self.faults >= 0, "faults", self.faults,
@@ -229,6 +232,8 @@ class MixConfig:
             "intervals", self.intervals, 'a non-empty list of integers >= 1 or "auto"')
         check(self.tail >= 1, "tail", self.tail, "an integer >= 1")
         check(self.micro_batches >= 1, "micro_batches", self.micro_batches, "an integer >= 1")
+        check(self.step_micro_batches >= self.replicas[0], "step_micro_batches",
+              self.step_micro_batches, f"at least replicas' low end, {self.replicas[0]}")
         check(bool(self.specs), "specs", self.specs, "a non-empty list of specs")
         rlo, rhi = self.replicas
         check(2 <= rlo <= rhi, "replicas", self.replicas,
@@ -273,8 +278,10 @@ def _fits(chosen: list[str], kind: str) -> bool:
 
 def _shape(rng: random.Random, config: MixConfig, kinds: list[str]) -> RunShape:
     spec = rng.choice(config.specs)
-    replicas = rng.randint(*config.replicas)
-    sharded = spec in config.shardable and rng.random() < config.sharded_share
+    lo, hi = config.replicas
+    replicas = rng.randint(lo, min(hi, config.step_micro_batches))
+    sharded = (spec in config.shardable and rng.random() < config.sharded_share
+               and 2 * replicas <= config.step_micro_batches)
     spares = 1 if rng.random() < config.spares_share else 0
     if "kill_spare" in kinds:
         spares = 1

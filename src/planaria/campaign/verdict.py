@@ -484,12 +484,25 @@ def _stall(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[di
 
 def _fleet(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[dict[str, Any]],
            tl: Timeline, run_dir: Path) -> list[str]:
-    """Every member preempted: a save of the step in hand started within a second, then
-    (the members SIGKILLed after the grace) a restore of it: nothing lost."""
+    """Every member preempted: nothing may be lost. Where the state left with them (a
+    restore followed), a save of the step in hand must have started within a second of the
+    notice and committed, and the restore is of it; where a replica outside the fleet kept
+    it (a spare that took a member's place), training goes on from it."""
     inj = hits[0]
     seg = int(inj["incarnation"])
     t0 = float(tl.fired[inj["id"]]["t"])
     in_hand = tl.done_before(t0, seg)
+    commit = tl.first_commit_after(t0 + float(inj.get("grace_s", 0.0)), seg)
+    if commit is None:
+        return ["training never went on after the fleet's preemption"]
+    fv.recover_s.append(round(commit.t - t0, 4))
+    lost = max(0, in_hand - commit.step)
+    fv.lost_steps = lost
+    restored = [r for r in tl.in_segment(seg, "restore") if t0 <= float(r["t"]) <= commit.t]
+    if not restored and commit.segment == seg:
+        fv.outcome = "a replica outside the fleet kept the state"
+        fv.bounds.append(Bound("lost_steps", lost, 0, "the fleet's preemption, the state kept"))
+        return []
     saves = [r for r in tl.in_segment(seg, "checkpoint_saved") if float(r["t"]) >= t0
              and r.get("reason") == "preemption"]
     started = [r for r in tl.in_segment(seg, "checkpoint_started") if float(r["t"]) >= t0
@@ -499,20 +512,13 @@ def _fleet(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[di
     fv.bounds.append(Bound("notice_to_snapshot_1s",
                            None if start_t is None else round(start_t - t0, 4), NOTICE_S,
                            f"notice to every member to the snapshot of step {in_hand}"))
-    problems = []
-    if not saves:
-        problems.append(f"no save of the step in hand ({in_hand}) committed after the "
-                        "notice to every member")
-    commit = tl.first_commit_after(t0 + float(inj.get("grace_s", 0.0)), seg)
-    if commit is None:
-        return [*problems, "training never went on after the fleet's preemption"]
-    fv.recover_s.append(round(commit.t - t0, 4))
-    lost = max(0, in_hand - commit.step)
-    fv.lost_steps = lost
     limit = 0 if saves else in_hand - tl.newest_durable(t0, in_hand)
     fv.bounds.append(Bound("lost_steps", lost, max(0, limit),
                            "the fleet's preemption: steps committed before it and again after"))
-    return problems
+    if not saves:
+        return [f"no save of the step in hand ({in_hand}) committed after the notice to "
+                "every member, and the state left with them"]
+    return []
 
 
 def _preempt_during_save(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
