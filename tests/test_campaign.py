@@ -889,3 +889,27 @@ def test_the_reference_leaves_a_skipped_sample_out_from_its_step_on():
     assert oracle.weights_differ(plain[4], skipped[4]) is not None
     late = train_reference(spec, [4], skip={sample: 4})  # armed after its only appearance
     assert oracle.weights_differ(plain[4], late[4]) is None
+
+
+def test_a_run_dir_on_a_tmpfs_keeps_its_files_when_unmounted(tmp_path):
+    """The run dir a disk_full fault fills is a small tmpfs the campaign mounts (as root);
+    its files are kept when it is unmounted. Skipped where mounting is refused."""
+    from planaria.campaign.inject import _is_tmpfs
+    from planaria.campaign.knobs import fill_disk
+    from planaria.campaign.runner import _mount_tmpfs, _unmount
+
+    job = tmp_path / "job"
+    job.mkdir()
+    if not _mount_tmpfs(job):
+        pytest.skip("mounting a tmpfs is refused here (needs root, or CAP_SYS_ADMIN)")
+    try:
+        assert _is_tmpfs(job)
+        (job / "events.jsonl").write_text("{}\n")
+        fill_disk(str(job / "ballast"))
+        with pytest.raises(OSError):
+            (job / "more").write_bytes(b"x" * (1 << 20))
+    finally:
+        _unmount(job)
+    assert not _is_tmpfs(job)
+    assert (job / "events.jsonl").read_text() == "{}\n"
+    assert not (job / "ballast").exists()

@@ -365,14 +365,18 @@ def _reported(fv: FaultVerdict, fault: PlannedFault, inj: dict[str, Any], tl: Ti
     done = tl.done_before(t0, seg)
     lost = max(0, done - commit.step)
     fv.lost_steps = (fv.lost_steps or 0) + lost
+    # Faults recorded after this one and before the step that closed it: that recovery
+    # was theirs too (a second kill took the last replica).
+    later = [r for r in tl.in_segment(seg, "fault")
+             if float(rec["t"]) < float(r["t"]) <= commit.t]
     # A rollback restores a checkpoint, and so does a loss of every replica; a kill in the
     # job started again (kill_resumed's second half) is a plain kill.
-    restores = (nan or rec.get("kind") == "all_replicas_lost"
+    restores = (nan or any(r.get("kind") == "all_replicas_lost" for r in [rec, *later])
                 or (fault.kind in CHECKPOINT_KINDS and fault.kind != "kill_resumed"))
     limit = done - tl.newest_durable(t0, done) if restores else 0
     fv.bounds.append(Bound("lost_steps", lost, max(0, limit),
                            f"{what}: steps committed before it and again after"))
-    if killed and rec.get("kind") == "worker_lost" and commit.segment == seg:
+    if killed and rec.get("kind") == "worker_lost" and commit.segment == seg and not later:
         fv.bounds.append(Bound("kill_recovered", round(recover, 4),
                                _recovery_limit(detect, name, t0, commit, tl, run),
                                f"{what}: fired to the next committed step"))
