@@ -674,6 +674,38 @@ def test_a_bad_sample_is_tolerated_when_skipped_and_no_worker_goes(tmp_path):
     assert "needed no recovery, yet w1 was reported as worker_lost" in v.faults[0].reason
 
 
+def test_a_straggler_is_not_blamed_for_the_departure_of_another_faults_victim(tmp_path):
+    """w1, a straggler, also got a preemption notice from another fault of the run: its
+    drain is that fault's, not the straggler's eviction; a worker_lost of w1 with no other
+    fault to own it is."""
+    run, refs = _synthetic_run(tmp_path)
+    events = _events(tmp_path)
+    for e in events:
+        if e["event"] in ("fault", "detected"):
+            e["kind"] = "preempted"
+    _write_events(tmp_path, events)
+    slow = {"fault": 0, "kind": "slow", "role": "primary", "action": "slow",
+            "id": "r0f0.primary", "worker": "w1", "pid": 1, "step": 2, "incarnation": 0,
+            "t": T0}
+    notice = {"fault": 1, "kind": "preempt", "role": "primary", "action": "preempt",
+              "id": "r0f1.primary", "worker": "w1", "pid": 1, "step": 2, "incarnation": 0,
+              "t": T0, "victims": ["w1"], "expect": ["preempted"]}
+    (tmp_path / "campaign_faults.jsonl").write_text(json.dumps(slow) + "\n"
+                                                     + json.dumps(notice) + "\n")
+    _append(tmp_path / "control" / "fired.jsonl",
+            {"id": "r0f1.primary", "action": "preempt", "t": T0 + 0.36, "pid": 1})
+    faults = (PlannedFault(index=0, kind="slow", step=2, target=1, micro_batch=0, fraction=0.5),
+              PlannedFault(index=1, kind="preempt", step=2, target=1, micro_batch=0,
+                           fraction=0.5))
+    run = dataclasses.replace(run, faults=faults)
+    v = _check(tmp_path, run, refs)
+    assert v.ok, v.reasons
+    assert v.faults[0].tolerated and v.faults[0].recovered
+    (tmp_path / "campaign_faults.jsonl").write_text(json.dumps(slow) + "\n")
+    v = _check(tmp_path, dataclasses.replace(run, faults=faults[:1]), refs)
+    assert "needed no recovery, yet w1 was reported as preempted" in v.faults[0].reason
+
+
 def test_a_stalled_worker_is_evicted_within_the_step_deadline(tmp_path):
     run, refs = _synthetic_run(tmp_path)
     run = _retarget(tmp_path, "stall", "stall", victims=["w1"], expect=["worker_hung"])

@@ -215,7 +215,10 @@ class Injector:
         return max(0, fault.step - job.steps_done)
 
     def _arm(self, job: Job, fault: PlannedFault) -> None:
-        names = job.names
+        # Not a worker a preemption notice is draining at this very boundary (after the
+        # hooks): the fault would land on a worker about to leave.
+        draining = set(getattr(job, "_draining", ()))
+        names = [n for n in job.names if n not in draining] or job.names
         target = names[fault.target % len(names)]
         kind = fault.kind
         step = job.steps_done

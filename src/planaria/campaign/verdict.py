@@ -206,7 +206,9 @@ def check_run(
     faulted = _faulted(injections, tl)
     for fault in run.faults:
         mine = [i for i in injections if i["fault"] == fault.index]
-        v.faults.append(_fault(fault, run, mine, tl, completed, run_dir))
+        others = [(float(tl.fired[i["id"]]["t"]), {str(n) for n in i.get("victims") or []})
+                  for i in injections if i["fault"] != fault.index and i["id"] in tl.fired]
+        v.faults.append(_fault(fault, run, mine, tl, completed, run_dir, others))
     if not completed:
         v.reasons.append(f"{run_dir}: the job did not finish: {error or 'no final weights'}")
     else:
@@ -280,7 +282,7 @@ def _fired(mine: list[dict[str, Any]], tl: Timeline) -> list[dict[str, Any]]:
 
 def _fault(
     fault: PlannedFault, run: PlannedRun, mine: list[dict[str, Any]], tl: Timeline,
-    completed: bool, run_dir: Path,
+    completed: bool, run_dir: Path, others: list[tuple[float, set[str]]],
 ) -> FaultVerdict:
     fv = FaultVerdict(run.index, fault.index, fault.kind, run.step_s,
                       tolerated=fault.kind in TOLERATED_KINDS)
@@ -310,7 +312,7 @@ def _fault(
             problems += _resumed(fv, fault, int(whole["incarnation"]),
                                  float(tl.fired[whole["id"]]["t"]), tl, run)
     if fault.kind in TOLERATED_KINDS:
-        problems += _nothing_lost(fv, seg, t0, tl)
+        problems += _nothing_lost(fv, seg, t0, tl, first.get("worker"), others)
     if not completed:
         problems.append("the run did not finish")
     fv.recovered = not problems
@@ -357,6 +359,13 @@ def _reported(fv: FaultVerdict, fault: PlannedFault, inj: dict[str, Any], tl: Ti
     if killed and rec.get("kind") != "all_replicas_lost":
         fv.bounds.append(Bound("detect_0.5s", round(detect, 4), DETECT_S,
                                f"{what}: fired to its fault record"))
+    if fault.kind == "kill_final_save":  # no step follows: the final save is its recovery
+        saved = [r for r in tl.after(float(rec["t"]), "checkpoint_saved")
+                 if int(r["step"]) >= run.steps]
+        if not saved:
+            return [f"{what} (fault {rec.get('fault_id')}): the final save never committed"]
+        fv.recover_s.append(round(float(saved[0]["t"]) - t0, 4))
+        return []
     commit = tl.first_commit_after(float(rec["t"]), seg)
     if commit is None:
         return [f"{what} (fault {rec.get('fault_id')}) never recovered"]
@@ -411,11 +420,20 @@ def _micro_batches(tl: Timeline, seg: int) -> int:
     return 0
 
 
-def _nothing_lost(fv: FaultVerdict, seg: int, t0: float, tl: Timeline) -> list[str]:
-    """A fault that needs no recovery: no worker left the job for it."""
-    left = [r for r in tl.in_segment(seg, "fault") if float(r["t"]) >= t0 - 1.0]
-    if left:
-        r = left[0]
+def _nothing_lost(fv: FaultVerdict, seg: int, t0: float, tl: Timeline, target: str | None,
+                  others: list[tuple[float, set[str]]]) -> list[str]:
+    """A fault that needs no recovery (a straggler, a pause, a heavy micro-batch, a bad or
+    slow sample, a full disk, a write error): no worker left the job for it, from its firing to
+    the next fault the campaign fired (``others``: their times and victims), the victims
+    of those left out (a straggler armed on a worker a preemption was draining)."""
+    end = min((t for t, _ in others if t > t0), default=float("inf"))
+    theirs = set().union(*(v for _, v in others)) if others else set()
+    for r in tl.in_segment(seg, "fault"):
+        if not t0 - 1.0 <= float(r["t"]) < end:
+            continue
+        named = {w.strip() for w in str(r.get("worker") or "").split(",") if w.strip()}
+        if named & theirs or (target is not None and named and target not in named):
+            continue
         return [f"needed no recovery, yet {r.get('worker') or 'the job'} was reported as "
                 f"{r.get('kind')} at step {r.get('step')}: {r.get('message')}"]
     return []
@@ -432,15 +450,6 @@ def _second_half(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
                  hits: list[dict[str, Any]], tl: Timeline, run_dir: Path) -> list[str]:
     if not any(i["role"] == "secondary" for i in hits):
         return ["its second fault never fired (phase not reached)"]
-    return []
-
-
-def _slow(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[dict[str, Any]],
-          tl: Timeline, run_dir: Path) -> list[str]:
-    seg, name = int(hits[0]["incarnation"]), hits[0].get("worker")
-    if name and seg < len(tl.segments) and name in oracle.leavers(tl.segments[seg]):
-        what = {"slow": "straggler", "pause": "paused worker"}.get(fault.kind, "busy worker")
-        return [f"the {what} {name} was evicted"]
     return []
 
 
@@ -627,7 +636,6 @@ def _outlived(tl: Timeline, seg: int) -> bool:
 _KIND_CHECKS: dict[str, Callable[..., list[str]]] = {
     "kill_rerun": _second_half, "kill_join": _second_half, "kill_save": _second_half,
     "kill_restore": _second_half, "kill_resumed": _second_half,
-    "slow": _slow, "pause": _slow, "heavy_microbatch": _slow,
     "storage_write": _storage_write, "bad_sample": _bad_sample, "stall": _stall,
     "fleet_preempt": _fleet, "preempt_during_save": _preempt_during_save,
     "kill_starting": _starting, "kill_spare": _starting, "kill_final_save": _final_save,
