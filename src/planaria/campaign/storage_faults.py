@@ -181,6 +181,18 @@ def _full(control: str) -> dict[str, Any] | None:
         return None
 
 
+def _own_worker_name() -> str | None:
+    """This process's planaria worker name (``w3``, a follower ``w3.1``), from the marker
+    every worker leaves (see planaria.drain); None in the controller."""
+    from planaria.drain import worker_dir
+
+    try:
+        with open(worker_dir() / str(os.getpid())) as f:
+            return str(json.load(f).get("name"))
+    except (OSError, ValueError):
+        return None
+
+
 class _FaultyFile:
     """A local file that can die part-way through, fill the disk, and logs its close."""
 
@@ -266,7 +278,7 @@ class _FaultyFile:
     def _fire(self, armed: dict[str, Any]) -> None:
         action = armed.get("action")
         log_fired(self._control, {"id": armed.get("id"), "action": f"{action}_in_io",
-                                  "path": self._path})
+                                  "path": self._path, "worker": _own_worker_name()})
         os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGTERM)
 
 

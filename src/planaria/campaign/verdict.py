@@ -256,7 +256,7 @@ def _faulted(injections: list[dict[str, Any]], tl: Timeline) -> dict[int, set[st
             names |= {str(r["worker"]) for e in ("replacement_requested", "spare_requested")
                       for r in tl.in_segment(seg, e) if float(r["t"]) >= float(hit["t"])}
         if inj.get("expect_victim") == "reader" or inj.get("action") == "kill_starting":
-            name = tl.worker_of(seg, hit.get("pid")) or hit.get("worker")
+            name = hit.get("worker") or tl.worker_of(seg, hit.get("pid"))
             if name:
                 names.add(str(name))
         out.setdefault(seg, set()).update(n.split(".", 1)[0] for n in names)
@@ -327,9 +327,10 @@ def _in_run(t: float, seg: int, tl: Timeline) -> bool:
 
 
 def _victim(inj: dict[str, Any], tl: Timeline) -> str | None:
-    if inj.get("expect_victim") == "reader":
+    if inj.get("expect_victim") == "reader":  # the replica whose worker read (a follower's)
         hit = tl.fired[inj["id"]]
-        return tl.worker_of(int(inj["incarnation"]), hit.get("pid"))
+        name = hit.get("worker") or tl.worker_of(int(inj["incarnation"]), hit.get("pid"))
+        return None if name is None else str(name).split(".", 1)[0]
     victims = inj.get("victims") or []
     return str(victims[0]) if victims else inj.get("worker")
 
