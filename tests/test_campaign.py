@@ -945,3 +945,48 @@ def test_a_run_dir_on_a_tmpfs_keeps_its_files_when_unmounted(tmp_path):
     assert not _is_tmpfs(job)
     assert (job / "events.jsonl").read_text() == "{}\n"
     assert not (job / "ballast").exists()
+
+
+def test_a_jobs_own_processes_are_told_from_any_other(tmp_path):
+    """Ray's GCS and raylet are found among the controller's own children; a run's processes
+    by the marker they inherit (another run's, or none, are not the run's)."""
+    import subprocess
+
+    from planaria.campaign import procs
+
+    raylet = tmp_path / "raylet"
+    raylet.symlink_to("/bin/sleep")
+    env = {**os.environ, procs.RUN_MARKER: str(tmp_path / "run"), procs.INCARNATION: "1"}
+    mine = subprocess.Popen([str(raylet), "30"], env=env)
+    other = subprocess.Popen(["sleep", "30"],
+                             env={**os.environ, procs.RUN_MARKER: str(tmp_path / "other")})
+    try:
+        assert procs.ray_children(os.getpid(), "raylet") == [mine.pid]
+        assert procs.ray_children(os.getpid(), "gcs_server") == []
+        left = procs.marked(tmp_path / "run")
+        assert list(left) == [mine.pid] and left[mine.pid].startswith("incarnation 1: ")
+        assert list(procs.marked(tmp_path / "other")) == [other.pid]
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()
+    assert procs.marked(tmp_path / "run") == {}
+
+
+def test_a_job_is_started_again_only_after_a_whole_job_fault_fired_in_it(tmp_path):
+    from planaria.campaign.runner import _whole_job_fault_in
+
+    (tmp_path / "control").mkdir()
+    faults = (PlannedFault(index=0, kind="kill", step=7, target=0, micro_batch=0, fraction=0.5),
+              PlannedFault(index=1, kind="kill_resumed", step=10, target=0, micro_batch=0,
+                           fraction=0.5, variant="controller"))
+    run = PlannedRun(index=3, step_s=0.05, steps=14, faults=faults)
+    assert _whole_job_fault_in(tmp_path, run, {1}, 100.0, 200.0) is None
+    _append(tmp_path / "control" / "fired.jsonl",
+            {"id": "r3f0.primary", "action": "kill", "t": 150.0, "pid": 1})
+    assert _whole_job_fault_in(tmp_path, run, {1}, 100.0, 200.0) is None  # not a whole-job one
+    _append(tmp_path / "control" / "fired.jsonl",
+            {"id": "r3f1.primary", "action": "kill_pids", "t": 160.0, "pid": 1})
+    # A controller killed: started again at once, its workers left as they are.
+    assert _whole_job_fault_in(tmp_path, run, {1}, 100.0, 200.0) == "controller_kill"
+    assert _whole_job_fault_in(tmp_path, run, {1}, 200.0, 300.0) is None  # an earlier job's
