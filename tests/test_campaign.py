@@ -990,3 +990,19 @@ def test_a_job_is_started_again_only_after_a_whole_job_fault_fired_in_it(tmp_pat
     # A controller killed: started again at once, its workers left as they are.
     assert _whole_job_fault_in(tmp_path, run, {1}, 100.0, 200.0) == "controller_kill"
     assert _whole_job_fault_in(tmp_path, run, {1}, 200.0, 300.0) is None  # an earlier job's
+
+
+def test_steps_done_are_those_of_the_faults_own_incarnation():
+    """A job started again with no checkpoint trains from step 0: a fault before its first
+    commit finds 0 steps done, not the killed job's; a rollback within a job lowers them."""
+    from planaria.campaign.timeline import Timeline
+
+    evs = [_ev("run_start"), *[_ev("step_committed", step=s) for s in range(5)],
+           _ev("restore", step=2, path="x"), _ev("step_committed", step=2),
+           _ev("run_start"), _ev("step_committed", step=0)]
+    for i, e in enumerate(evs):
+        e["t"] = float(i)
+    tl = Timeline(evs, {}, [])
+    assert tl.done_before(4.5, 0) == 5
+    assert tl.done_before(6.5, 0) == 3  # restored step 2, then step 2 again
+    assert tl.done_before(8.5, 1) == 0 and tl.done_before(9.5, 1) == 1

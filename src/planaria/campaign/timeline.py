@@ -77,9 +77,11 @@ class Timeline:
 
     def done_before(self, t: float, segment: int) -> int:
         """The steps done at ``t`` in incarnation ``segment``: after its latest commit (or
-        restore) before ``t``; with none yet, what the incarnations before it had done."""
+        restore) before ``t`` (0 in a job started again that has neither yet)."""
         done = 0
         for i, seg in enumerate(self.segments[: segment + 1]):
+            if i == segment and i > 0:
+                done = 0  # a job started again: from scratch, unless it logs a restore
             for r in seg:
                 if i == segment and float(r["t"]) > t:
                     break

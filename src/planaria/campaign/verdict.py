@@ -430,8 +430,8 @@ def _nothing_lost(fv: FaultVerdict, seg: int, t0: float, tl: Timeline, target: s
     end = min((t for t, _ in others if t > t0), default=float("inf"))
     theirs = set().union(*(v for _, v in others)) if others else set()
     for r in tl.in_segment(seg, "fault"):
-        if not t0 - 1.0 <= float(r["t"]) < end:
-            continue
+        if not t0 <= float(r["t"]) < end or r.get("kind") == "nonfinite_loss":
+            continue  # before it, or a NaN another fault of the run returned
         named = {w.strip() for w in str(r.get("worker") or "").split(",") if w.strip()}
         if named & theirs or (target is not None and named and target not in named):
             continue
