@@ -1003,6 +1003,7 @@ def test_steps_done_are_those_of_the_faults_own_incarnation():
     for i, e in enumerate(evs):
         e["t"] = float(i)
     tl = Timeline(evs, {}, [])
-    assert tl.done_before(4.5, 0) == 5
-    assert tl.done_before(6.5, 0) == 3  # restored step 2, then step 2 again
+    assert tl.done_before(5.5, 0) == 5
+    assert tl.done_before(6.5, 0) == 2  # restored step 2 ...
+    assert tl.done_before(7.5, 0) == 3  # ... then step 2 again
     assert tl.done_before(8.5, 1) == 0 and tl.done_before(9.5, 1) == 1
