@@ -138,7 +138,7 @@ class Injector:
             # ends a run when it happens: a boundary comes then), or once they went stale.
             blocked = self._unfired_until()
             blocked += [f.step + STALE_STEPS for p, (f, _) in self.waiting.items()
-                        if p not in ("resumed", "final_save")]
+                        if p != "resumed"]
             wanted.append(max([self._arm_step(self.todo[0]), *blocked]))
         if "resumed" in self.waiting:
             wanted.append(after + 1)
@@ -180,10 +180,10 @@ class Injector:
             if self.spares:
                 job.wait_for_spares(timeout_s=self.wait_s)
             for phase, (fault, _) in list(self.waiting.items()):
-                if phase not in ("resumed", "final_save") and step >= fault.step + STALE_STEPS:
+                if phase != "resumed" and step >= fault.step + STALE_STEPS:
                     self._log(fault, "secondary", f"gave_up_{phase}", None, None, step)
                     del self.waiting[phase]
-            blocked = [p for p in self.waiting if p not in ("resumed", "final_save")]
+            blocked = [p for p in self.waiting if p != "resumed"]
             if not blocked and not any(step < s for s in self._unfired_until()):
                 if self.snapshot is not None:
                     self.snapshot(job)
