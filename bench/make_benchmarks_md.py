@@ -593,19 +593,35 @@ def render_sharded(rec: dict[str, Any]) -> list[str]:
 
 
 def render_campaign(rec: dict[str, Any]) -> list[str]:
-    """``planaria campaign``'s summary, saved with ``--ingest campaign=OUT --command CMD``."""
+    """``planaria campaign``'s summary, saved with ``--ingest campaign=OUT --command CMD``: its
+    counts, every bound's violations and, per kind, the faults injected, ok and failed (a
+    summary from before the bounded campaign has neither)."""
     r = rec["result"]
-    zero = all(r.get(k) == 0 for k in CAMPAIGN_ZERO)
+    bounds = r.get("bound_violations") or {}
+    zero = (all(r.get(k) == 0 for k in CAMPAIGN_ZERO) and not r.get("processes_left")
+            and not any(bounds.values()))
     size = r.get("faults_injected") or 0
     scale = "the target's size" if size >= 1000 else "smaller than the target (a 1,000-fault " \
         "campaign is a half-day run: docs/campaign.md)"
     out = ["## Fault campaign", "", *_header(rec), "",
            "Target: 1,000 faults over the whole mix and every step length with 0 unrecovered, "
-           "0 diverged, 0 duplicated, 0 missing, 0 healthy evicted "
-           "(`planaria campaign src/planaria/examples/mlp.py --faults 1000 --seed 0`). This "
-           f"campaign: {size} faults, {scale}; zero counts {'**met**' if zero else '**missed**'}.",
+           "0 diverged, 0 duplicated, 0 missing, 0 healthy evicted, 0 processes left and every "
+           "recovery inside its bound (`planaria campaign --faults 1000 --seed 0`). This "
+           f"campaign: {size} faults, {scale}; zero counts {'**met**' if zero else '**missed**'}"
+           + ("." if "bound_violations" in r else " (a campaign from before the bounded "
+              "verdict: its recoveries were not bounded, its reference was a faultless "
+              "planaria run)."),
            "", "| figure | value |", "|---|---:|"]
-    out += [f"| {k} | {v if isinstance(v, int) else _f(v, '.4g')} |" for k, v in r.items()]
+    out += [f"| {k} | {v if isinstance(v, int) else _f(v, '.4g')} |" for k, v in r.items()
+            if not isinstance(v, dict)]
+    if bounds:
+        out += ["", "| bound | violations |", "|---|---:|"]
+        out += [f"| `{k}` | {v} |" for k, v in bounds.items()]
+    kinds = r.get("kinds") or {}
+    if kinds:
+        out += ["", "| kind | injected | ok | failed |", "|---|---:|---:|---:|"]
+        out += [f"| `{k}` | {c.get('injected')} | {c.get('ok')} | {c.get('failed')} |"
+                for k, c in kinds.items()]
     return [*out, ""]
 
 

@@ -7,16 +7,32 @@ numbers. The controller arms a fault by writing ``CONTROL/trigger-<pid>.json``
 for one worker at a step boundary, before the step is dispatched; that worker
 counts its loss calls from then on and fires on the planned micro-batch, at the
 planned fraction of its compute: it takes the trigger (an atomic rename, so a
-trigger fires once), logs it durably to ``CONTROL/fired.jsonl`` and then sends
-itself the real signal (or returns a NaN loss, or SIGKILLs the whole job).
+trigger fires once), logs it durably to ``CONTROL/fired.jsonl`` and then acts:
+
+- ``kill``, ``hang``, ``preempt``: SIGKILL, SIGSTOP, SIGTERM to itself;
+- ``nan``: returns a NaN loss;
+- ``job_kill``: SIGKILL to the job's process group; ``kill_pids``: SIGKILL to the
+  processes the trigger names (the controller alone, the job's GCS, its raylet);
+- ``fleet``: SIGTERM to every process the trigger names (every member of the
+  job, itself too) at once, then SIGKILL to them ``grace_s`` later (from a
+  detached shell: the senders die);
+- ``stall``: blocks its thread for good on an event never set (the heartbeat
+  thread lives on);
+- ``heavy``: burns the CPU for ``seconds`` (matrix products: busy, no progress
+  between micro-batches);
+- ``pause``: one SIGSTOP, SIGCONT ``seconds`` later (from a detached shell);
+- ``fill``: fills the file system holding ``path`` with a ballast file there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import signal
+import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,9 +41,10 @@ from typing import Any
 # Imported for its side effect: every worker that unpickles this loss can open faulty:// roots.
 from planaria.campaign import storage_faults
 
-__all__ = ["ACTIONS", "CampaignLoss", "arm_trigger"]
+__all__ = ["ACTIONS", "CampaignLoss", "arm_trigger", "fill_disk"]
 
-ACTIONS = ("kill", "hang", "preempt", "nan", "job_kill")
+ACTIONS = ("kill", "hang", "preempt", "nan", "job_kill", "kill_pids", "fleet", "stall", "heavy",
+           "pause", "fill")
 _SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "preempt": signal.SIGTERM}
 
 
@@ -40,13 +57,15 @@ def arm_trigger(
     micro_batch: int,
     fraction: float,
     job_pgid: int | None = None,
+    **params: Any,
 ) -> Path:
-    """Arms a one-shot trigger in worker ``pid`` (see the module docstring)."""
+    """Arms a one-shot trigger in worker ``pid`` (see the module docstring); ``params`` are
+    the action's (``pids``, ``grace_s``, ``seconds``, ``path``)."""
     if action not in ACTIONS:
         raise ValueError(f"action={action!r} is not valid: one of {', '.join(ACTIONS)}")
     path = Path(control) / f"trigger-{pid}.json"
     body = {"id": fault_id, "action": action, "micro_batch": micro_batch, "fraction": fraction,
-            "job_pgid": job_pgid}
+            "job_pgid": job_pgid, **params}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(body))
     os.replace(tmp, path)
@@ -101,19 +120,90 @@ class CampaignLoss:
         except FileNotFoundError:  # disarmed by the controller meanwhile
             return out
         action = trigger["action"]
-        storage_faults.log_fired(self.control, {"id": trigger["id"], "action": action})
+        record = {"id": trigger["id"], "action": action}
+        for key in ("pids", "grace_s", "seconds"):
+            if key in trigger:
+                record[key] = trigger[key]
+        storage_faults.log_fired(self.control, record)
         if action == "nan":
             return _nan(out)
         if action == "job_kill":
             os.killpg(int(trigger["job_pgid"]), signal.SIGKILL)
-            return out
-        os.kill(os.getpid(), _SIGNALS[action])
+        elif action == "kill_pids":
+            _signal_all(trigger["pids"], signal.SIGKILL)
+        elif action == "fleet":
+            _later(float(trigger["grace_s"]), "KILL", trigger["pids"])
+            _signal_all(trigger["pids"], signal.SIGTERM)
+        elif action == "stall":
+            threading.Event().wait()  # never set: this thread is stuck for good
+        elif action == "heavy":
+            _burn(float(trigger["seconds"]))
+        elif action == "pause":
+            pid = os.getpid()
+            _detached(f"kill -STOP {pid}; sleep {float(trigger['seconds']):.3f}; kill -CONT {pid}")
+            time.sleep(0.05)  # stopped within this sleep
+        elif action == "fill":
+            fill_disk(str(trigger["path"]))
+        else:
+            os.kill(os.getpid(), _SIGNALS[action])
         return out
 
     @staticmethod
     def _sleep(seconds: float) -> None:
         if seconds > 0:
             time.sleep(seconds)
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(int(pid), sig)
+        except ProcessLookupError:
+            continue
+
+
+def _detached(script: str) -> None:
+    """Runs a shell script in a session of its own: it outlives this process."""
+    subprocess.Popen(["/bin/sh", "-c", script], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
+
+
+def _later(seconds: float, sig: str, pids: list[int]) -> None:
+    _detached(f"sleep {seconds:.3f}; kill -{sig} {' '.join(str(int(p)) for p in pids)} "
+              "2>/dev/null")
+
+
+def _burn(seconds: float) -> int:
+    """Computes for ``seconds``: matrix products of a fixed matrix (no random generator).
+    Returns how many it computed."""
+    import torch
+
+    a = torch.full((192, 192), 1.0 / 192)
+    end = time.monotonic() + seconds
+    products = 0
+    while time.monotonic() < end:
+        for _ in range(8):
+            a = torch.mm(a, a).clamp_(0.0, 1.0 / 192)
+        products += 8
+    return products
+
+
+def fill_disk(path: str) -> None:
+    """Fills the file system holding ``path`` with the file ``path`` (all its free space)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        free = os.statvfs(os.path.dirname(path) or ".")
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(fd, 0, free.f_bavail * free.f_frsize)
+        chunk = b"\0" * (1 << 16)
+        with contextlib.suppress(OSError):  # ENOSPC: full
+            while True:
+                os.lseek(fd, 0, os.SEEK_END)
+                if os.write(fd, chunk) <= 0:
+                    break
+    finally:
+        os.close(fd)
 
 
 def _nan(out: Any) -> Any:

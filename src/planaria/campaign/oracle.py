@@ -4,11 +4,12 @@ Each check reads what a run left (final weights, the ledger the workers' reports
 filled, events.jsonl, the injector's records) and returns counts and reasons,
 never asserting, so that a campaign can add them up:
 
-- :func:`exactly_once`: samples duplicated or missing against the data plan;
+- :func:`exactly_once`: samples duplicated or missing in the ledger against the data plan;
+- :func:`loaded_once`: the same from the campaign dataset's own load record (a run on the
+  user's defaults has no ledger): every planned sample loaded for its step, none for another;
 - :func:`weights_differ`: the final weights against the reference (assert_close);
 - :func:`leavers` / :func:`healthy_evicted`: workers that left the membership
   that the campaign did not fault;
-- :func:`restarts_from_zero`: a restore to step 0, or a segment that began over.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = [
     "exactly_once",
     "healthy_evicted",
     "leavers",
-    "restarts_from_zero",
+    "loaded_once",
     "segments",
     "weights_differ",
 ]
@@ -49,17 +50,28 @@ class ExactlyOnce:
         return not self.duplicated and not self.missing
 
 
-def exactly_once(ledger: Mapping[int, list[int]], plan: DataPlan, steps: int,
-                 skipped: Mapping[int, list[int]] | None = None) -> ExactlyOnce:
+def _planned(plan: DataPlan, step: int, skip: Mapping[int, int]) -> list[int]:
+    """Step ``step``'s batch less the samples skipped from a step at or before it."""
+    return [int(i) for i in plan.batch(step) if int(i) not in skip or step < skip[int(i)]]
+
+
+def exactly_once(
+    ledger: Mapping[int, list[int]], plan: DataPlan, steps: int,
+    skipped: Mapping[int, list[int]] | None = None,
+    *, skip: Mapping[int, int] | None = None,
+) -> ExactlyOnce:
     """Counts, over steps ``0..steps-1`` of the committed lineage, the samples each step
     trained beyond its planned batch (duplicated) and the planned ones it lacks (missing).
     Every sample appears once per epoch in the plan, so this is exactly-once per epoch.
     ``skipped`` (:meth:`Ledger.skipped <planaria.ledger.Ledger.skipped>`) holds the steps
-    skipped on purpose, with what they were served: their samples count as skipped."""
+    skipped on purpose, with what they were served: their samples count as skipped.
+    ``skip`` maps a sample that could not be read (a work fault skipped) to the first step
+    it was skipped at."""
     out = ExactlyOnce()
     skipped = skipped or {}
+    skip = skip or {}
     for step in range(steps):
-        planned = Counter(int(i) for i in plan.batch(step))
+        planned = Counter(_planned(plan, step, skip))
         if step in skipped and step not in ledger:
             got = Counter(int(i) for i in skipped[step])
             out.skipped += sum((got & planned).values())
@@ -70,7 +82,8 @@ def exactly_once(ledger: Mapping[int, list[int]], plan: DataPlan, steps: int,
             out.duplicated += sum(extra.values())
             out.missing += sum(lacking.values())
             continue
-        got = Counter(int(i) for i in ledger.get(step, []))
+        got = Counter(int(i) for i in ledger.get(step, [])
+                      if int(i) not in skip or step < skip[int(i)])
         extra, lacking = got - planned, planned - got
         if step not in ledger:
             out.problems.append(f"step {step} is not in the ledger")
@@ -85,6 +98,34 @@ def exactly_once(ledger: Mapping[int, list[int]], plan: DataPlan, steps: int,
     if beyond:
         out.duplicated += sum(len(ledger[s]) for s in beyond)
         out.problems.append(f"steps {beyond} beyond the run's {steps} are in the ledger")
+    return out
+
+
+def loaded_once(
+    loads: Iterable[tuple[int, int, int]], plan: DataPlan, steps: int,
+    *, skip: Mapping[int, int] | None = None,
+) -> ExactlyOnce:
+    """From the dataset's own record of ``(pid, step, sample)`` loads: over steps
+    ``0..steps-1``, the samples loaded for a step whose batch does not hold them
+    (duplicated: served for another step) and the planned ones never loaded for their step
+    (missing). A step is loaded again when it runs again (a failure, a rollback), and the
+    next step is loaded ahead: at least once is what loads can show; twice-trained is what
+    the final weights show."""
+    out = ExactlyOnce()
+    skip = skip or {}
+    got: dict[int, set[int]] = {}
+    for _, step, sample in loads:
+        got.setdefault(int(step), set()).add(int(sample))
+    for step in range(steps):
+        batch = {int(i) for i in plan.batch(step)}
+        planned = set(_planned(plan, step, skip))
+        have = got.get(step, set())
+        extra, lacking = have - batch, planned - have
+        if extra or lacking:
+            out.problems.append(f"step {step}: {len(extra)} samples of other steps loaded, "
+                                f"{len(lacking)} of its batch never loaded")
+        out.duplicated += len(extra)
+        out.missing += len(lacking)
     return out
 
 
@@ -118,14 +159,16 @@ def segments(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 def leavers(segment: list[dict[str, Any]]) -> set[str]:
     """Workers that left the membership in one segment: dropped between two generations,
-    or named by a ``fault``, ``drained`` or ``hang_stack`` record."""
+    or named by a ``fault``, ``drained`` or ``hang_stack`` record. The members a start over
+    replaces (a restore with no checkpoint: fresh workers build the initial state, by the
+    policy's design) did not leave for a fault of theirs and are not counted."""
     gone: set[str] = set()
     previous: set[str] | None = None
-    for rec in segment:
+    for index, rec in enumerate(segment):
         ev = rec.get("event")
         if ev == "generation":
             current = set(rec.get("workers") or [])
-            if previous is not None:
+            if previous is not None and not _starts_over(segment, index):
                 gone |= previous - current
             previous = current
         elif ev == "fault":
@@ -133,6 +176,19 @@ def leavers(segment: list[dict[str, Any]]) -> set[str]:
         elif ev in ("drained", "hang_stack") and rec.get("worker"):
             gone.add(str(rec["worker"]))
     return gone
+
+
+def _starts_over(segment: list[dict[str, Any]], index: int) -> bool:
+    """The generation at ``index`` is a start over's: a ``restore`` of no checkpoint (step 0,
+    no path) follows it before the next generation."""
+    if segment[index].get("reason") != "restore":
+        return False
+    for rec in segment[index + 1:]:
+        if rec.get("event") == "generation":
+            return False
+        if rec.get("event") == "restore":
+            return rec.get("step") == 0 and rec.get("path") is None
+    return False
 
 
 def healthy_evicted(
@@ -143,25 +199,4 @@ def healthy_evicted(
     for index, segment in enumerate(segments(events)):
         for name in sorted(leavers(segment) - faulted.get(index, set())):
             out.append((index, name))
-    return out
-
-
-def restarts_from_zero(events: list[dict[str, Any]]) -> list[str]:
-    """Why the run began over from step 0 after having made progress (empty: it did not)."""
-    out = []
-    high = -1
-    for index, segment in enumerate(segments(events)):
-        first_commit = True
-        for rec in segment:
-            ev = rec.get("event")
-            if ev == "restore" and rec.get("step") == 0:
-                out.append(f"segment {index}: restore to step 0 ({rec.get('reason', 'restore')})")
-            elif ev == "step_committed":
-                step = int(rec.get("step", 0))
-                if step == 0 and high >= 0 and first_commit:
-                    out.append(f"segment {index} began over at step 0 after step {high}")
-                elif step == 0 and high >= 0:
-                    out.append(f"segment {index}: step 0 committed again after step {high}")
-                high = max(high, step)
-                first_commit = False
     return out

@@ -1,12 +1,19 @@
-"""A campaign: the reference run, then the faulted runs, each checked, then one summary.
+"""A campaign: the faulted runs, each checked against the independent reference, then one
+summary.
 
 Every run is a job in its own process group (``python -m planaria.campaign.job``).
-The reference trains the spec without faults and keeps the weights at every
-step count the campaign's runs use (the step-length knob sleeps, it does not
-change the numbers, so one reference serves every step length). A run whose
-whole job was SIGKILLed is started again in the same run dir (incarnation 1)
-and resumes from its checkpoints. After each run, the worker processes its
-events name are SIGKILLed if still alive (a whole-job kill orphans them).
+Each run is judged against the spec trained by a plain single-process loop
+(:mod:`planaria.campaign.reference`) at every step count the run has weights for
+(the step-length knob sleeps, it does not change the numbers, so one reference
+serves every step length), leaving out the samples its ``bad_sample`` faults
+made unreadable. A run whose job ended by a whole-job fault (killed, or ended
+by a fault of Ray's own processes) is started again in the same run dir
+(incarnation 1) and resumes from its checkpoints; after a controller kill at
+once, the workers left as they are. After each job process ends (a controller
+kill's: at the run's end), the run's processes still alive after
+:data:`ORPHAN_WAIT_S` are recorded as left behind and SIGKILLed. A run with a
+``disk_full`` fault of its run dir trains with its job dir on a small tmpfs
+mounted for it (as root; the fault is skipped where the mount is refused).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,29 +35,49 @@ from typing import Any
 
 import torch
 
-from planaria.campaign.job import FINAL_FILE, job_config, reference_file
-from planaria.campaign.mix import MixConfig, PlannedRun, plan_campaign
-from planaria.campaign.verdict import RunVerdict, check_run
+from planaria.campaign import procs
+from planaria.campaign.job import FINAL_FILE, JOB_DIR, job_config
+from planaria.campaign.mix import (
+    KINDS,
+    WHOLE_JOB_KINDS,
+    MixConfig,
+    PlannedRun,
+    plan_campaign,
+)
+from planaria.campaign.timeline import JOBS_FILE
+from planaria.campaign.verdict import (
+    BOUNDS,
+    RunVerdict,
+    check_run,
+    skipped_samples,
+    snapshot_counts,
+)
 from planaria.config import check
 from planaria.metrics import percentile
 
 __all__ = ["CampaignConfig", "run_campaign", "summarize_campaign"]
 
-RUN_MARKER = "PLANARIA_CAMPAIGN_RUN"
+RUN_MARKER = procs.RUN_MARKER
 VERDICT_FILE = "verdict.json"
-SUMMARY_KEYS = ("faults_injected", "recovered", "unrecovered", "diverged", "samples_duplicated",
-                "samples_missing", "healthy_evicted", "mttr_p50_s", "mttr_p99_s", "goodput")
+SUMMARY_KEYS = ("faults_injected", "recovered", "tolerated", "unrecovered", "diverged",
+                "samples_duplicated", "samples_missing", "healthy_evicted", "bound_violations",
+                "processes_left", "mttr_p50_s", "mttr_p99_s", "goodput", "kinds")
+ZERO_KEYS = ("unrecovered", "diverged", "samples_duplicated", "samples_missing",
+             "healthy_evicted", "processes_left")
+"""Every one of these (and every bound's violations) must be 0 for the exit code 0."""
+ORPHAN_WAIT_S = 10.0
+"""After a job's process ends, how long its processes may take to go before they count as
+left behind."""
+TMPFS_SIZE = "16m"
+MAX_INCARNATIONS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
 class CampaignConfig:
-    """A campaign: what to train, the fault mix, where the run dirs go."""
+    """A campaign: the fault mix (with the configurations it draws), where the run dirs go."""
 
-    target: str
-    """SCRIPT.py[:SPEC], as for ``planaria run``."""
     mix: MixConfig
     workdir: Path
-    replicas: int = 3
     atol: float = 1e-5
     rtol: float = 1e-4
     job_timeout_s: float = 900.0
@@ -70,10 +98,6 @@ class CampaignConfig:
     """No run starts after this many seconds; the summary counts the runs left."""
 
     def __post_init__(self) -> None:
-        check(isinstance(self.target, str) and bool(self.target), "target", self.target,
-              "SCRIPT.py[:SPEC]")
-        check(self.replicas >= 2, "replicas", self.replicas,
-              "an integer >= 2 (survivors must hold the state)")
         check(self.atol >= 0 and self.rtol >= 0, "atol", (self.atol, self.rtol), "tolerances >= 0")
         check(self.job_timeout_s > 0, "job_timeout_s", self.job_timeout_s, "seconds > 0")
         check(isinstance(self.parallel, int) and self.parallel >= 1, "parallel", self.parallel,
@@ -85,18 +109,40 @@ class CampaignConfig:
             object.__setattr__(self, "record", Path(self.record))
 
 
+class References:
+    """The independent reference's weights per run (its spec, its skipped samples), computed
+    once per (spec, skipped samples, step counts) and one at a time (torch's threads are the
+    process's)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[Any, ...], dict[int, dict[str, torch.Tensor]]] = {}
+
+    def __call__(self, run: PlannedRun, run_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
+        from planaria.campaign.reference import train_reference
+        from planaria.campaign.specs import build_spec
+
+        skip = skipped_samples(run_dir)
+        counts = snapshot_counts(run, run_dir)
+        key = (run.shape.spec, tuple(sorted(skip.items())), tuple(counts))
+        with self._lock:
+            if key not in self._cache:
+                spec = build_spec(run.shape.spec, control=None)
+                self._cache[key] = train_reference(spec, counts, skip=skip)
+                if len(self._cache) > 64:
+                    self._cache.pop(next(iter(self._cache)))
+            return self._cache[key]
+
+
 def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs the campaign; prints a line per run and the failed checks; returns the summary."""
     runs = plan_campaign(config.mix)
     config.workdir.mkdir(parents=True, exist_ok=True)
-    # The reference's weights at every step a fault is armed at, to tell where a run diverged.
-    counts = {r.steps for r in runs} | {f.step for r in runs for f in r.faults}
-    counts |= {f.step + k for r in runs for f in r.faults for k in range(1, config.mix.gap)}
     recorded = _recorded(config.record, runs)
     if recorded:
         out(f"{len(recorded)} of {len(runs)} runs taken from the record {config.record}")
     todo = [r for r in runs if r.index not in recorded]
-    references = _reference(config, sorted(counts), out) if todo else {}
+    references = References()
     lock = threading.Lock()
     deadline = None if config.time_budget_s is None else time.time() + config.time_budget_s
 
@@ -120,7 +166,7 @@ def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) 
         took = "run by an earlier campaign" if kept else f"in {time.time() - t0:.0f} s"
         with lock:  # one run's lines together
             out(f"run {run.index + 1}/{len(runs)} step_s={run.step_s:g} steps={run.steps} "
-                f"faults={kinds}: {status} {took} ({run_dir})")
+                f"[{run.shape.describe()}] faults={kinds}: {status} {took} ({run_dir})")
             for reason in verdict.reasons:
                 out(f"  {reason}")
         return verdict
@@ -132,6 +178,12 @@ def run_campaign(config: CampaignConfig, *, out: Callable[[str], None] = print) 
     summary["runs"] = len(runs)
     summary["runs_left"] = sum(v is None for v in done)
     return summary
+
+
+def campaign_ok(summary: dict[str, Any]) -> bool:
+    """Every zero count zero, every bound kept."""
+    return (not any(summary[k] for k in ZERO_KEYS)
+            and not any(summary["bound_violations"].values()))
 
 
 def _recorded(record: Path | None, runs: list[PlannedRun]) -> dict[int, RunVerdict]:
@@ -189,24 +241,43 @@ def _keep_run(run_dir: Path, run: PlannedRun, error: str | None, verdict: RunVer
 
 
 def summarize_campaign(verdicts: list[RunVerdict]) -> dict[str, Any]:
-    """The campaign's summary (``SUMMARY_KEYS``, plus ``not_injected`` and ``fired_in_runs``:
-    the faults that fired inside an autonomous run of steps)."""
+    """The campaign's summary (``SUMMARY_KEYS``, plus ``not_injected``, ``skipped`` and
+    ``fired_in_runs``: the faults that fired inside an autonomous run of steps).
+    ``recovered`` counts the faults that needed a recovery and got it, ``tolerated`` those
+    that needed none and did no harm (stragglers, write errors, bad or slow samples, heavy
+    micro-batches, pauses, full disks); ``bound_violations`` counts, per bound, the
+    measurements beyond it; ``kinds`` has per kind ``injected``, ``ok``, ``failed``."""
     faults = [f for v in verdicts for f in v.faults]
     injected = [f for f in faults if f.injected]
-    recover = [s for f in injected for s in f.recover_s]
+    recover = [s for f in injected if not f.tolerated for s in f.recover_s]
     wall = sum(v.wall_s for v in verdicts)
+    violations = dict.fromkeys(BOUNDS, 0)
+    for bound in [b for f in injected for b in f.bounds] + [b for v in verdicts for b in v.bounds]:
+        if not bound.ok:
+            violations[bound.name] = violations.get(bound.name, 0) + 1
+    kinds: dict[str, dict[str, int]] = {}
+    for f in faults:
+        entry = kinds.setdefault(f.kind, {"injected": 0, "ok": 0, "failed": 0})
+        if f.injected:
+            entry["injected"] += 1
+            entry["ok" if f.recovered and not f.violations else "failed"] += 1
     summary = {
         "faults_injected": len(injected),
-        "recovered": sum(f.recovered for f in injected),
+        "recovered": sum(f.recovered for f in injected if not f.tolerated),
+        "tolerated": sum(f.recovered for f in injected if f.tolerated),
         "unrecovered": sum(not f.recovered for f in injected),
         "diverged": sum(v.diverged for v in verdicts),
         "samples_duplicated": sum(v.duplicated for v in verdicts),
         "samples_missing": sum(v.missing for v in verdicts),
         "healthy_evicted": sum(len(v.healthy_evicted) for v in verdicts),
+        "bound_violations": violations,
+        "processes_left": sum(len(v.processes_left) for v in verdicts),
         "mttr_p50_s": _round(percentile(recover, 0.5)),
         "mttr_p99_s": _round(percentile(recover, 0.99)),
         "goodput": _round(sum(v.goodput_s for v in verdicts) / wall if wall else None),
-        "not_injected": len(faults) - len(injected),
+        "kinds": {k: kinds[k] for k in KINDS if k in kinds},
+        "not_injected": sum(not f.injected and f.skipped is None for f in faults),
+        "skipped": sum(f.skipped is not None for f in faults),
         "fired_in_runs": sum(bool(f.in_run) for f in injected),
     }
     return summary
@@ -216,96 +287,149 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def _reference(
-    config: CampaignConfig, steps: list[int], out: Callable[[str], None]
-) -> dict[int, dict[str, torch.Tensor]]:
-    """The reference weights at each step count (computed once per workdir, then reused)."""
-    from safetensors.torch import load_file
-
-    ref_dir = config.workdir / "reference"
-    key = {"target": config.target, "replicas": config.replicas}
-    key_file = ref_dir / "reference.json"
-    fresh = key_file.exists() and json.loads(key_file.read_text()) == key
-    if not (fresh and all(reference_file(ref_dir, n).exists() for n in steps)):
-        t0 = time.time()
-        error = _start(config, job_config(target=config.target, run_dir=ref_dir,
-                                          steps=max(steps), replicas=config.replicas,
-                                          step_s=0.0, run=None, snapshots=steps),
-                       ref_dir, timeout_s=config.job_timeout_s, fresh=True)
-        if error is not None:
-            raise RuntimeError(f"the reference run failed ({ref_dir}): {error}")
-        key_file.write_text(json.dumps(key))
-        out(f"reference: {max(steps)} steps without faults in {time.time() - t0:.0f} s "
-            f"({ref_dir})")
-    return {n: load_file(str(reference_file(ref_dir, n))) for n in steps}
+# ---- one run -------------------------------------------------------------------------------
 
 
 def _run(config: CampaignConfig, run: PlannedRun, run_dir: Path) -> str | None:
-    """Runs one faulted run (and its resume after a whole-job kill); None if it finished."""
+    """Runs one faulted run (and its jobs started again after a whole-job fault); None if it
+    finished."""
     timeout = config.job_timeout_s + run.steps * run.step_s * 3
-    cfg = job_config(target=config.target, run_dir=run_dir, steps=run.steps,
-                     replicas=config.replicas, step_s=run.step_s, run=run.to_json(),
-                     checkpoint_every=config.mix.checkpoint_every)
-    error = _start(config, cfg, run_dir, timeout_s=timeout, fresh=True)
-    if error == "killed" and any(f.kind == "job_kill" for f in run.faults):
-        cfg["incarnation"] = 1
-        error = _start(config, cfg, run_dir, timeout_s=timeout, fresh=False)
+    if run_dir.exists():
+        _unmount(run_dir / JOB_DIR)
+        shutil.rmtree(run_dir)
+    (run_dir / JOB_DIR).mkdir(parents=True)
+    if any(f.kind == "disk_full" and f.variant == "run_dir" for f in run.faults):
+        _mount_tmpfs(run_dir / JOB_DIR)
+    whole = {f.index for f in run.faults if f.kind in WHOLE_JOB_KINDS}
+    error: str | None = None
+    deferred = False
+    try:
+        for incarnation in range(MAX_INCARNATIONS):
+            cfg = job_config(run_dir=run_dir, run=run.to_json(), incarnation=incarnation)
+            started = time.time()
+            error, rc = _start(cfg, run_dir, timeout_s=timeout)
+            ended = time.time()
+            cut = _whole_job_fault_in(run_dir, run, whole, started, ended)
+            again = error is not None and cut is not None
+            if again and cut == "controller_kill":
+                deferred = True  # the workers are left as they are; judged at the run's end
+                _record_job(run_dir, incarnation, rc, started, ended, {})
+            else:
+                _record_job(run_dir, incarnation, rc, started, ended, _leftovers(run_dir))
+            if not again:
+                break
+    finally:
+        if deferred:
+            left = _leftovers(run_dir)
+            if left:
+                _record_job(run_dir, -1, None, time.time(), time.time(), left)
+        _unmount(run_dir / JOB_DIR)
     return error
 
 
-def _start(
-    config: CampaignConfig, cfg: dict[str, Any], run_dir: Path, *, timeout_s: float, fresh: bool
-) -> str | None:
-    if fresh and run_dir.exists():
-        import shutil
+def _whole_job_fault_in(run_dir: Path, run: PlannedRun, whole: set[int], started: float,
+                        ended: float) -> str | None:
+    """The kind of the whole-job fault that fired while this job ran, if one did."""
+    from planaria.campaign import storage_faults
 
-        shutil.rmtree(run_dir)
+    fired = {r["id"]: r for r in storage_faults.fired(run_dir / "control")}
+    for fault in run.faults:
+        if fault.index not in whole:
+            continue
+        hit = fired.get(f"r{run.index}f{fault.index}.primary")
+        if hit is not None and started <= float(hit["t"]) <= ended + 1.0:
+            if fault.kind == "kill_resumed" and fault.variant == "controller":
+                return "controller_kill"
+            return fault.kind
+    return None
+
+
+def _record_job(run_dir: Path, incarnation: int, rc: int | None, started: float,
+                ended: float, left: dict[int, str]) -> None:
+    with (run_dir / JOBS_FILE).open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"incarnation": incarnation, "rc": rc, "started_t": started,
+                            "ended_t": ended, "left": {str(k): v for k, v in left.items()}})
+                + "\n")
+
+
+def _start(
+    cfg: dict[str, Any], run_dir: Path, *, timeout_s: float
+) -> tuple[str | None, int | None]:
+    """Runs one job process; (None, 0) if it finished, else (why, its exit code)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     spec_file = run_dir / f"job-{cfg['incarnation']}.json"
     spec_file.write_text(json.dumps(cfg))
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parents[2])  # this planaria, not another one
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    env[RUN_MARKER] = str(run_dir.resolve())  # the workers inherit it: see _clean_up
-    with (run_dir / f"job-{cfg['incarnation']}.log").open("w") as log:
+    env[RUN_MARKER] = str(run_dir.resolve())  # every process of the job inherits it
+    env[procs.INCARNATION] = str(cfg["incarnation"])
+    log_path = run_dir / f"job-{cfg['incarnation']}.log"
+    with log_path.open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "planaria.campaign.job", str(spec_file)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         try:
-            rc = proc.wait(timeout=timeout_s)
+            rc: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             rc = None
-        _clean_up(run_dir, proc.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=30)
     if rc is None:
-        return f"timed out after {timeout_s:.0f} s"
+        return f"timed out after {timeout_s:.0f} s", None
     if rc == -signal.SIGKILL:
-        return "killed"
+        return "killed", rc
     if rc != 0 or not (run_dir / FINAL_FILE).exists():
-        tail = (run_dir / f"job-{cfg['incarnation']}.log").read_text().strip().splitlines()
-        return f"exit code {rc}: {tail[-1] if tail else ''}"
-    return None
+        tail = log_path.read_text().strip().splitlines()
+        return f"exit code {rc}: {tail[-1] if tail else ''}", rc
+    return None, rc
 
 
-def _clean_up(run_dir: Path, pgid: int) -> None:
-    """SIGKILLs what the job started and left behind: its process group, its workers."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-    events = run_dir / "events.jsonl"
-    pids: set[int] = set()
-    if events.exists():
-        for line in events.read_text().splitlines():
-            if '"worker_started"' in line:
-                with contextlib.suppress(ValueError, KeyError):
-                    pids.add(int(json.loads(line)["pid"]))
-    marker = f"{RUN_MARKER}={run_dir.resolve()}".encode()
-    for pid in pids:
-        try:  # only our own workers: a pid may have been reused since
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker not in f.read().split(b"\0"):
-                    continue
+def _leftovers(run_dir: Path) -> dict[int, str]:
+    """The run's processes still alive :data:`ORPHAN_WAIT_S` after its job ended (then
+    SIGKILLed, so that the next job starts clean)."""
+    end = time.monotonic() + ORPHAN_WAIT_S
+    left = procs.marked(run_dir)
+    while left and time.monotonic() < end:
+        time.sleep(0.25)
+        left = procs.marked(run_dir)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            continue
+    return left
+
+
+def _mount_tmpfs(path: Path) -> bool:
+    """Mounts a small tmpfs at ``path`` (a run dir whose disk a fault fills); False (and the
+    fault is skipped, saying why) where mounting is refused (not root, no privilege)."""
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs",
+                        str(path)], check=True, capture_output=True, timeout=30)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _unmount(path: Path) -> None:
+    """Keeps a tmpfs run dir's files (copied out) and unmounts it."""
+    from planaria.campaign.inject import BALLAST
+
+    if not _is_mount(path):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path / BALLAST)
+    copy = path.with_name(f"{path.name}.kept")
+    shutil.copytree(path, copy, dirs_exist_ok=True)
+    subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True, timeout=30)
+    shutil.copytree(copy, path, dirs_exist_ok=True)
+    shutil.rmtree(copy, ignore_errors=True)
+
+
+def _is_mount(path: Path) -> bool:
+    target = str(Path(path).resolve())
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        return any(line.split()[1] == target for line in f if len(line.split()) > 1)
+    return False
