@@ -131,9 +131,10 @@ def _timed_job_class() -> type:
 
     class TimedJob(Job):
         def _gather(
-            self, refs: dict[str, Any], *, deadline_s: float, step: int | None
+            self, refs: dict[str, Any], *, deadline_s: float, step: int | None,
+            poll: Any = None,
         ) -> dict[str, Any]:
-            results = super()._gather(refs, deadline_s=deadline_s, step=step)
+            results = super()._gather(refs, deadline_s=deadline_s, step=step, poll=poll)
             if step is not None:
                 times = {
                     name: {k: float(r.get(k, 0.0)) for k in _TIMES}
