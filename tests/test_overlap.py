@@ -119,3 +119,57 @@ def test_training_with_overlap_equals_training_without_with_a_kill(tmp_path: Pat
     assert_same_state(reference, result.state_dict)
     assert_exactly_once(tmp_path, num_samples=512, global_batch_size=64, steps=12)
     assert [f["kind"] for f in of(events(tmp_path), "fault")] == ["worker_lost"]
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity forward; its backward takes ``0.4`` s (a long backward, in which a peer's
+    death arrives while the overlapped reduction's hooks run)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        import time
+
+        time.sleep(0.4)
+        return grad
+
+
+class SlowBackwardMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = mlp.make_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # At the output: backward waits first, then the parameters' gradients complete
+        # and their hooks start the buckets' reductions.
+        return SlowBackward.apply(self.inner(x))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_peer_dying_during_an_overlapped_backward_is_a_death_not_a_user_error(tmp_path):
+    """The survivors are told to abandon the step while their backward's hooks reduce
+    buckets: the hook's StepAborted must not read as the user's code failing."""
+    import planaria
+    from planaria import Job, RunConfig
+    from tests.assertions import run_to
+    from tests.loop_faults import SignalSelfAt, install
+
+    base = mlp.make_spec(n=512)
+    spec = planaria.TrainSpec(model=SlowBackwardMLP, optimizer=base.optimizer, loss=base.loss,
+                              dataset=base.dataset, global_batch_size=64,
+                              micro_batch_size=16, grad_clip_norm=base.grad_clip_norm)
+    job = Job(spec, RunConfig(steps=6, replicas=3, run_dir=tmp_path, ledger=True,
+                              overlap_reduction=True))
+    with job:
+        # w1 (one micro-batch) dies once its gradient is computed: w0 (two) is then in its
+        # last backward, whose hooks reduce the buckets as they complete.
+        install(job, "w1", SignalSelfAt(3, "computed", 9, str(tmp_path / "fired")))
+        run_to(job, 6)
+    kinds = [f["kind"] for f in of(events(tmp_path), "fault")]
+    assert kinds == ["worker_lost"], kinds
+    assert_exactly_once(tmp_path, num_samples=512, global_batch_size=64, steps=6)

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from planaria.errors import InfrastructureError, UserCodeError
+from planaria.errors import Failure, InfrastructureError, StepAborted, UserCodeError
 
 __all__ = ["is_infrastructure_error", "user_call"]
 
@@ -59,9 +59,14 @@ def is_infrastructure_error(err: BaseException) -> bool:
 
 
 def user_call(what: str, fn: Callable[..., T], *args: Any) -> T:
-    """Runs user code; its exceptions come out classified, with the original traceback."""
+    """Runs user code; its exceptions come out classified, with the original traceback.
+    planaria's own errors raised under it pass as they are: a step abandoned because a peer
+    failed (``StepAborted``, from an overlapped reduction's hook inside ``backward``) is
+    not the user's code failing."""
     try:
         return fn(*args)
+    except (StepAborted, Failure):  # a control signal, or a failure already classified
+        raise
     except Exception as err:
         cls = InfrastructureError if is_infrastructure_error(err) else UserCodeError
         raise cls(
