@@ -15,8 +15,6 @@ Needs root and iptables (Debian's ``iptables``, installed by ``.ci/run``); skips
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,50 +35,25 @@ STEPS = 8
 CHAIN = f"PLANARIA-LINK-{os.getpid()}"
 
 
-def _iptables(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["iptables", "-w", *args], capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
 def netfilter():
-    if shutil.which("iptables") is None or os.geteuid() != 0:
+    from planaria.campaign.netfilter import Chain, available
+
+    if not available():
         pytest.skip("needs root and iptables (apt-get install iptables) to drop a link")
-    if _iptables("-N", CHAIN).returncode != 0 or _iptables("-I", "OUTPUT", "-j", CHAIN).returncode:
+    chain = Chain(CHAIN)
+    if not chain.create():
         pytest.skip("iptables is not usable here (no netfilter in this kernel or sandbox)")
     try:
-        yield CHAIN
+        yield chain.name
     finally:
-        _iptables("-D", "OUTPUT", "-j", CHAIN)
-        _iptables("-F", CHAIN)
-        _iptables("-X", CHAIN)
-
-
-def _tcp_endpoints(pid: int) -> dict[int, tuple[str, str]]:
-    """Socket inode -> (local, remote) of process ``pid``'s established TCP connections."""
-    from planaria.links import _endpoint
-
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    out = {}
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()
-                if fields[3] == "01" and int(fields[9]) in inodes:
-                    out[int(fields[9])] = (_endpoint(fields[1]), _endpoint(fields[2]))
-    return out
+        chain.remove()
 
 
 class CutLinks:
     """At ``step``, once its gradient is computed (before the all-reduce): drops every TCP
-    flow between this worker and the ``peers`` processes (its process group's links; its
-    store and Ray connections go elsewhere), both ways, in netfilter chain ``chain``."""
+    flow between this worker and the ``peers`` processes, both ways, in netfilter chain
+    ``chain`` (planaria.campaign.netfilter)."""
 
     def __init__(self, step: int, peers: list[int], chain: str, marker: str) -> None:
         self.step, self.peers, self.chain, self.marker = step, peers, chain, marker
@@ -88,17 +61,10 @@ class CutLinks:
     def __call__(self, worker, step: int, phase: str) -> None:
         if phase != "computed" or step != self.step or os.path.exists(self.marker):
             return
-        theirs = {local for pid in self.peers for local, _ in _tcp_endpoints(pid).values()}
-        flows = [(lo, re) for lo, re in _tcp_endpoints(os.getpid()).values() if re in theirs]
-        for lo, re in flows:
-            (lip, lport), (rip, rport) = lo.rsplit(":", 1), re.rsplit(":", 1)
-            for src, sport, dst, dport in ((lip, lport, rip, rport), (rip, rport, lip, lport)):
-                subprocess.run(["iptables", "-w", "-A", self.chain, "-p", "tcp", "-s", src,
-                                "--sport", sport, "-d", dst, "--dport", dport, "-j", "DROP"],
-                               check=True, timeout=30)
-        Path(self.marker).write_text(f"{time.time()} {len(flows)}")
+        from planaria.campaign.netfilter import cut_links
 
-
+        flows = cut_links(self.peers, self.chain)
+        Path(self.marker).write_text(f"{time.time()} {flows}")
 
 
 @pytest.fixture(scope="module")

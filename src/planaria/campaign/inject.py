@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from planaria.campaign import dataset as campaign_dataset
-from planaria.campaign import procs, storage_faults
+from planaria.campaign import netfilter, procs, storage_faults
 from planaria.campaign.knobs import arm_trigger
 from planaria.campaign.mix import PlannedFault, PlannedRun
 from planaria.chaos import send_signal
@@ -63,13 +63,15 @@ _TRIGGERED = {"kill": "kill", "hang": "hang", "preempt": "preempt", "kill_rerun"
               "nonfinite": "nan", "job_kill": "job_kill", "kill_starting": "kill",
               "kill_spare": "kill", "stall": "stall", "heavy_microbatch": "heavy",
               "pause": "pause", "fleet_preempt": "fleet", "gcs_kill": "kill_pids",
-              "raylet_kill": "kill_pids", "kill_resumed": "job_kill"}
+              "raylet_kill": "kill_pids", "kill_resumed": "job_kill",
+              "link_stall": "cut_links"}
 _SECONDARY_PHASE = {"kill_rerun": "rerun", "kill_join": "join", "kill_resumed": "resumed"}
 # How the report must name a fault a worker trigger made: a kill or hang of the last replica
 # holding the state is rightly "all_replicas_lost" (an earlier fault took the others).
 _EXPECT = {"kill": ["worker_lost", "all_replicas_lost"],
            "hang": ["worker_hung", "all_replicas_lost"], "stall": ["worker_hung"],
-           "preempt": ["preempted"], "nan": ["nonfinite_loss"]}
+           "preempt": ["preempted"], "nan": ["nonfinite_loss"],
+           "cut_links": ["worker_unreachable"]}
 
 
 def read_injections(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -295,6 +297,14 @@ class Injector:
             return {"pids": procs.ray_children(os.getpid(), binary)}
         if kind == "kill_resumed" and fault.variant == "controller":
             return {"pids": [os.getpid()]}
+        if kind == "link_stall":
+            chain = netfilter.Chain(netfilter.run_chain(self.run.index))
+            if not chain.create():
+                raise RuntimeError("link_stall needs root and iptables (netfilter)")
+            fleet = self._fleet(job)
+            target = job.names[fault.target % len(job.names)]
+            return {"peers": sorted(p for n, p in fleet.items() if n.split(".")[0] != target),
+                    "chain": chain.name}
         return {}
 
     def _fleet(self, job: Job) -> dict[str, int]:
@@ -432,7 +442,7 @@ class Injector:
                     job_pgid=os.getpgid(0) if action == "job_kill" else None, **params)
         self.triggers[fid] = {"fault": fault, "role": role, "action": action, "pid": pid,
                               "step": job.steps_done, "params": params}
-        victims = ([target] if action in ("kill", "hang", "preempt", "stall") else
+        victims = ([target] if action in ("kill", "hang", "preempt", "stall", "cut_links") else
                    sorted({n.split(".", 1)[0] for n in self._fleet(job)})
                    if action == "fleet" else [])
         self._log(fault, role, action, target, pid, job.steps_done, ahead=ahead,

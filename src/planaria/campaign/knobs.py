@@ -21,7 +21,10 @@ trigger fires once), logs it durably to ``CONTROL/fired.jsonl`` and then acts:
 - ``heavy``: burns the CPU for ``seconds`` (matrix products: busy, no progress
   between micro-batches);
 - ``pause``: one SIGSTOP, SIGCONT ``seconds`` later (from a detached shell);
-- ``fill``: fills the file system holding ``path`` with a ballast file there.
+- ``fill``: fills the file system holding ``path`` with a ballast file there;
+- ``cut_links``: drops every TCP flow between itself and the ``peers`` processes, both
+  ways, with netfilter rules in ``chain`` (planaria.campaign.netfilter): its process group's
+  links die while it and its heartbeat live.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from planaria.campaign import storage_faults
 __all__ = ["ACTIONS", "CampaignLoss", "arm_trigger", "fill_disk"]
 
 ACTIONS = ("kill", "hang", "preempt", "nan", "job_kill", "kill_pids", "fleet", "stall", "heavy",
-           "pause", "fill")
+           "pause", "fill", "cut_links")
 _SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "preempt": signal.SIGTERM}
 
 
@@ -144,6 +147,10 @@ class CampaignLoss:
             time.sleep(0.05)  # stopped within this sleep
         elif action == "fill":
             fill_disk(str(trigger["path"]))
+        elif action == "cut_links":
+            from planaria.campaign.netfilter import cut_links
+
+            cut_links([int(p) for p in trigger["peers"]], str(trigger["chain"]))
         else:
             os.kill(os.getpid(), _SIGNALS[action])
         return out

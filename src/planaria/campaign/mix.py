@@ -64,6 +64,7 @@ KINDS = (
     "kill_spare",  # a kill (a spare takes its place), then a kill of the new spare warming up
     "kill_final_save",  # SIGKILL to a writer of the final save
     "kill_resumed",  # a whole-job kill, then a kill in the job started again
+    "link_stall",  # a worker's process-group flows dropped (netfilter), its heartbeat alive
 )
 COMPOUND_KINDS = frozenset({"kill_rerun", "kill_join", "kill_restore", "kill_starting",
                             "kill_spare", "kill_resumed"})
@@ -287,6 +288,8 @@ def _shape(rng: random.Random, config: MixConfig, kinds: list[str]) -> RunShape:
         spares = 1
     elif "kill_starting" in kinds:
         spares = 0
+    if "link_stall" in kinds:  # a culprit to name: three ranks or more, one worker each
+        replicas, sharded = max(3, replicas), False
     overlap = not sharded and rng.random() < config.overlap_share
     defaults = rng.random() < config.defaults_share
     every = "auto" if defaults else rng.choice(config.intervals)

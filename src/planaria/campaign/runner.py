@@ -324,6 +324,10 @@ def _run(config: CampaignConfig, run: PlannedRun, run_dir: Path) -> str | None:
             if left:
                 _record_job(run_dir, -1, None, time.time(), time.time(), left)
         _unmount(run_dir / JOB_DIR)
+        if any(f.kind == "link_stall" for f in run.faults):
+            from planaria.campaign.netfilter import Chain, run_chain
+
+            Chain(run_chain(run.index)).remove()  # the dropped flows' rules go with the run
     return error
 
 

@@ -28,6 +28,8 @@ The bounds (:data:`BOUNDS`), each a number against a limit:
 - ``notice_to_snapshot_1s``: a preemption notice to every member to the start of
   the save of the step in hand (``checkpoint_started``), <= 1 s;
 - ``stall_evicted``: a stalled worker to its eviction, <= the step deadline + 5 s;
+- ``link_evicted``: a worker cut off from its peers (link_stall) to its eviction, <= the
+  step deadline + 5 s;
 - ``commit_0.2s`` (per save of the run): the last writer's finish
   (``writers_done_t``, else the last shard's close through faulty://) to
   ``checkpoint_saved``, <= 0.2 s.
@@ -64,7 +66,7 @@ from planaria.data_plan import DataPlan, Ledger
 __all__ = ["BOUNDS", "Bound", "FaultVerdict", "RunVerdict", "check_run", "skipped_samples"]
 
 BOUNDS = ("detect_0.5s", "kill_recovered", "lost_steps", "notice_to_snapshot_1s",
-          "stall_evicted", "commit_0.2s")
+          "stall_evicted", "link_evicted", "commit_0.2s")
 DETECT_S = 0.5
 NOTICE_S = 1.0
 COMMIT_S = 0.2
@@ -496,6 +498,21 @@ def _stall(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[di
     return []
 
 
+def _link_stall(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
+                hits: list[dict[str, Any]], tl: Timeline, run_dir: Path) -> list[str]:
+    """The worker cut off from its peers is evicted (as unreachable) within the step
+    deadline + 5 s of its links' cut; no one else (the healthy-eviction check)."""
+    inj = hits[0]
+    seg, name = int(inj["incarnation"]), inj.get("worker")
+    t0 = float(tl.fired[inj["id"]]["t"])
+    evicted = [float(r["t"]) for r in tl.in_segment(seg, "fault") if float(r["t"]) >= t0
+               and name in str(r.get("worker") or "").split(",")]
+    limit = tl.deadline(t0, seg) + STALL_SLACK_S
+    fv.bounds.append(Bound("link_evicted", round(min(evicted) - t0, 4) if evicted else None,
+                           round(limit, 4), f"the cut-off {name} evicted as unreachable"))
+    return []
+
+
 def _fleet(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[dict[str, Any]],
            tl: Timeline, run_dir: Path) -> list[str]:
     """Every member preempted: nothing may be lost. Where the state left with them (a
@@ -636,6 +653,7 @@ def _outlived(tl: Timeline, seg: int) -> bool:
 
 _KIND_CHECKS: dict[str, Callable[..., list[str]]] = {
     "kill_rerun": _second_half, "kill_join": _second_half, "kill_save": _second_half,
+    "link_stall": _link_stall,
     "kill_restore": _second_half, "kill_resumed": _second_half,
     "storage_write": _storage_write, "bad_sample": _bad_sample, "stall": _stall,
     "fleet_preempt": _fleet, "preempt_during_save": _preempt_during_save,
