@@ -139,6 +139,11 @@ def _raise_replica_error(worker: Any, refs: list[Any], err: BaseException) -> No
             ray.get(ref)
         except ray.exceptions.RayActorError as died:
             raise _dead(worker, i, died) from err
+        except ray.exceptions.RayTaskError as failed:
+            cause = failed.cause
+            if isinstance(cause, Failure):  # another worker's own failure (it could not load
+                cause.workers = (worker.name,)  # its samples): the replica's, named by it
+                raise cause from err
         except Exception:
             pass
 

@@ -166,6 +166,18 @@ class ShardedReduce:
         norm2 = float(tail[1])
         return math.sqrt(norm2) if math.isfinite(norm2) else math.nan
 
+    def agree_loaded(self, ok: bool) -> None:
+        """After a step's load, before any of FSDP's collectives: whether every worker of the
+        replica loaded its samples (one small all-reduce inside the replica). A worker whose
+        load failed raises its own error (the leader reports it); the others raise
+        StepAborted: nobody waits in a collective the failed one never enters, and the
+        replica stays whole (a failing sample then runs on another replica, see
+        planaria.attribution)."""
+        flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(flag)
+        if ok and flag.item() > 0:
+            raise StepAborted("another worker of this replica could not load its samples")
+
     def zero(self) -> None:
         for p in self.params:
             p.grad = None

@@ -567,7 +567,15 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             self._overlap.abandon()  # a step starts with no reduction armed (a failed one may)
         try:
             self._set_phase("loading", step)
-            loaded = self._take(ids, step, first)
+            try:
+                loaded = self._take(ids, step, first)
+            except Failure as err:
+                if self._sharded is not None:  # the replica's others learn it: all leave whole
+                    self._sharded.agree_loaded(False)
+                    err.replica_intact = True  # type: ignore[attr-defined]
+                raise
+            if self._sharded is not None:
+                self._sharded.agree_loaded(True)
             served = loaded.served
             if self.loop_fault is not None:
                 self.loop_fault(self, step, "loaded")  # a fault injected before the compute
@@ -592,9 +600,11 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 self._raise_if_aborted(step)
                 if overlap is not None and j == len(loaded.batches) - 1:
                     overlap.arm(self.comm)  # this backward reduces its buckets as they complete
-                if batch is None:  # every sample of it skipped (a work fault): no forward
-                    self.progress += 1
-                    continue
+                if batch is None:  # every sample of it skipped (a work fault): no forward,
+                    if self._sharded is None or not real:  # or (FSDP pairs the replica's
+                        self.progress += 1  # forwards) a weightless one
+                        continue
+                    batch = real[0]
                 self._work = f"m{first + j}"
                 # The micro-batch's own random stream: the same at any width, on any rank.
                 seed_torch(micro_batch_seed(self.spec.seed, step, first + j))
@@ -622,7 +632,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             err.workers, err.step = (self.name,), step
             if err.work is None:
                 err.work = Work(step=step)
-            if self.shard_index:
+            if self.shard_index and not getattr(err, "replica_intact", False):
                 replica_failed(self._store, self.replica_key, self.shard_index, err)
             raise
         except StepAborted:
