@@ -862,6 +862,8 @@ class Job:
                     results[name] = ray.get(ref)
                 except Exception as err:
                     errors[name] = err
+                    if _is_death(err):  # known now; classified once the others answered
+                        self.log.emit("failure_seen", worker=name, how="death")
                     self._abort_generation()
             if not len(calls):
                 break
@@ -875,6 +877,9 @@ class Job:
                 self._report_wait([by_ref[r] for r in calls.pending], step, now - began)
             pending = [by_ref[r] for r in calls.pending]
             found = self.liveness.hung(self._with_followers(pending), self._deadline_for)
+            # In a sharded replica, workers wait on a frozen one inside FSDP's collectives (in
+            # phase compute): only the frozen one is judged, by the heartbeat timeout.
+            found = [n for n in found if self.liveness.stopped(n) or not self._frozen_peer(n)]
             for name in found:  # a replica's other worker: dated from its own record
                 if "." in name:
                     seen = (self.liveness.last_alive_t(name) if self.liveness.stopped(name)
@@ -1004,6 +1009,13 @@ class Job:
         if k == 1:
             return names
         return [*names, *(f"{n}.{i}" for n in names for i in range(1, k))]
+
+    def _frozen_peer(self, name: str) -> bool:
+        """Another worker of ``name``'s replica is frozen or paused (its heartbeat silent,
+        not yet past the heartbeat timeout)."""
+        peers = self._with_followers([name.split(".", 1)[0]])
+        return any(p != name and self.liveness.silent_s(p) > self.liveness.vouch_s
+                   and not self.liveness.stopped(p) for p in peers)
 
     @staticmethod
     def _leaders(names: list[str]) -> list[str]:

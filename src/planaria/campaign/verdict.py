@@ -360,8 +360,13 @@ def _reported(fv: FaultVerdict, fault: PlannedFault, inj: dict[str, Any], tl: Ti
     killed = inj["action"] in ("kill", "kill_write", "kill_read", "kill_join", "kill_save",
                                "kill_final_snapshot")
     if killed and rec.get("kind") != "all_replicas_lost":
-        fv.bounds.append(Bound("detect_0.5s", round(detect, 4), DETECT_S,
-                               f"{what}: fired to its fault record"))
+        # Detected: the controller's first record of the death (failure_seen, at Ray's notice),
+        # else its fault record.
+        seen = [float(r["t"]) for r in tl.in_segment(seg, "failure_seen")
+                if r.get("worker") == name and float(r["t"]) >= t0 - 0.05]
+        first = min([*seen, float(rec["t"])])
+        fv.bounds.append(Bound("detect_0.5s", round(first - t0, 4), DETECT_S,
+                               f"{what}: fired to the controller's first record of it"))
     if fault.kind == "kill_final_save":  # no step follows: the final save is its recovery
         saved = [r for r in tl.after(float(rec["t"]), "checkpoint_saved")
                  if int(r["step"]) >= run.steps]
@@ -726,6 +731,11 @@ def _run_checks(
     if run.shape.ledger:
         once = oracle.exactly_once(Ledger.committed(run_dir / "job"), plan, run.steps,
                                    skipped=Ledger.skipped(run_dir / "job"), skip=skip)
+        if _ledger_dropped(tl) and not once.duplicated:
+            # A full run dir cost the ledger records, and the run said so (run_end's
+            # dropped): its holes are not the data's. The dataset's own load record and
+            # the final weights below judge those steps.
+            once.missing = 0
         v.duplicated, v.missing = once.duplicated, once.missing
         if not once.ok:
             v.reasons.append(f"{run_dir}: ledger: {once.duplicated} duplicated, {once.missing} "
@@ -741,6 +751,12 @@ def _run_checks(
         v.healthy_evicted.append(f"{seg}:{name}")
         v.reasons.append(f"{run_dir}: healthy worker {name} left the membership "
                          f"(segment {seg}): {_why_left(tl, seg, name)}")
+
+
+def _ledger_dropped(tl: Timeline) -> bool:
+    """Some incarnation of the job reported ledger records it could not write (a full disk)."""
+    return any(int((r.get("dropped") or {}).get("ledger") or 0) > 0
+               for seg in range(len(tl.segments)) for r in tl.in_segment(seg, "run_end"))
 
 
 def _first_divergence(
