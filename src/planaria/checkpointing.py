@@ -82,7 +82,7 @@ from planaria.checkpoint.restore import CheckpointInfo, read_run_id
 from planaria.checkpoint.retention import delete_checkpoint
 from planaria.checkpoint.storage import Storage
 from planaria.config import check
-from planaria.errors import Failure, StorageError, root_cause
+from planaria.errors import Failure, StorageError, WorkerLost, root_cause
 
 if TYPE_CHECKING:
     from planaria.controller import Job
@@ -316,6 +316,7 @@ class Checkpointer:
         self._restoring = False
         self._last_failure: str | None = None
         self.failed_in_a_row = 0  # saves that did not commit since the last one that did
+        self.lost_writers: set[str] = set()  # writers that died under a save
         self._stop_reason: str | None = None
         self.restores: list[dict[str, Any]] = []
 
@@ -469,6 +470,12 @@ class Checkpointer:
         not saved did not finish."""
         path = self.save_now(reason="final")
         self._wait_retention()
+        dead = sorted(self.lost_writers & set(self.job.names))
+        if path is None and dead:
+            # A writer died under it: a worker's loss, which the caller recovers from (the
+            # others hold the state) before saving again.
+            raise WorkerLost(f"worker {', '.join(dead)} died during the final save",
+                             workers=tuple(dead), step=self.job.steps_done)
         if path is None and self.interval is not None:
             raise CheckpointError(
                 f"the final checkpoint (step {self.job.steps_done}) was not committed under "
@@ -793,6 +800,8 @@ class Checkpointer:
             out = fut.result()
         except BaseException as err:  # its write failed, or it died before it finished
             cause = root_cause(err)
+            if isinstance(err, ray.exceptions.RayActorError):
+                self.lost_writers.add(name)  # a death: the caller recovers, then saves again
             text = str(cause).strip().splitlines()
             with save.lock:
                 if save.failed is None and save.commit is None:

@@ -877,9 +877,10 @@ class Job:
                 self._report_wait([by_ref[r] for r in calls.pending], step, now - began)
             pending = [by_ref[r] for r in calls.pending]
             found = self.liveness.hung(self._with_followers(pending), self._deadline_for)
-            # In a sharded replica, workers wait on a frozen one inside FSDP's collectives (in
-            # phase compute): only the frozen one is judged, by the heartbeat timeout.
-            found = [n for n in found if self.liveness.stopped(n) or not self._frozen_peer(n)]
+            # In a sharded replica, workers wait inside FSDP's collectives (in phase compute)
+            # on one that is frozen (judged by the heartbeat timeout) or busy: only a replica
+            # none of whose workers moves is stuck.
+            found = [n for n in found if self.liveness.stopped(n) or not self._peer_moves(n)]
             for name in found:  # a replica's other worker: dated from its own record
                 if "." in name:
                     seen = (self.liveness.last_alive_t(name) if self.liveness.stopped(name)
@@ -1010,12 +1011,20 @@ class Job:
             return names
         return [*names, *(f"{n}.{i}" for n in names for i in range(1, k))]
 
-    def _frozen_peer(self, name: str) -> bool:
+    def _peer_moves(self, name: str) -> bool:
         """Another worker of ``name``'s replica is frozen or paused (its heartbeat silent,
-        not yet past the heartbeat timeout)."""
-        peers = self._with_followers([name.split(".", 1)[0]])
-        return any(p != name and self.liveness.silent_s(p) > self.liveness.vouch_s
-                   and not self.liveness.stopped(p) for p in peers)
+        not yet past the heartbeat timeout) or makes progress (a busy micro-batch): ``name``
+        may be waiting on it inside the replica's collectives."""
+        live = self.liveness
+        for peer in self._with_followers([name.split(".", 1)[0]]):
+            if peer == name:
+                continue
+            if live.silent_s(peer) > live.vouch_s and not live.stopped(peer):
+                return True
+            hb = live.last(peer)
+            if hb is not None and live.still_s(peer) <= self._deadline_for(hb):
+                return True
+        return False
 
     @staticmethod
     def _leaders(names: list[str]) -> list[str]:

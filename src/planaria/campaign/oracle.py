@@ -164,6 +164,10 @@ def leavers(segment: list[dict[str, Any]]) -> set[str]:
     policy's design) did not leave for a fault of theirs and are not counted."""
     gone: set[str] = set()
     previous: set[str] | None = None
+    # A fault whose action evicts no one (the work runs again elsewhere, or is skipped)
+    # names the worker it happened on, not one that left.
+    kept = {r.get("fault_id") for r in segment if r.get("event") == "action"
+            and r.get("action") in ("retry_elsewhere", "skip")}
     for index, rec in enumerate(segment):
         ev = rec.get("event")
         if ev == "generation":
@@ -171,7 +175,7 @@ def leavers(segment: list[dict[str, Any]]) -> set[str]:
             if previous is not None and not _starts_over(segment, index):
                 gone |= previous - current
             previous = current
-        elif ev == "fault":
+        elif ev == "fault" and rec.get("fault_id") not in kept:
             gone |= {w.strip() for w in str(rec.get("worker") or "").split(",") if w.strip()}
         elif ev in ("drained", "hang_stack") and rec.get("worker"):
             gone.add(str(rec["worker"]))

@@ -436,9 +436,15 @@ def _nothing_lost(fv: FaultVerdict, seg: int, t0: float, tl: Timeline, target: s
     of those left out (a straggler armed on a worker a preemption was draining)."""
     end = min((t for t, _ in others if t > t0), default=float("inf"))
     theirs = set().union(*(v for _, v in others)) if others else set()
+    # Faults that evict no one (the work ran again elsewhere, a bad sample was skipped): the
+    # runtime telling the work's fault from the worker's, not a loss.
+    kept = {r.get("fault_id") for r in tl.in_segment(seg, "action")
+            if r.get("action") in ("retry_elsewhere", "skip")}
     for r in tl.in_segment(seg, "fault"):
         if not t0 <= float(r["t"]) < end or r.get("kind") == "nonfinite_loss":
             continue  # before it, or a NaN another fault of the run returned
+        if r.get("fault_id") in kept:
+            continue
         named = {w.strip() for w in str(r.get("worker") or "").split(",") if w.strip()}
         if named & theirs or (target is not None and named and target not in named):
             continue
@@ -481,7 +487,8 @@ def _bad_sample(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
     sample = int(hits[0]["sample"])
     t0 = float(tl.fired[hits[0]["id"]]["t"])
     for r in tl.after(t0 - 1.0, "sample_skipped"):
-        named = [r.get(k) for k in ("sample", "sample_id", "id")] + list(r.get("ids") or [])
+        named = ([r.get(k) for k in ("sample", "sample_id", "id")] + list(r.get("ids") or [])
+                 + list(r.get("samples") or []))
         if sample in [int(x) for x in named if x is not None]:
             return []
     return [f"no sample_skipped record names sample {sample} (it raised OSError in every "
