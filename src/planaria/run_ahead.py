@@ -239,7 +239,7 @@ class RunAhead:
         served = self._served_from_store(members) if job.ledger is not None else {}
         if ahead is not None:
             for rec in ahead["steps"]:
-                if rec["step"] >= committed:
+                if not start <= rec["step"] < committed:
                     continue
                 if job.ledger is not None:
                     job.ledger_step(rec["step"], served.get(rec["step"]) or {})

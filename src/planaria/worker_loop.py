@@ -114,6 +114,7 @@ class WorkerLoopMixin:
         with a ledger) returns its records, which hold the step's totals: the
         controller's work per step does not grow with the number of workers.
         """
+        self._run_records = []  # the last run's, settled by settle_run, go with it
         self._check(gen)  # type: ignore[attr-defined]
         comm = self.comm
         assert comm is not None, "run before join"
@@ -121,7 +122,6 @@ class WorkerLoopMixin:
         key = stop_key(gen, run_id)
         rank = comm.rank
         self._run_id = run_id
-        self._run_records = []
         self._ledger_hook = (gen, run_id, rank) if ledger else None
         self._status_metrics = tuple(metric_keys)
         if rank == 0:
@@ -139,7 +139,9 @@ class WorkerLoopMixin:
             self._keys.forget(key)
             self._ledger_hook = None
             self._status_metrics = None
-        records, self._run_records = self._run_records, []
+        # Kept until the next run: a run that ended here while the controller saw a failure
+        # (a preemption wave answered in flight) is settled from them (settle_run).
+        records = list(self._run_records)
         self._set_phase("idle", self.steps_done)  # type: ignore[attr-defined]
         if rank != 0 and not ledger:
             records = records[-1:]  # its last step only: how far it got
