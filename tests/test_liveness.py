@@ -263,3 +263,23 @@ def test_every_rank_waiting_on_peers_with_no_progress_is_noticed():
     record(store, "w1", 9, "compute", 10)
     live.observe(["w1"])
     assert not live.all_waiting(["w0", "w1"], for_s=5.0)
+
+
+def test_the_time_a_whole_process_was_paused_is_not_its_works():
+    store, live, clock = make()
+    live = Liveness(store, timeout_s=10.0, clock=clock)
+    for i in range(3):
+        record(store, "w0", i, "compute", 7, work="m1")
+        live.observe(["w0"])
+        clock.t += 1.0  # 2 s into its micro-batch
+    clock.t += 8.0  # paused as a whole (SIGSTOP, a VM freeze): its heartbeat is silent too
+    assert live.hung(["w0"], deadline_s=5.0) == []  # judged by the heartbeat timeout (10 s)
+    record(store, "w0", 3, "compute", 7, work="m1")  # back, the same micro-batch going on
+    assert live.hung(["w0"], deadline_s=5.0) == []  # 2 s of its own work, not 11
+    for i in range(4, 6):
+        clock.t += 1.0
+        record(store, "w0", i, "compute", 7, work="m1")
+        assert live.hung(["w0"], deadline_s=5.0) == []
+    clock.t += 2.5
+    record(store, "w0", 7, "compute", 7, work="m1")
+    assert live.hung(["w0"], deadline_s=5.0) == ["w0"]  # past 5 s of its own: stuck

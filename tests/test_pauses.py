@@ -13,12 +13,14 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
 
-from planaria import Job, RunConfig
+from planaria import HangConfig, Job, RunConfig
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.loop_faults import install
 from tests.test_durable_saves import G, N, drive, spec
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -26,6 +28,30 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 STEPS = 30
+
+
+class StopThenWait:
+    """At ``step``, once its gradient is computed: this worker stops itself (SIGSTOP; the test
+    lets it go) and, continued, goes on with its micro-batch for ``then_s`` more seconds
+    without a sign of progress (as the rest of a micro-batch on another thread does)."""
+
+    def __init__(self, step: int, marker: str, then_s: float) -> None:
+        self.step, self.marker, self.then_s = step, marker, then_s
+
+    def __call__(self, worker, step: int, phase: str) -> None:
+        if phase == "computed" and step == self.step and not os.path.exists(self.marker):
+            from planaria.liveness import Heartbeat
+
+            # Its last micro-batch's progress reported first (a beat is every 0.25 s): the
+            # controller must see no progress from here on but the pause's.
+            while Heartbeat.parse(worker._store.get(f"hb/{worker.name}")).progress \
+                    != worker.progress:
+                time.sleep(0.01)
+            Path(self.marker).write_text(worker.name)
+            os.kill(os.getpid(), signal.SIGSTOP)  # it may stop a moment after kill returns:
+            while not os.path.exists(self.marker + ".continued"):  # written before SIGCONT
+                time.sleep(0.01)
+            time.sleep(self.then_s)  # the rest of its micro-batch, after the pause
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +93,35 @@ def test_a_worker_that_pauses_for_seconds_is_not_evicted(tmp_path, reference, pa
     assert {g["world_size"] for g in of(evs, "generation")} == {3}
     # The pause it reported raises the timeout in force: a like pause later is no hang.
     assert learned >= 3 * (pause_s - 0.5)
+
+
+def test_a_pause_inside_a_micro_batch_longer_than_the_step_deadline_is_not_a_hang(tmp_path):
+    # Steps of ~1 s, a step deadline of 3 s; the worker stops itself in the middle of its
+    # micro-batch (SIGSTOP once its gradient is computed) and is let go 6 s later: inside the
+    # heartbeat timeout (10 s), past the step deadline; its micro-batch then takes 1.5 s
+    # more. The time it stood still as a whole is not its work's: it is not found stuck.
+    marker = tmp_path / "stopped"
+    job = Job(spec(micro_s=0.5), RunConfig(steps=12, replicas=3, run_dir=tmp_path / "run",
+                                           ledger=True),
+              hang=HangConfig(floor_s=3.0, factor=2.0))
+    with job:
+        pid = next(h.pid for h in job.members if h.name == "w1")
+        install(job, "w1", StopThenWait(4, str(marker), then_s=1.5))
+
+        def let_go() -> None:
+            while not marker.exists():
+                time.sleep(0.01)
+            time.sleep(6.0)  # the pause itself
+            Path(str(marker) + ".continued").write_text("")
+            os.kill(pid, signal.SIGCONT)
+
+        thread = threading.Thread(target=let_go, daemon=True)
+        thread.start()
+        state = drive(job, 12)
+        thread.join()
+    evs = events(tmp_path / "run")
+    assert not of(evs, "fault") and not of(evs, "hang_stack")
+    assert {g["world_size"] for g in of(evs, "generation")} == {3}
+    assert_exactly_once(tmp_path / "run", num_samples=N, global_batch_size=G, steps=12)
+    with Job(spec(), RunConfig(steps=12, replicas=3, run_dir=tmp_path / "ref")) as ref:
+        assert_same_state(drive(ref, 12), state)

@@ -225,6 +225,14 @@ class Liveness:
                 at = now
                 if name in self._vouched and seen.observed_t < self._vouch_t:
                     at = max(self._vouch_t, now - self.vouch_s)
+                frozen = seen.observed_t - seen.changed_t
+                if frozen > self.vouch_s:
+                    # Read unchanged for a while, its heartbeat silent: the whole process was
+                    # paused (a GC, swap, SIGSTOP, a VM freeze), which the heartbeat timeout
+                    # judges. That time is not its work's: its deadline runs from where it
+                    # stood.
+                    seen.progress_t = min(at, seen.progress_t + frozen)
+                    seen.step_t = min(at, seen.step_t + frozen)
                 seen.record, seen.changed_t = record, at
                 if moved:
                     seen.progress_t = at

@@ -548,6 +548,11 @@ def _fleet(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[di
         return []
     saves = [r for r in tl.in_segment(seg, "checkpoint_saved") if float(r["t"]) >= t0
              and r.get("reason") == "preemption"]
+    if not saves and tl.newest_durable(t0, in_hand) == in_hand:
+        # The step in hand was saved before the notices (an interval save): nothing to snapshot.
+        fv.outcome = "the step in hand was saved before the notices"
+        fv.bounds.append(Bound("lost_steps", lost, 0, "the fleet's preemption, already saved"))
+        return []
     started = [r for r in tl.in_segment(seg, "checkpoint_started") if float(r["t"]) >= t0
                and r.get("reason") == "preemption"]
     start_t = (float(started[0]["t"]) if started else
