@@ -98,6 +98,7 @@ class _Lost:
         raise __import__("queue").Empty
 
 
+@pytest.mark.extended
 def test_a_job_whose_call_notices_never_come_still_trains_and_recovers(
     ray_cluster, tmp_path, monkeypatch, caplog
 ):

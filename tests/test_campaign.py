@@ -950,26 +950,37 @@ def test_a_run_dir_on_a_tmpfs_keeps_its_files_when_unmounted(tmp_path):
 def test_a_jobs_own_processes_are_told_from_any_other(tmp_path):
     """Ray's GCS and raylet are found among the controller's own children; a run's processes
     by the marker they inherit (another run's, or none, are not the run's)."""
+    import signal
     import subprocess
+    import sys
 
     from planaria.campaign import procs
 
     raylet = tmp_path / "raylet"
     raylet.symlink_to("/bin/sleep")
     env = {**os.environ, procs.RUN_MARKER: str(tmp_path / "run"), procs.INCARNATION: "1"}
-    mine = subprocess.Popen([str(raylet), "30"], env=env)
+    # A controller of its own (this test process may hold a real Ray's raylet as a child)
+    # that starts the "raylet" (Popen returns once it is exec'd) and prints its pid.
+    start = ("import subprocess, sys; p = subprocess.Popen([sys.argv[1], '30']); "
+             "print(p.pid, flush=True); p.wait()")
+    controller = subprocess.Popen([sys.executable, "-c", start, str(raylet)], env=env,
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
     other = subprocess.Popen(["sleep", "30"],
                              env={**os.environ, procs.RUN_MARKER: str(tmp_path / "other")})
     try:
-        assert procs.ray_children(os.getpid(), "raylet") == [mine.pid]
-        assert procs.ray_children(os.getpid(), "gcs_server") == []
+        assert controller.stdout is not None
+        mine = int(controller.stdout.readline())
+        assert procs.ray_children(controller.pid, "raylet") == [mine]
+        assert procs.ray_children(controller.pid, "gcs_server") == []
         left = procs.marked(tmp_path / "run")
-        assert list(left) == [mine.pid] and left[mine.pid].startswith("incarnation 1: ")
+        assert sorted(left) == sorted([controller.pid, mine])
+        assert left[mine].startswith("incarnation 1: ")
         assert list(procs.marked(tmp_path / "other")) == [other.pid]
     finally:
-        for p in (mine, other):
-            p.kill()
-            p.wait()
+        os.killpg(controller.pid, signal.SIGKILL)
+        controller.wait()
+        other.kill()
+        other.wait()
     assert procs.marked(tmp_path / "run") == {}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -161,10 +163,15 @@ def test_a_local_ray_start_that_times_out_is_tried_again(tmp_path, monkeypatch):
     monkeypatch.setattr(ray, "init", flaky_init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(controller.time, "sleep", lambda s: None)
+    sessions: list[str] = []
+    reaper = SimpleNamespace(marking=contextlib.nullcontext, session=sessions.append)
+    monkeypatch.setattr(ray._private.worker, "_global_node",
+                        SimpleNamespace(get_session_dir_path=lambda: "/tmp/ray/session_x"))
     job = SimpleNamespace(config=RunConfig(steps=1, replicas=2, run_dir=tmp_path),
-                          run_dir=tmp_path)
+                          run_dir=tmp_path, reaper=reaper)
     controller.Job._init_ray(job)  # type: ignore[arg-type]
     assert len(calls) == 3 and job._started_ray
+    assert sessions == ["/tmp/ray/session_x"]  # the started session's processes are the job's
 
     calls.clear()
     monkeypatch.setattr(controller, "RAY_START_ATTEMPTS", 2)

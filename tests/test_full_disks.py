@@ -244,7 +244,7 @@ def test_the_command_line_saves_the_final_state_at_its_fallback(tmp_path, capsys
 
 @pytest.mark.multiprocess
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize("on_failing", ["warn", "stop"])
+@pytest.mark.parametrize("on_failing", [pytest.param("warn", marks=pytest.mark.extended), "stop"])
 def test_a_checkpoint_root_that_fills_is_escalated_and_leaves_no_partial_file(tmp_path,
                                                                               on_failing):
     # ~250 KB a save: two fit in 640 KB, the rest fail with ENOSPC part-way.

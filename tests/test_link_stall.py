@@ -77,7 +77,7 @@ def reference(tmp_path_factory):
 HANG = HangConfig(floor_s=2.0)
 
 
-@pytest.mark.parametrize("replicas", [3, 2])
+@pytest.mark.parametrize("replicas", [pytest.param(3, marks=pytest.mark.extended), 2])
 def test_a_black_holed_link_is_found_within_the_deadline(tmp_path, netfilter, reference,
                                                          replicas):
     run = tmp_path / "run"

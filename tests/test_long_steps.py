@@ -110,6 +110,7 @@ def test_kill_in_a_long_step_costs_only_the_dead_worker(tmp_path, reference):
     assert rec["recover_s"] < MICRO_S + 2 * step_s
 
 
+@pytest.mark.extended
 def test_hang_in_a_long_step_evicts_only_the_stopped_worker(tmp_path, reference):
     hang = HangConfig(heartbeat_s=0.1, heartbeat_timeout_s=1.5)
     state = run(tmp_path, "hang:w0@step2", hang=hang)

@@ -106,6 +106,7 @@ def _check(run_dir: Path, state: dict, reference: dict, departed: set[str]) -> l
     return evs
 
 
+@pytest.mark.extended
 def test_workers_on_a_node_ray_drains_leave_at_a_step_boundary(cluster, reference, tmp_path):
     doomed = cluster.add_node(num_cpus=1)  # 2 + 1 CPUs for 3 replicas: one worker lands here
     _wait_for_cpus(3)

@@ -77,7 +77,7 @@ def pause_during(job: Job, name: str, at_step: int, pause_s: float) -> threading
     return thread
 
 
-@pytest.mark.parametrize("pause_s", [3.5, 7.0])
+@pytest.mark.parametrize("pause_s", [3.5, pytest.param(7.0, marks=pytest.mark.extended)])
 def test_a_worker_that_pauses_for_seconds_is_not_evicted(tmp_path, reference, pause_s):
     job = Job(spec(micro_s=0.02), RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path,
                                             ledger=True))

@@ -276,7 +276,8 @@ def test_the_gcs_killed_mid_run_ends_the_job_with_a_save_and_leaves_nothing(run)
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("warm", ["1", "0"], ids=["forked", "cold"])
+@pytest.mark.parametrize("warm", ["1", pytest.param("0", marks=pytest.mark.extended)],
+                         ids=["forked", "cold"])
 def test_the_raylet_killed_mid_run_ends_the_job_with_a_save_and_leaves_nothing(
     run, warm: str
 ) -> None:
@@ -297,7 +298,7 @@ def test_the_raylet_killed_mid_run_ends_the_job_with_a_save_and_leaves_nothing(
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("target", ["group", "pid"])
+@pytest.mark.parametrize("target", [pytest.param("group", marks=pytest.mark.extended), "pid"])
 def test_a_sigkilled_controller_leaves_no_process_of_its_job(run, target: str) -> None:
     r = run()
     r.wait_step(12)
@@ -363,6 +364,7 @@ def cluster() -> Iterator[tuple[str, str]]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended
 def test_the_gcs_of_a_cluster_killed_ends_the_job_and_leaves_the_cluster_alone(
     run, cluster
 ) -> None:
@@ -390,6 +392,7 @@ def test_the_gcs_of_a_cluster_killed_ends_the_job_and_leaves_the_cluster_alone(
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended
 def test_the_raylet_killed_with_every_worker_ends_the_job_saying_the_newest_save_stands(
     run,
 ) -> None:
@@ -414,6 +417,7 @@ def test_the_raylet_killed_with_every_worker_ends_the_job_saying_the_newest_save
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended
 def test_the_raylet_of_a_cluster_killed_ends_the_job_and_leaves_its_gcs_alone(
     run, cluster
 ) -> None:

@@ -118,11 +118,11 @@ def _run_with_fault(
     ("w1.1", "computed", signal.SIGKILL, "worker_lost"),
     pytest.param("w0", "loaded", signal.SIGKILL, "worker_lost",  # as a one-worker replica's
                  marks=pytest.mark.extended),
-    ("w1.1", "applied", signal.SIGSTOP, "worker_hung"),
+    pytest.param("w1.1", "applied", signal.SIGSTOP, "worker_hung", marks=pytest.mark.extended),
     # Stopped before its replica's reduction across replicas: its leader waits there on a
     # peer, never stuck in its own work; the follower's own heartbeat names it.
     ("w1.1", "computed", signal.SIGSTOP, "worker_hung"),
-    ("w1.1", "loaded", signal.SIGTERM, "preempted"),
+    pytest.param("w1.1", "loaded", signal.SIGTERM, "preempted", marks=pytest.mark.extended),
 ], ids=["kill-follower", "kill-leader", "hang-follower", "hang-follower-before-reduce",
         "preempt-follower"])
 def test_a_fault_of_one_worker_takes_its_replica_out(tmp_path, reference, worker, phase,

@@ -168,7 +168,8 @@ def test_a_poison_sample_stops_the_job_with_a_save_and_names_the_sample(tmp_path
     assert saved[-1]["reason"] == "work_fault" and saved[-1]["step"] == 3  # 3 steps kept
 
 
-@pytest.mark.parametrize("k", [1, 2], ids=["replicas", "sharded-replicas"])
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.extended)],
+                         ids=["replicas", "sharded-replicas"])
 def test_a_poison_sample_is_skipped_when_the_policy_says_so(tmp_path, k):
     """Also in sharded replicas (2 x 2), whose workers agree after each load that every one
     of them loaded: the replica stays whole, and the sample runs on the other replica."""
@@ -223,7 +224,8 @@ def busy_run(tmp_path, spec: planaria.TrainSpec, **options) -> None:
     assert not of(evs, "fault") and set(widths(evs)) == {3}
 
 
-@pytest.mark.parametrize("prefetch", [True, False], ids=["loader-thread", "inline"])
+@pytest.mark.parametrize("prefetch", [True, pytest.param(False, marks=pytest.mark.extended)],
+                         ids=["loader-thread", "inline"])
 def test_a_sample_that_takes_seconds_to_load_is_busy_not_hung(tmp_path, prefetch):
     # The 4 s load is judged by the I/O deadline, not the step's.
     slow = pick_sample(2, 10)

@@ -32,7 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from ddp_train import JsonLog, make_parser, setup, start_record, train_step  # noqa: E402
+from ddp_train import (  # noqa: E402
+    JsonLog,
+    end_after_the_group,
+    make_parser,
+    setup,
+    start_record,
+    train_step,
+)
 
 
 def save(path: str, model, optimizer, next_step: int) -> None:
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             dist.barrier()  # nobody runs ahead of a checkpoint that is not yet on disk
     dist.barrier()
-    dist.destroy_process_group()
+    end_after_the_group()
 
 
 if __name__ == "__main__":

@@ -146,7 +146,17 @@ def main(argv: list[str] | None = None) -> None:
                 warmup=step < args.warmup,
             )
     dist.barrier()
+    end_after_the_group()
+
+
+def end_after_the_group() -> None:
+    """Ends a worker whose steps are all done and logged. gloo's threads can abort the
+    interpreter's teardown ("terminate called without an active exception", SIGABRT) after
+    ``destroy_process_group``; that would fail a finished run, so the process ends at once."""
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

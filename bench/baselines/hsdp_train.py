@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.baselines.ddp_train import JsonLog, start_record  # noqa: E402
+from bench.baselines.ddp_train import JsonLog, end_after_the_group, start_record  # noqa: E402
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             log.write(event="step", step=step, wall=time.time(), step_ms=step_ms, loss=total,
                       warmup=step < args.warmup, pid=os.getpid())
     dist.barrier()
-    dist.destroy_process_group()
+    end_after_the_group()
 
 
 if __name__ == "__main__":
