@@ -1018,3 +1018,24 @@ def test_steps_done_are_those_of_the_faults_own_incarnation():
     assert tl.done_before(6.5, 0) == 2  # restored step 2 ...
     assert tl.done_before(7.5, 0) == 3  # ... then step 2 again
     assert tl.done_before(8.5, 1) == 0 and tl.done_before(9.5, 1) == 1
+
+
+def test_a_restore_after_the_last_holder_died_may_lose_the_steps_since_the_save():
+    """kill_join's source killed while its replacement had not yet received the state: no
+    replica kept it, so the restore the runtime chose is the recovery; a restore while a
+    member of the training generation lived is not."""
+    from planaria.campaign.timeline import Timeline
+    from planaria.campaign.verdict import _every_holder_lost
+
+    def timeline(lost: list[str]) -> Timeline:
+        evs = [_ev("run_start"), _ev("generation", workers=["w1", "w2"], reason="join"),
+               _ev("fault", worker="w1"), _ev("generation", workers=["w2"], reason="resize"),
+               *[_ev("fault", worker=w) for w in lost],
+               _ev("generation", workers=["w3"], reason="restore"),
+               _ev("restore", step=10, path="x"), _ev("step_committed", step=10)]
+        for i, e in enumerate(evs):
+            e["t"] = float(i)
+        return Timeline(evs, {}, [])
+
+    assert _every_holder_lost(timeline(["w2"]), 0, 3.5, 10.0)
+    assert not _every_holder_lost(timeline([]), 0, 2.5, 10.0)  # w2 held the state

@@ -368,11 +368,13 @@ def _reported(fv: FaultVerdict, fault: PlannedFault, inj: dict[str, Any], tl: Ti
         fv.bounds.append(Bound("detect_0.5s", round(first - t0, 4), DETECT_S,
                                f"{what}: fired to the controller's first record of it"))
     if fault.kind == "kill_final_save":  # no step follows: the final save is its recovery
-        saved = [r for r in tl.after(float(rec["t"]), "checkpoint_saved")
+        # The save may have committed before the death was recorded (its shards were
+        # written when the kill landed): then it needed no recovery.
+        saved = [r for r in tl.after(t0 - 1.0, "checkpoint_saved")
                  if int(r["step"]) >= run.steps]
         if not saved:
             return [f"{what} (fault {rec.get('fault_id')}): the final save never committed"]
-        fv.recover_s.append(round(float(saved[0]["t"]) - t0, 4))
+        fv.recover_s.append(round(max(0.0, float(saved[-1]["t"]) - t0), 4))
         return []
     commit = tl.first_commit_after(float(rec["t"]), seg)
     if commit is None:
@@ -389,7 +391,8 @@ def _reported(fv: FaultVerdict, fault: PlannedFault, inj: dict[str, Any], tl: Ti
     # A rollback restores a checkpoint, and so does a loss of every replica; a kill in the
     # job started again (kill_resumed's second half) is a plain kill.
     restores = (nan or any(r.get("kind") == "all_replicas_lost" for r in [rec, *later])
-                or (fault.kind in CHECKPOINT_KINDS and fault.kind != "kill_resumed"))
+                or (fault.kind in CHECKPOINT_KINDS and fault.kind != "kill_resumed")
+                or _every_holder_lost(tl, seg, float(rec["t"]), commit.t))
     limit = done - tl.newest_durable(t0, done) if restores else 0
     fv.bounds.append(Bound("lost_steps", lost, max(0, limit),
                            f"{what}: steps committed before it and again after"))
@@ -677,6 +680,25 @@ _KIND_CHECKS: dict[str, Callable[..., list[str]]] = {
     "kill_starting": _starting, "kill_spare": _starting, "kill_final_save": _final_save,
     "disk_full": _disk_full, "gcs_kill": _ray_process, "raylet_kill": _ray_process,
 }
+
+
+def _every_holder_lost(tl: Timeline, seg: int, t0: float, until: float) -> bool:
+    """A restore between ``t0`` and ``until`` followed the loss of every worker of the
+    generation that trained last before it (a kill of the last survivor while its
+    replacement had not yet received the state): no replica kept the state, so the steps
+    since the newest durable save may be lost."""
+    restores = [r for r in tl.in_segment(seg, "restore") if t0 <= float(r["t"]) <= until]
+    if not restores:
+        return False
+    at = float(restores[0]["t"])
+    gens = [g for g in tl.in_segment(seg, "generation")
+            if float(g["t"]) < at and g.get("reason") != "restore"]
+    if not gens:
+        return False
+    since = float(gens[-1]["t"])
+    lost = {w for r in tl.in_segment(seg, "fault") if since <= float(r["t"]) <= at
+            for w in str(r.get("worker") or "").split(",")}
+    return set(gens[-1].get("workers") or ()) <= lost
 
 
 def _resumed(fv: FaultVerdict, fault: PlannedFault, seg: int, t0: float, tl: Timeline,
