@@ -232,3 +232,28 @@ def test_relative_root_is_made_absolute(tmp_path: Path, monkeypatch: pytest.Monk
     assert ck.root == str(tmp_path / "ckpts")
     ck._committer.shutdown()
     ck._retainer.shutdown()
+
+
+def test_a_lease_renewal_on_a_full_disk_leaves_the_lease_as_it_was(tmp_path):
+    """A renewal that fails part-way (ENOSPC, on a file system whose writes are not atomic)
+    leaves the lease record whole: the job still holds it, its commits' checks pass, and it
+    renews again once the disk has room (a torn record read as no lease at all, and every
+    later save of the job failed to commit)."""
+    from planaria.campaign import storage_faults
+
+    control = tmp_path / "control"
+    control.mkdir()
+    st = Storage(f"faulty://{tmp_path}/root", {"control": str(control)})
+    lease = RootLease(st, "run-a", ttl_s=60)
+    lease.acquire()
+    before = lease.read()
+    storage_faults.fill(control, fault_id="full")
+    with pytest.raises(OSError, match="no space left"):
+        lease.renew()
+    assert lease.read() == before
+    lease.check()  # still this run's, at its epoch
+    storage_faults.free(control)
+    lease.renew()
+    after = lease.read()
+    assert after is not None and after.epoch == before.epoch and after.expires_t > before.expires_t
+    assert not [p for p in st.listdir(st.root) if p.endswith(".tmp")]  # no partial record left

@@ -325,6 +325,11 @@ class FaultyFileSystem(AbstractFileSystem):
     def rm_file(self, path: str) -> None:
         os.remove(self._strip_protocol(path))
 
+    def mv(self, path1: str, path2: str, recursive: bool = False, maxdepth: int | None = None,
+           **kwargs: Any) -> None:
+        """A file moved over another whole, as an object store's server-side copy is."""
+        os.replace(self._strip_protocol(path1), self._strip_protocol(path2))
+
     def rmdir(self, path: str) -> None:
         os.rmdir(self._strip_protocol(path))
 

@@ -197,13 +197,17 @@ class RootLease:
                            expires_t=expires_t, ttl_s=self.ttl_s, lineage=self.lineage)
         st = self.storage
         st.makedirs(st.root)
-        if not st.local:
-            st.write_bytes(self.path, state.to_json())  # an object's put is atomic
-            return
-        # A reader (a commit's check, a controller starting) never sees a half-written lease.
+        # A reader (a commit's check, a controller starting) never sees a half-written lease,
+        # and a write that fails part-way (a full disk, a file system whose writes are not
+        # atomic) leaves the lease as it was: a torn record would read as no lease at all.
         tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        st.write_bytes(tmp, state.to_json())
-        os.replace(tmp, self.path)
+        try:
+            st.write_bytes(tmp, state.to_json())
+            st.replace_file(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                st.remove(tmp)
+            raise
 
     def acquire(self) -> LeaseState | None:
         """Takes the lease; returns the previous holder's state (None: never held).

@@ -101,6 +101,15 @@ class Storage:
         with self.open_write(path, fsync=fsync) as f:
             f.write(data)
 
+    def replace_file(self, src: str, dst: str) -> None:
+        """Moves file ``src`` over ``dst``: a reader sees the old ``dst`` or the new one,
+        never part of one (local disk: a rename; an object store: a server-side copy, whole
+        or not at all, then ``src`` deleted)."""
+        if self.local:
+            os.replace(src, dst)
+        else:
+            self.fs.mv(src, dst)
+
     def rename(self, src: str, dst: str) -> None:
         """Atomic rename of a directory; local disk only."""
         assert self.local, "rename is only used on local disk"
