@@ -1039,3 +1039,18 @@ def test_a_restore_after_the_last_holder_died_may_lose_the_steps_since_the_save(
 
     assert _every_holder_lost(timeline(["w2"]), 0, 3.5, 10.0)
     assert not _every_holder_lost(timeline([]), 0, 2.5, 10.0)  # w2 held the state
+
+
+def test_the_verdicts_step_deadline_is_rescaled_to_the_width_as_the_watchdogs():
+    """Steps of 8 s at 3 replicas, then the job at 2: the watchdog's window is rescaled by
+    3/2 (each rank's share of the batch grows), and so is the deadline a verdict bounds."""
+    from planaria.campaign.timeline import Timeline
+
+    evs = [_ev("run_start"), _ev("generation", workers=["w0", "w1", "w2"], reason="start"),
+           _ev("step_committed", step=0, width=3, duration_s=8.0),
+           _ev("generation", workers=["w1", "w2"], reason="drain")]
+    for i, e in enumerate(evs):
+        e["t"] = float(i)
+    tl = Timeline(evs, {}, [])
+    assert tl.deadline(2.5, 0) == 32.0 and tl.width_at(2.5, 0) == 3
+    assert tl.deadline(3.5, 0) == 48.0 and tl.members_at(3.5, 0) == ["w1", "w2"]

@@ -62,7 +62,11 @@ def fill(path: Path) -> None:
                 return
 
 
-def test_a_full_run_dir_drops_records_and_takes_them_again_once_it_has_room(tmp_path):
+def test_a_full_run_dir_holds_its_records_and_writes_them_once_it_has_room(tmp_path):
+    """While the run dir is full the event log and the ledger hold their records in memory
+    (the ledger is the proof that each sample was used once: it loses none); once there is
+    room they are written first, in order. Past the hold, records are dropped, counted and
+    the gap noted."""
     with tmpfs(tmp_path / "run", "64k") as run_dir:
         log = EventLog(run_dir)
         ledger = Ledger(run_dir, run_id="r")
@@ -71,18 +75,35 @@ def test_a_full_run_dir_drops_records_and_takes_them_again_once_it_has_room(tmp_
         for step in range(5):  # each record needs a block the disk no longer has
             log.emit("step_committed", step=step, note="x" * 5000)
             ledger.commit(step, gen=0)
-        assert log.dropped == 5 and ledger.dropped == 5
+        assert log.dropped == 0 and ledger.dropped == 0
         lines = (run_dir / "events.jsonl").read_text().splitlines()
         assert [json.loads(line)["event"] for line in lines] == ["run_start"]  # nothing torn
-        (run_dir / "filler").unlink()  # space again: the next records are written
+        (run_dir / "filler").unlink()  # space again: the held records, then the next
         log.emit("step_committed", step=5)
         ledger.commit(5, gen=0)
         log.close()
         ledger.close()
-        names = [(e["event"], e.get("step"), e.get("dropped")) for e in read_events(run_dir)]
-        assert names == [("run_start", None, None), ("step_committed", 5, None),
-                         ("records_dropped", None, 5)]
-        assert sorted(Ledger.committed(run_dir)) == [5]
+        names = [(e["event"], e.get("step")) for e in read_events(run_dir)]
+        assert names == [("run_start", None), *[("step_committed", s) for s in range(6)]]
+        assert sorted(Ledger.committed(run_dir)) == list(range(6))
+
+
+def test_records_past_the_hold_are_dropped_counted_and_the_gap_noted(tmp_path):
+    from planaria.append_file import AppendFile
+
+    with tmpfs(tmp_path / "run", "64k") as run_dir:
+        gaps: list[int] = []
+        f = AppendFile(run_dir / "log.jsonl", what="a log", hold_bytes=12_000,
+                       on_gap=lambda n, since: gaps.append(n))
+        fill(run_dir / "filler")
+        for i in range(5):
+            assert not f.write_line(json.dumps({"i": i, "pad": "x" * 5000}))
+        assert f.held == 2 and f.dropped == 3  # two fit in the hold
+        (run_dir / "filler").unlink()
+        assert f.write_line(json.dumps({"i": 5}))
+        f.close()
+        got = [json.loads(line)["i"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
+        assert got == [0, 1, 5] and gaps == [3]
 
 
 _FILLING_RUN = '''

@@ -4,7 +4,8 @@ Every record carries ``t`` (Unix time) and ``event`` (a name from docs/events.md
 The writer appends one line per record (one write each) so that a crash loses at
 most the line being written; the reader tolerates a torn or garbled tail. A run
 directory that cannot take a record (a full disk) does not stop the job: the
-record is dropped and counted (:attr:`EventLog.dropped`), a warning is logged,
+record is held in memory and written, in order, once the disk has room; past the
+hold it is dropped and counted (:attr:`EventLog.dropped`), a warning is logged,
 and once records are written again a ``records_dropped`` record notes the gap
 (see :mod:`planaria.append_file`).
 """

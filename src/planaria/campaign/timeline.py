@@ -109,10 +109,24 @@ class Timeline:
     def deadline(self, t: float, segment: int, *, factor: float = 4.0, floor_s: float = 5.0,
                  window: int = 20) -> float:
         """The step deadline at ``t`` as the watchdog defines it (the slowest of the last
-        ``window`` steps times ``factor``, at least ``floor_s``), from the committed steps."""
-        recent = [c.duration_s for c in self.commits if c.segment == segment and c.t <= t][
-            -window:]
-        return max(floor_s, factor * max(recent, default=0.0))
+        ``window`` steps times ``factor``, at least ``floor_s``), from the committed steps,
+        each rescaled to the width at ``t`` as the watchdog rescales them (a rank's share
+        of the global batch grows as the width falls)."""
+        recent = [c for c in self.commits if c.segment == segment and c.t <= t][-window:]
+        width = self.width_at(t, segment)
+        scaled = [c.duration_s * (c.width / width if width and c.width else 1.0)
+                  for c in recent]
+        return max(floor_s, factor * max(scaled, default=0.0))
+
+    def width_at(self, t: float, segment: int) -> int | None:
+        """The replicas of the newest generation built in ``segment`` by ``t``."""
+        gens = [g for g in self.in_segment(segment, "generation") if float(g["t"]) <= t]
+        return len(gens[-1].get("workers") or ()) or None if gens else None
+
+    def members_at(self, t: float, segment: int) -> list[str]:
+        """The workers (replicas' leaders) of the newest generation built by ``t``."""
+        gens = [g for g in self.in_segment(segment, "generation") if float(g["t"]) <= t]
+        return [str(w) for w in gens[-1].get("workers") or ()] if gens else []
 
     # ---- events ------------------------------------------------------------------------------
 

@@ -305,7 +305,7 @@ def _fault(
     fv.in_run = _in_run(t0, seg, tl)
     problems: list[str] = []
     for inj in hits:
-        if inj.get("expect"):
+        if inj.get("expect") and not _two_rank_cut(inj, tl, run):
             problems += _reported(fv, fault, inj, tl, run)
     problems += _KIND_CHECKS.get(fault.kind, _no_check)(fv, fault, run, hits, tl, run_dir)
     if fault.kind in WHOLE_JOB_KINDS:
@@ -409,7 +409,10 @@ def _recovery_limit(detect: float, victim: str | None, t0: float, commit: Any, t
     the recovering step has it) + slack."""
     seg = commit.segment
     full = tl.step_length(t0, seg) or run.step_s
-    before = max((c.width for c in tl.commits if c.segment == seg and c.t <= t0), default=0)
+    # The width the step length was measured at; in a job started again that has committed
+    # nothing yet, the width of the generation the fault hit.
+    before = max((c.width for c in tl.commits if c.segment == seg and c.t <= t0),
+                 default=0) or tl.width_at(t0, seg) or 0
     total = _micro_batches(tl, seg)
     share = (lambda w: -(-total // max(1, w))) if total else (lambda w: 1)
     one_step = full * share(commit.width) / share(before or commit.width)
@@ -513,16 +516,43 @@ def _stall(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[di
     return []
 
 
+def _two_rank_cut(inj: dict[str, Any], tl: Timeline, run: PlannedRun) -> bool:
+    """A link cut while the job ran at two ranks (an earlier fault of the run took the
+    third): both ends of the one dead flow look alike, so no culprit can be named and the
+    runtime builds the generation again on fresh connections, evicting no one."""
+    if inj.get("action") != "cut_links" or run.shape.workers_per_replica != 1:
+        return False
+    t0 = float(tl.fired[inj["id"]]["t"])
+    return len(tl.members_at(t0, int(inj["incarnation"]))) == 2
+
+
 def _link_stall(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
                 hits: list[dict[str, Any]], tl: Timeline, run_dir: Path) -> list[str]:
     """The worker cut off from its peers is evicted (as unreachable) within the step
-    deadline + 5 s of its links' cut; no one else (the healthy-eviction check)."""
+    deadline + one step + 5 s of its links' cut (a cut link stalls at the step's next
+    collective, up to a step later); no one else (the healthy-eviction check). At two
+    ranks, the generation is built again on fresh links in that time instead."""
     inj = hits[0]
     seg, name = int(inj["incarnation"]), inj.get("worker")
     t0 = float(tl.fired[inj["id"]]["t"])
+    limit = tl.deadline(t0, seg) + tl.deadline(t0, seg, factor=1.0, floor_s=0.0) + STALL_SLACK_S
+    if _two_rank_cut(inj, tl, run):
+        rebuilt = [r for r in tl.in_segment(seg, "fault") if float(r["t"]) >= t0
+                   and not r.get("worker") and "stalled link" in str(r.get("message", ""))]
+        fv.bounds.append(Bound("link_evicted",
+                               round(float(rebuilt[0]["t"]) - t0, 4) if rebuilt else None,
+                               round(limit, 4), "two ranks: the generation built again on "
+                               "fresh links"))
+        if not rebuilt:
+            return ["the stalled link at two ranks is not in the report"]
+        fv.detect_s = round(float(rebuilt[0]["t"]) - t0, 4)
+        commit = tl.first_commit_after(float(rebuilt[0]["t"]), seg)
+        if commit is None:
+            return ["the generation built again after the stalled link committed no step"]
+        fv.recover_s.append(round(commit.t - t0, 4))
+        return []
     evicted = [float(r["t"]) for r in tl.in_segment(seg, "fault") if float(r["t"]) >= t0
                and name in str(r.get("worker") or "").split(",")]
-    limit = tl.deadline(t0, seg) + STALL_SLACK_S
     fv.bounds.append(Bound("link_evicted", round(min(evicted) - t0, 4) if evicted else None,
                            round(limit, 4), f"the cut-off {name} evicted as unreachable"))
     return []
