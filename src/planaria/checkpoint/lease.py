@@ -201,9 +201,14 @@ class RootLease:
         # and a write that fails part-way (a full disk, a file system whose writes are not
         # atomic) leaves the lease as it was: a torn record would read as no lease at all.
         tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        data = state.to_json()
         try:
-            st.write_bytes(tmp, state.to_json())
-            st.replace_file(tmp, self.path)
+            st.write_bytes(tmp, data)
+            try:
+                st.replace_file(tmp, self.path)
+            except NotImplementedError:  # a file system that cannot copy: a plain write
+                st.remove(tmp)
+                st.write_bytes(self.path, data)
         except BaseException:
             with contextlib.suppress(Exception):
                 st.remove(tmp)
