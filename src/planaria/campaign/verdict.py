@@ -602,13 +602,20 @@ def _fleet(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[di
     return []
 
 
-def _preempt_during_save(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
-                         hits: list[dict[str, Any]], tl: Timeline, run_dir: Path) -> list[str]:
+def _secondary(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
+               hits: list[dict[str, Any]], tl: Timeline,
+               run_dir: Path) -> tuple[list[str], dict[str, Any] | None]:
+    """A compound fault's second half: the problems so far and its firing (None: never)."""
     problems = _second_half(fv, fault, run, hits, tl, run_dir)
     sec = [i for i in hits if i["role"] == "secondary"]
-    if not sec:
+    return problems, (tl.fired[sec[0]["id"]] if sec else None)
+
+
+def _preempt_during_save(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
+                         hits: list[dict[str, Any]], tl: Timeline, run_dir: Path) -> list[str]:
+    problems, hit = _secondary(fv, fault, run, hits, tl, run_dir)
+    if hit is None:
         return problems
-    hit = tl.fired[sec[0]["id"]]
     import re
 
     m = re.search(r"step_(\d{9,})", str(hit.get("path", "")))
@@ -627,11 +634,9 @@ def _preempt_during_save(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
 
 def _starting(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
               hits: list[dict[str, Any]], tl: Timeline, run_dir: Path) -> list[str]:
-    problems = _second_half(fv, fault, run, hits, tl, run_dir)
-    sec = [i for i in hits if i["role"] == "secondary"]
-    if not sec:
+    problems, hit = _secondary(fv, fault, run, hits, tl, run_dir)
+    if hit is None:
         return problems
-    hit = tl.fired[sec[0]["id"]]
     event = "spare_ready" if fault.kind == "kill_spare" else "replacement_ready"
     later = [r for r in tl.after(float(hit["t"]), event) if r.get("worker") != hit.get("worker")]
     if later:
