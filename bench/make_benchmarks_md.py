@@ -38,7 +38,7 @@ from bench import common  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
 BENCHES = ("overhead", "recovery", "goodput", "checkpoint", "spares", "overlap", "warm_join",
-           "sharded", "campaign", "dispatch", "gpu")
+           "sharded", "campaign", "campaign_widened", "dispatch", "gpu")
 MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "goodput": "goodput_vs_torchft",
              "dispatch": "growth_last_over_first"}
 """``--ingest NAME=A,B,C``: the figure whose median run is NAME's result (the others are kept
@@ -592,8 +592,9 @@ def render_sharded(rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-def render_campaign(rec: dict[str, Any]) -> list[str]:
-    """``planaria campaign``'s summary, saved with ``--ingest campaign=OUT --command CMD``: its
+def render_campaign(rec: dict[str, Any], title: str = "Fault campaign") -> list[str]:
+    """``planaria campaign``'s summary, saved with ``--ingest campaign=OUT --command CMD``
+    (``campaign_widened``: the widened mix's, which may be a part, ``runs_left`` > 0): its
     counts, every bound's violations and, per kind, the faults injected, ok and failed (a
     summary from before the bounded campaign has neither)."""
     r = rec["result"]
@@ -603,7 +604,10 @@ def render_campaign(rec: dict[str, Any]) -> list[str]:
     size = r.get("faults_injected") or 0
     scale = "the target's size" if size >= 1000 else "smaller than the target (a 1,000-fault " \
         "campaign is a half-day run: docs/campaign.md)"
-    out = ["## Fault campaign", "", *_header(rec), "",
+    left = r.get("runs_left") or 0
+    if left:
+        scale += f"; a part: {left} of its planned runs are still to run (`--record`)"
+    out = [f"## {title}", "", *_header(rec), "",
            "Target: 1,000 faults over the whole mix and every step length with 0 unrecovered, "
            "0 diverged, 0 duplicated, 0 missing, 0 healthy evicted, 0 processes left and every "
            "recovery inside its bound (`planaria campaign --faults 1000 --seed 0`). This "
@@ -752,6 +756,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_goodput(rec)
         elif name == "campaign":
             out += render_campaign(rec)
+        elif name == "campaign_widened":
+            out += render_campaign(rec, title="Fault campaign: the widened mix")
         elif name == "sharded":
             out += render_sharded(rec)
         elif name == "checkpoint":

@@ -257,3 +257,31 @@ def test_a_lease_renewal_on_a_full_disk_leaves_the_lease_as_it_was(tmp_path):
     after = lease.read()
     assert after is not None and after.epoch == before.epoch and after.expires_t > before.expires_t
     assert not [p for p in st.listdir(st.root) if p.endswith(".tmp")]  # no partial record left
+
+
+def test_an_uncommitted_saves_files_on_an_object_store_are_removed_and_a_committed_ones_kept(
+        tmp_path):
+    """A save that will not commit (its writer failed on a full disk) leaves files under its
+    step's prefix on an object store: they are removed in the run; the save the step's
+    marker commits is never touched."""
+    import planaria.campaign.storage_faults  # noqa: F401 (registers faulty://)
+    from planaria.checkpoint.restore import latest_viable
+    from planaria.checkpoint.retention import remove_uncommitted_save
+    from tests.test_checkpoint_roundtrip import make_state, save
+
+    control = tmp_path / "control"
+    control.mkdir()
+    options = {"control": str(control)}
+    root = f"faulty://{tmp_path}/root"
+    save(root, 4, make_state(4), 2, storage_options=options)
+    st = Storage(root, options)
+    step_dir = tmp_path / "root" / "step_000000004"
+    committed = [p.name for p in step_dir.iterdir() if p.name.startswith("save-")]
+    failed = step_dir / "save-0123456789ab"
+    failed.mkdir()
+    (failed / "save.json").write_text('{"torn')  # what ENOSPC part-way left
+    assert not remove_uncommitted_save(st, 4, committed[0].removeprefix("save-"))
+    assert remove_uncommitted_save(st, 4, "0123456789ab")
+    assert not failed.exists()
+    path, _ = latest_viable(root, storage_options=options)
+    assert path is not None and path.endswith("step_000000004")

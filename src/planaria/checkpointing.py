@@ -79,7 +79,7 @@ from planaria.checkpoint.finished import commit_finished_saves
 from planaria.checkpoint.layout import tmp_dir_name
 from planaria.checkpoint.lease import RootLease
 from planaria.checkpoint.restore import CheckpointInfo, read_run_id
-from planaria.checkpoint.retention import delete_checkpoint
+from planaria.checkpoint.retention import delete_checkpoint, remove_uncommitted_save
 from planaria.checkpoint.storage import Storage
 from planaria.config import check
 from planaria.errors import Failure, StorageError, WorkerLost, root_cause
@@ -999,8 +999,8 @@ class Checkpointer:
             self._reap_abandoned()
 
     def _reap_abandoned(self) -> None:
-        """Removes an abandoned save's temporary directory once none of its writers still
-        writes it (local disk; elsewhere the next job's clean_leftovers does)."""
+        """Removes an abandoned save's files once none of its writers still writes them (its
+        temporary directory on local disk, its prefix under the step on object stores)."""
         keep = []
         for save, pending in self._abandoned:
             live = set(self.job.names)
@@ -1024,6 +1024,9 @@ class Checkpointer:
                 st = Storage(self.root, self.options)
                 tmp = st.path(tmp_dir_name(save.step, save.save_id))
                 self._committer.submit(st.remove_tree, tmp)
+            else:
+                self._committer.submit(remove_uncommitted_save, Storage(self.root, self.options),
+                                       save.step, save.save_id)
         self._abandoned = keep
 
     def _retain(self) -> None:

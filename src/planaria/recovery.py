@@ -278,6 +278,8 @@ class Recovery:
             job.log.emit("preemption_save_lost", step=step, waited_s=time.time() - t0,
                          reason="the replicas were gone before the save's shards were written: "
                          "their grace period was shorter than a save")
+        elif step is not None and step > job.steps_done:
+            job.run_ahead.adopt_saved(step)  # applied, saved, never reported: committed
         for name in names:
             job.log.emit("drained", worker=name, step=job.steps_done)
         job.evict(names)

@@ -263,6 +263,29 @@ class RunAhead:
             job.log.emit("step_failed", step=committed, gen=job.gen, kind=failure.kind,
                          workers=list(failure.workers))
 
+    def adopt_saved(self, step: int) -> list[int]:
+        """A wave's leavers applied the steps up to ``step`` and a save beside them holds
+        them, but they were gone before their run settled (no record reached the
+        controller): those steps are committed, in the ledger too (what each rank was
+        served is in the store), so that the restore of ``step`` continues a training in
+        which every sample was used once. Returns the steps committed."""
+        job = self.job
+        steps = list(range(job.steps_done, step))
+        if not steps:
+            return []
+        served = self._served_from_store(job.members) if job.ledger is not None else {}
+        for s in steps:
+            if job.ledger is not None:
+                if job._ledger_last == (job.gen, s):  # its attempt's records are in already
+                    job.ledger.commit(s, gen=job.gen)
+                else:
+                    job.ledger_step(s, served.get(s) or {})
+        job.log.emit("steps_committed_by_save", steps=steps, step=step, gen=job.gen,
+                     reason="the leavers applied them before they were gone; the save beside "
+                     "them holds them")
+        job.steps_done = step
+        return steps
+
     def _served_from_store(self, members: list[Any]) -> dict[int, dict[str, dict[str, Any]]]:
         """{step: {worker: record}} from the ledger keys the run's workers appended to."""
         job = self.job

@@ -579,15 +579,17 @@ def _fleet(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun, hits: list[di
         fv.outcome = "a replica outside the fleet kept the state"
         fv.bounds.append(Bound("lost_steps", lost, 0, "the fleet's preemption, the state kept"))
         return []
-    saves = [r for r in tl.in_segment(seg, "checkpoint_saved") if float(r["t"]) >= t0
-             and r.get("reason") == "preemption"]
+    # This fleet's save: between its notices and the step that closed it (a later fleet's
+    # preemption has its own).
+    saves = [r for r in tl.in_segment(seg, "checkpoint_saved")
+             if t0 <= float(r["t"]) <= commit.t and r.get("reason") == "preemption"]
     if not saves and tl.newest_durable(t0, in_hand) == in_hand:
         # The step in hand was saved before the notices (an interval save): nothing to snapshot.
         fv.outcome = "the step in hand was saved before the notices"
         fv.bounds.append(Bound("lost_steps", lost, 0, "the fleet's preemption, already saved"))
         return []
-    started = [r for r in tl.in_segment(seg, "checkpoint_started") if float(r["t"]) >= t0
-               and r.get("reason") == "preemption"]
+    started = [r for r in tl.in_segment(seg, "checkpoint_started")
+               if t0 <= float(r["t"]) <= commit.t and r.get("reason") == "preemption"]
     start_t = (float(started[0]["t"]) if started else
                tl.save_started_t(saves[0]) if saves else None)
     fv.bounds.append(Bound("notice_to_snapshot_1s",

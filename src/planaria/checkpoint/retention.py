@@ -12,6 +12,7 @@ from planaria.checkpoint.layout import (
     MANIFEST,
     MARKER,
     parse_dir_name,
+    save_dir_name,
     step_dir_name,
     trash_dir_name,
 )
@@ -24,7 +25,27 @@ from planaria.checkpoint.restore import (
 )
 from planaria.checkpoint.storage import Storage
 
-__all__ = ["apply_retention", "clean_leftovers", "delete_checkpoint", "of_runs"]
+__all__ = ["apply_retention", "clean_leftovers", "delete_checkpoint", "of_runs",
+           "remove_uncommitted_save"]
+
+
+def remove_uncommitted_save(storage: Storage, step: int, save_id: str) -> bool:
+    """Object stores: deletes the files a save of ``step`` that will not commit left under
+    its step's prefix (a failed or abandoned save), never those its step's marker commits
+    (a marker that cannot be read: nothing is deleted, the next job's clean-up decides).
+    Returns whether it deleted."""
+    directory = storage.path(step_dir_name(step))
+    data_dir = save_dir_name(save_id)
+    try:
+        committed: str | None = marker_fields(storage.read_bytes(f"{directory}/{MARKER}"))[0]
+    except FileNotFoundError:
+        committed = None
+    except Exception:  # unreadable, or the storage failed: keep it
+        return False
+    if committed == data_dir:
+        return False
+    storage.remove_tree(f"{directory}/{data_dir}")
+    return True
 
 _log = logging.getLogger("planaria.checkpoint")
 
