@@ -348,13 +348,18 @@ def _reported(fv: FaultVerdict, fault: PlannedFault, inj: dict[str, Any], tl: Ti
              and (r.get("kind") == "nonfinite_loss" if nan else
                   name in str(r.get("worker") or "").split(","))]
     what = "the non-finite loss" if nan else f"{inj['action']} of {name}"
+    if not cands and nan and _absorbed(t0, seg, tl):
+        fv.outcome = ABSORBED
+        return []
     if not cands:
         return [f"{what} is not in the report"]
-    rec = cands[0]
+    expected = inj.get("expect") or []
+    # Its record: the first of an expected kind (a record of an earlier fault of the same
+    # worker may fall inside the lookback), else the first.
+    rec = next((r for r in cands if r.get("kind") in expected), cands[0])
     detect = float(rec["t"]) - t0
     if fv.detect_s is None:
         fv.detect_s = round(detect, 4)
-    expected = inj.get("expect") or []
     if rec.get("kind") not in expected:
         fv.notes.append(f"{what} reported as {rec.get('kind')}, not {' or '.join(expected)}")
     killed = inj["action"] in ("kill", "kill_write", "kill_read", "kill_join", "kill_save",
@@ -466,8 +471,21 @@ def _no_check(*_: Any) -> list[str]:
 # ---- per kind ------------------------------------------------------------------------------
 
 
+ABSORBED = "its step failed for another fault first: nothing non-finite was reduced"
+
+
+def _absorbed(t0: float, seg: int, tl: Timeline) -> bool:
+    """A non-finite gradient injected in a step that then failed for another fault (a peer
+    died before the reduction): the attempt was dropped, the step ran again without it."""
+    step = tl.done_before(t0, seg)
+    return any(int(r.get("step", -1)) == step and r.get("kind") != "nonfinite_loss"
+               for r in tl.in_segment(seg, "step_failed") if float(r["t"]) >= t0)
+
+
 def _second_half(fv: FaultVerdict, fault: PlannedFault, run: PlannedRun,
                  hits: list[dict[str, Any]], tl: Timeline, run_dir: Path) -> list[str]:
+    if fv.outcome == ABSORBED:
+        return []  # its first half did nothing: the phase its second waits for never came
     if not any(i["role"] == "secondary" for i in hits):
         return ["its second fault never fired (phase not reached)"]
     return []
