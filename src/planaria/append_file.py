@@ -111,33 +111,41 @@ class AppendFile:
         return True
 
     def _write_held(self, data: bytes | None) -> bool:
-        """Writes the held records and ``data`` as one block; on failure holds ``data``
-        (or drops it past the hold). Under the lock."""
-        block = b"".join([*self._held, data or b""])
-        if not block:
-            return True
-        if self._fd is None and not self._open():
+        """Writes the held records, oldest first, then ``data``; stops at the first that
+        fails (one failed write per try while the disk is full, not the whole hold again)
+        and holds ``data`` (or drops it past the hold). Under the lock."""
+        had = len(self._held)
+        while self._held:
+            if not self._write_one(self._held[0]):
+                return self._hold(data)
+            self._held_size -= len(self._held.pop(0))
+        if had:
+            _log.warning("%s (%s) is written again: the %d records held meanwhile are in it",
+                         self.what, self.path, had)
+        if data is not None and not self._write_one(data):
             return self._hold(data)
+        return True
+
+    def _write_one(self, data: bytes) -> bool:
+        """One record, whole or not at all (a write that fails part-way is cut back)."""
+        if self._fd is None and not self._open():
+            return False
         fd = self._fd
         assert fd is not None
         try:
             start = os.fstat(fd).st_size
         except OSError as err:
             self._failed(err)
-            return self._hold(data)
+            return False
         try:
-            view = memoryview(block)
+            view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
         except OSError as err:
             with contextlib.suppress(OSError):  # the reader skips a torn line anyway
                 os.ftruncate(fd, start)  # no torn line: the next record starts clean
             self._failed(err)
-            return self._hold(data)
-        if self._held:
-            _log.warning("%s (%s) is written again: the %d records held meanwhile are in it",
-                         self.what, self.path, len(self._held))
-        self._held, self._held_size = [], 0
+            return False
         return True
 
     def _hold(self, data: bytes | None) -> bool:
