@@ -12,9 +12,11 @@ interleaved (planaria, DDP, planaria, ...; the per-step protocol too in the firs
 medians over the steady steps of every round pooled (``--warmup`` steps of each
 run left out), with 95% intervals bootstrapped over the rounds. Neither side
 prefetches in a background thread on this machine (planaria's ``prefetch`` is off
-where no core is spare; DDP's loop loads in line); a planaria worker loads the next
+where no core is spare); a planaria worker loads the next
 step's share on its own thread while the all-reduce is in flight (see
-bench/README.md).
+bench/README.md), and DDP does the same (``ddp_train.py --prefetch ahead``: a comm
+hook loads the next step while the step's last bucket is reduced); where a core is
+spare, both load the next step on a background thread (``--prefetch thread``).
 
 Figures:
 
@@ -27,6 +29,8 @@ Figures:
   the next dispatch, so this is the step period. The breakdown below is this
   protocol's.
 - ``ddp_step_ms``: rank 0's time per step (micro-batches, allreduce, Adam).
+- ``*_mean``: the same step times' means (``ratio_of_means``); the medians are the
+  estimator the claims rest on, chosen before the runs.
 - ``ratio``: planaria ÷ DDP, with ``ratio_ci95``; ``fixed_ms``: planaria minus DDP,
   the fixed cost a step, with ``fixed_ms_ci95``.
 - ``controller_overhead_ms``: per step, planaria's wall time minus the
@@ -93,6 +97,17 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs)
+
+
+def ddp_prefetch(replicas: int, threads: int) -> str:
+    """DDP's loading, the same as planaria's worker chooses (``Worker._want_prefetch``): a
+    loader thread where the node has a core to spare, else the next step's load while the
+    step's last reduction is in flight (bench/baselines/ddp_train.py)."""
+    return "thread" if (os.cpu_count() or 1) > replicas * threads else "ahead"
+
+
 BREAKDOWN = (
     "worker_ms",
     "apply_ms",
@@ -147,6 +162,7 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path, *, step
             warmup=warmup,
             timeout_s=args.timeout_s,
             workdir=wd / f"ddp_{size}_{i}",
+            prefetch=ddp_prefetch(args.replicas, args.threads),
         )
         pl_rounds.append(auto["step_ms"])
         ddp_rounds.append(ddp["step_ms"])
@@ -175,6 +191,10 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path, *, step
         "planaria_step_ms": _med(pl_ms),
         "ddp_step_ms": _med(ddp_ms),
         "ratio": _med(pl_ms) / _med(ddp_ms),
+        "planaria_step_ms_mean": _mean(pl_ms),
+        "ddp_step_ms_mean": _mean(ddp_ms),
+        "ratio_of_means": _mean(pl_ms) / _mean(ddp_ms),
+        "per_step_protocol_step_ms_mean": _mean(ps_ms) if ps_ms else None,
         "fixed_ms": _med(pl_ms) - _med(ddp_ms),
         **_interval(pl_rounds, ddp_rounds),
         "per_step_protocol_step_ms": _med(ps_ms) if ps_ms else None,
@@ -223,6 +243,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{name}ratio {c['ratio']:.3f} (95% interval {lo:.3f}-{hi:.3f} over "
                   f"{args.rounds} rounds); fixed cost {c['fixed_ms']:+.2f} ms a step "
                   f"({flo:+.2f} to {fhi:+.2f})")
+    for name, c in (("", m), ("tiny ", tiny)):
+        if c is not None:
+            print(f"{name}mean step ms: planaria {c['planaria_step_ms_mean']:.2f}, DDP "
+                  f"{c['ddp_step_ms_mean']:.2f}, ratio of means {c['ratio_of_means']:.3f}")
     print(f"ratio, median of the per-round ratios: {m['ratio_per_round_median']:.3f}")
     if m["per_step_protocol_step_ms"] is not None:
         _print_breakdown(m, args.per_step_rounds)
@@ -240,12 +264,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "per_step_protocol_step_ms": m["per_step_protocol_step_ms"],
         "per_step_protocol_ratio": m["per_step_protocol_ratio"],
         "ratio_per_round_median": m["ratio_per_round_median"],
+        "planaria_step_ms_mean": m["planaria_step_ms_mean"],
+        "ddp_step_ms_mean": m["ddp_step_ms_mean"],
+        "ratio_of_means": m["ratio_of_means"],
+        "per_step_protocol_step_ms_mean": m["per_step_protocol_step_ms_mean"],
+        "ddp_prefetch": ddp_prefetch(args.replicas, args.threads),
         "breakdown_ms": {k: m[k] for k in BREAKDOWN},
         "tiny": None
         if tiny is None
         else {k: tiny[k] for k in ("planaria_step_ms", "ddp_step_ms", "ratio", "ratio_ci95",
                                    "fixed_ms", "fixed_ms_ci95", "controller_ms",
                                    "per_step_protocol_step_ms", "per_step_protocol_ratio",
+                                   "planaria_step_ms_mean", "ddp_step_ms_mean",
+                                   "ratio_of_means", "per_step_protocol_step_ms_mean",
                                    "rounds")},
         "rounds": m["rounds"],
         "per_step_rounds": args.per_step_rounds,

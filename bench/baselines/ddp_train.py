@@ -13,6 +13,15 @@ Rank 0 appends one JSON line per step to ``--out``:
 "pg_wall", ...}`` line when it starts (process start, torch imported, process
 group ready).
 
+``--prefetch`` gives DDP the loading planaria's worker has, so that a comparison
+measures the rest of the step: ``ahead`` (the default, planaria's where no core is
+spare) loads this rank's share of the next step while the step's last gradient
+bucket is in flight (a comm hook: the default all-reduce, then the load, as
+planaria's worker loads ahead between launching its reduction and waiting on it);
+``thread`` loads the next step on a background thread while this one runs
+(planaria's ``prefetch`` where a core is spare); ``none`` loads each micro-batch in
+line.
+
     torchrun --nproc_per_node=2 bench/baselines/ddp_train.py --steps 30 --out ddp.jsonl
 """
 
@@ -23,6 +32,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -63,8 +74,64 @@ def make_parser(**defaults) -> argparse.ArgumentParser:
                    help="where the model trains (cuda: the rank's GPU, or a shared one)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                    help="process group backend (nccl needs a GPU per rank)")
+    p.add_argument("--prefetch", default="ahead", choices=PREFETCH,
+                   help="how the next step's samples load (see the module doc)")
     p.set_defaults(**defaults)
     return p
+
+
+PREFETCH = ("ahead", "thread", "none")
+
+
+class StepLoader:
+    """This rank's micro-batches of a step, loaded as ``--prefetch`` says (module doc)."""
+
+    def __init__(self, dataset, args: argparse.Namespace) -> None:
+        self.dataset, self.args = dataset, args
+        self.mode = getattr(args, "prefetch", "none")
+        self._held: tuple[int, Future] | None = None
+        self._pool = ThreadPoolExecutor(1) if self.mode == "thread" else None
+        self.pending: Callable[[], None] | None = None  # the comm hook's load, if armed
+
+    def load(self, step: int) -> list[tuple[torch.Tensor, ...]]:
+        args = self.args
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ids = common.split_ids(common.batch_ids(step, args.global_batch), rank, world)
+        chunks = common.micro_batches(ids, args.micro_batch)
+        if not chunks:
+            raise ValueError(f"rank {rank} got no samples: global batch < world size")
+        return [tuple(t.to(args.device, non_blocking=True)
+                      for t in common.load_batch(self.dataset, chunk)) for chunk in chunks]
+
+    def take(self, step: int) -> list[tuple[torch.Tensor, ...]]:
+        held, self._held = self._held, None
+        if held is not None and held[0] == step:
+            return held[1].result()
+        return self.load(step)
+
+    def ahead(self, step: int) -> None:
+        """Starts loading step ``step`` (the next one) as the mode says."""
+        if self.mode == "thread":
+            assert self._pool is not None
+            self._held = (step, self._pool.submit(self.load, step))
+        elif self.mode == "ahead":
+            def load_now() -> None:
+                future: Future = Future()
+                future.set_result(self.load(step))
+                self._held = (step, future)
+            self.pending = load_now
+
+
+def load_ahead_hook(loader: StepLoader, bucket):  # DDP reads a real annotation: none
+    """DDP's default all-reduce of a bucket (the mean over ranks); on the step's last
+    bucket, the next step's load runs while it is in flight."""
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size())
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    if bucket.is_last() and loader.pending is not None:
+        pending, loader.pending = loader.pending, None
+        pending()
+    return fut.then(lambda f: f.value()[0])
 
 
 def setup(args: argparse.Namespace):
@@ -82,20 +149,22 @@ def setup(args: argparse.Namespace):
     return model, optimizer, dataset
 
 
-def train_step(model: DDP, optimizer, dataset, step: int, args: argparse.Namespace) -> float:
-    """One optimizer step on this rank's part of step ``step``'s global batch; its loss sum."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ids = common.split_ids(common.batch_ids(step, args.global_batch), rank, world)
-    chunks = common.micro_batches(ids, args.micro_batch)
-    if not chunks:
-        raise ValueError(f"rank {rank} got no samples: global batch < world size")
+def train_step(model: DDP, optimizer, dataset, step: int, args: argparse.Namespace,
+               loader: StepLoader | None = None) -> float:
+    """One optimizer step on this rank's part of step ``step``'s global batch; its loss sum.
+    With a ``loader`` (its comm hook registered for ``ahead``), the next step loads as its
+    mode says; without one, the step loads in line."""
+    world = dist.get_world_size()
+    if loader is None:
+        loader = StepLoader(dataset, argparse.Namespace(**{**vars(args), "prefetch": "none"}))
+    chunks = loader.take(step)
+    if step + 1 < args.steps:
+        loader.ahead(step + 1)
     # DDP averages over ranks: scale by world / global batch to get sum / global batch.
     scale = world / args.global_batch
     optimizer.zero_grad(set_to_none=False)
     total = 0.0
-    for i, chunk in enumerate(chunks):
-        batch = tuple(t.to(args.device, non_blocking=True)
-                      for t in common.load_batch(dataset, chunk))
+    for i, batch in enumerate(chunks):
         if i < len(chunks) - 1:
             with model.no_sync():
                 loss = common.loss_fn(model, batch)
@@ -129,12 +198,15 @@ def start_record(args: argparse.Namespace, **extra) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     model, optimizer, dataset = setup(args)
+    loader = StepLoader(dataset, args)
+    if loader.mode == "ahead":
+        model.register_comm_hook(loader, load_ahead_hook)
     rank = dist.get_rank()
     log = JsonLog(args.out)
-    log.write(**start_record(args))
+    log.write(**start_record(args, prefetch=args.prefetch))
     for step in range(args.steps):
         t0 = time.perf_counter()
-        loss = train_step(model, optimizer, dataset, step, args)
+        loss = train_step(model, optimizer, dataset, step, args, loader)
         step_ms = (time.perf_counter() - t0) * 1000
         if rank == 0:
             log.write(

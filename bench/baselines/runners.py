@@ -312,9 +312,11 @@ def run_ddp_steady(
     workdir: str | os.PathLike | None = None,
     device: str = "cpu",
     backend: str = "gloo",
+    prefetch: str = "ahead",
 ) -> dict[str, Any]:
-    """Plain DDP under torchrun for ``steps`` steps; rank 0's step times (``device`` and
-    ``backend``: ``ddp_train.py``'s ``--device`` and ``--backend``).
+    """Plain DDP under torchrun for ``steps`` steps; rank 0's step times (``device``,
+    ``backend`` and ``prefetch``: ``ddp_train.py``'s ``--device``, ``--backend`` and
+    ``--prefetch``).
 
     Returns ``{"step_ms_median", "step_ms" (steady steps, warm-up left out),
     "nproc", "size", "log"}``.
@@ -332,6 +334,7 @@ def run_ddp_steady(
         f"--out={log}",
         f"--device={device}",
         f"--backend={backend}",
+        f"--prefetch={prefetch}",
     ]
     _run_torchrun_to_end(
         lambda: [*_torchrun(nproc), *args],
