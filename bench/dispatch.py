@@ -1,13 +1,14 @@
-"""The controller's per-step cost against the number of workers, both step protocols.
+"""The controller's per-step cost against the number of workers: runs of steps against one
+call per worker per step.
 
     python bench/dispatch.py                # 3 real workers; 3-48 protocol-only workers
     python bench/dispatch.py --quick        # smoke run
 
-Under the per-step protocol (``Job.train_step``) the controller makes one Ray
-call per worker per step and waits for every answer; under the autonomous loop
-(``Job.run_steps``, what ``fit`` uses: see ``planaria.run_ahead``) it makes one
-call per worker per *run* of steps and records the steps from rank 0's records.
-Measured side by side:
+A controller that makes one Ray call per worker per step and waits for every answer
+(planaria's old per-step protocol; ``Job.train_step`` is now a run of one step) pays
+per worker per step; in runs (``Job.run_steps``, what ``fit`` uses: see
+``planaria.run_ahead``) it makes one call per worker per *run* of steps and records
+the steps from rank 0's records. Measured side by side:
 
 - ``per_step_controller_ms[N]``: the autonomous loop with N protocol-only
   workers, each "running" its steps of ``--step-ms`` (a sleep) and answering
@@ -42,7 +43,7 @@ Measured side by side:
   machine the N actors share its cores (labelled ``oversubscribed`` above the
   core count);
 - ``real_workers_controller_ms``: with 3 real planaria workers on the tiny
-  model under the per-step protocol, the step period minus the slowest
+  model one step at a time (``Job.train_step``), the step period minus the slowest
   worker's own data + compute + reduce + apply (``bench/overhead.py``'s
   ``controller_ms``).
 
@@ -70,6 +71,7 @@ import ray  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import common  # noqa: E402
+from planaria import store_keys  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
@@ -136,7 +138,7 @@ class ProtocolWorker:
             ids: Any) -> dict[str, Any]:
         """The autonomous loop's call: ``until - start`` steps of ``step_s`` each, records of
         the real loop's shape (rank 0 returns every one, the others their last)."""
-        from planaria.worker_loop import STOP_POLL_S, STREAM_S, _Stream, stop_key
+        from planaria.worker_loop import STOP_POLL_S, STREAM_S, _Stream
 
         # No wake-up per step: on a machine of few cores, dozens of stand-ins waking every
         # few ms would take the CPU from the controller whose cost is measured (real
@@ -153,7 +155,7 @@ class ProtocolWorker:
                     "global_loss_sum": 32.0, "global_samples": 64, "leaving": False,
                     "finite": True, "global_metric_sums": {}}
 
-        key = stop_key(gen, run_id)
+        key = store_keys.run_stop(gen, run_id)
         if rank == 0:
             self._keys.watch(key, STOP_POLL_S)
         self.phase, self.progress = "compute", self.progress + 1
@@ -217,7 +219,6 @@ def autonomous_runs(workers: list[Any], store: Any, repeats: int, short: int, lo
     generation, a checkpoint, a join)."""
     from planaria.events import EventLog
     from planaria.liveness import Liveness
-    from planaria.worker_loop import stop_key, stream_key
 
     n = len(workers)
     names = [f"w{r}" for r in range(n)]
@@ -246,9 +247,9 @@ def autonomous_runs(workers: list[Any], store: Any, repeats: int, short: int, lo
             if rec["step"] >= stream.recorded:
                 record(rec)
         for chunk in range(stream.chunks):  # RunAhead._clear
-            store.delete_key(stream_key(0, run_id, chunk))
-        store.delete_key(stream_key(0, run_id))
-        store.delete_key(stop_key(0, run_id))
+            store.delete_key(store_keys.run_stream(0, run_id, chunk))
+        store.delete_key(store_keys.run_stream(0, run_id))
+        store.delete_key(store_keys.run_stop(0, run_id))
         if i:
             cpu[steps].append((time.process_time() - cpu0) * 1000)
         start += steps
@@ -270,16 +271,15 @@ class _StreamReader:
         self.chunks = 0
 
     def poll(self) -> None:
-        from planaria.worker_loop import stream_key
 
-        key = stream_key(0, self.run_id)
+        key = store_keys.run_stream(0, self.run_id)
         if not self.store.check([key]):
             return
         count = int(self.store.get(key))
         if count > self.chunks:
             self.liveness.vouch(self.ranks)
         while self.chunks < count:
-            raw = self.store.get(stream_key(0, self.run_id, self.chunks))
+            raw = self.store.get(store_keys.run_stream(0, self.run_id, self.chunks))
             self.chunks += 1
             for rec in json.loads(raw):
                 if rec["step"] >= self.recorded:
@@ -370,11 +370,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     real = run_planaria_steady(args.real_steps, "tiny", 3, 1,
                                warmup=min(10, args.real_steps // 3),
                                run_dir=Path(tempfile.mkdtemp(prefix="bench_dispatch_")),
-                               step_protocol="per_step")
+                               driver="train_step")
     auto = run_planaria_steady(args.real_steps, "tiny", 3, 1,
                                warmup=min(10, args.real_steps // 3),
                                run_dir=Path(tempfile.mkdtemp(prefix="bench_dispatch_")),
-                               step_protocol="autonomous")
+                               driver="run_steps")
     overhead = None
     if args.overhead_rounds > 0:
         from bench import overhead as overhead_bench

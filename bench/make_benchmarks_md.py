@@ -37,10 +37,10 @@ sys.path.insert(0, str(_REPO))  # for bench.common, when run as a script
 from bench import common  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
-BENCHES = ("overhead", "recovery", "goodput", "checkpoint", "spares", "overlap", "warm_join",
-           "sharded", "campaign", "campaign_widened", "dispatch", "gpu")
-MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "goodput": "goodput_vs_torchft",
-             "dispatch": "growth_last_over_first"}
+BENCHES = ("overhead", "overhead_before", "recovery", "goodput", "checkpoint", "spares",
+           "overlap", "warm_join", "sharded", "campaign", "campaign_widened", "dispatch", "gpu")
+MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "overhead_before": "ratio",
+             "goodput": "goodput_vs_torchft", "dispatch": "growth_last_over_first"}
 """``--ingest NAME=A,B,C``: the figure whose median run is NAME's result (the others are kept
 under ``repeats``)."""
 GOODPUT_TARGETS = (
@@ -55,7 +55,27 @@ GOODPUT_TARGETS = (
 """The goodput bench's targets: label, figure, format, comparison, bound (None: the record's
 own ``targets.goodput_spares_min``)."""
 COMPARE = {"≥": operator.ge, ">": operator.gt, "≤": operator.le}
-TARGET_FIGURES = {"goodput": tuple(path for _, path, *_ in GOODPUT_TARGETS)}
+OVERHEAD_FIGURES = (
+    ("`small` step, median (ms)", "planaria_step_ms", "ddp_step_ms", "ratio"),
+    ("`small` step, mean (ms)", "planaria_step_ms_mean", "ddp_step_ms_mean", "ratio_of_means"),
+    ("`small`, one step at a time (ms)", "train_step_ms|per_step_protocol_step_ms", None,
+     "train_step_ratio|per_step_protocol_ratio"),
+    ("`small`, controller overhead of a step (ms)", "controller_overhead_ms", None, None),
+    ("`tiny` step, median (ms)", "tiny.planaria_step_ms", "tiny.ddp_step_ms", "tiny.ratio"),
+    ("`tiny` step, mean (ms)", "tiny.planaria_step_ms_mean", "tiny.ddp_step_ms_mean",
+     "tiny.ratio_of_means"),
+    ("`tiny`, one step at a time (ms)", "tiny.train_step_ms|tiny.per_step_protocol_step_ms",
+     None, "tiny.train_step_ratio|tiny.per_step_protocol_ratio"),
+    ("`tiny`, controller overhead of a step (ms)", "tiny.controller_ms", None, None),
+)
+"""The overhead bench's figures compared before and after a change: label, planaria's,
+DDP's, the ratio (``a|b``: the first that the record has; a record from before the one
+step protocol names one step at a time ``per_step_protocol_*``)."""
+TARGET_FIGURES = {
+    "goodput": tuple(path for _, path, *_ in GOODPUT_TARGETS),
+    **{name: tuple(p for row in OVERHEAD_FIGURES for f in row[1:] if f for p in f.split("|"))
+       for name in ("overhead", "overhead_before")},
+}
 """``--ingest NAME=A,B,C``: the figures a target is set on, each kept with its own median over
 the runs under ``medians`` (the median run by one figure need not be the median of another)."""
 
@@ -231,6 +251,50 @@ def _runs(r: dict[str, Any], what: str = "") -> str:
             f"({', '.join(_f(x, '.3f') for x in repeats)}).")
 
 
+def _one_step(r: dict[str, Any]) -> tuple[Any, Any, str]:
+    """One step at a time: ``train_step_ms`` (a run of one step), or in a record from before
+    the one protocol, the per-step protocol's."""
+    if r.get("train_step_ms") is not None:
+        return r["train_step_ms"], r.get("train_step_ratio"), "one step at a time (`train_step`)"
+    return (r.get("per_step_protocol_step_ms"), r.get("per_step_protocol_ratio"),
+            "the same, per-step protocol")
+
+
+def _median_of(rec: dict[str, Any], paths: str | None) -> Any:
+    """The median over a record's runs of the first of ``paths`` (``a|b``) it has."""
+    for path in (paths or "").split("|"):
+        m = (rec["result"].get("medians") or {}).get(path)
+        if m is not None:
+            return m["median"]
+    return None
+
+
+def render_overhead_change(before: dict[str, Any], after: dict[str, Any] | None) -> list[str]:
+    """The overhead bench before and after a change, on one machine: each figure's median
+    over each side's runs."""
+    if after is None:
+        return []
+    nb = len(before["result"].get("repeats") or [1])
+    na = len(after["result"].get("repeats") or [1])
+    out = ["## Overhead before and after the one step protocol", "",
+           f"`{before['command']}` at `{str(before.get('commit'))[:7]}` ({nb} runs, "
+           f"{before.get('date')}) and at `{str(after.get('commit'))[:7]}` ({na} runs, "
+           f"{after.get('date')}), one after the other on the same idle machine; each cell is "
+           "the median over the runs of that run's figure (pooled medians over its rounds). "
+           "Before, one step at a time was the per-step protocol (one call per worker per "
+           "step); after, it is `Job.train_step`, a run of one step. The DDP baseline loads "
+           "the next step as planaria does in both.", "",
+           "| figure | planaria before | planaria after | DDP before | DDP after | "
+           "ratio before | ratio after |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, pl, ddp, ratio in OVERHEAD_FIGURES:
+        cells = [_median_of(before, pl), _median_of(after, pl), _median_of(before, ddp),
+                 _median_of(after, ddp), _median_of(before, ratio), _median_of(after, ratio)]
+        fmt = [".2f", ".2f", ".2f", ".2f", ".3f", ".3f"]
+        out.append(f"| {label} | " + " | ".join(
+            "—" if c is None else _f(c, f) for c, f in zip(cells, fmt, strict=True)) + " |")
+    return [*out, ""]
+
+
 def render_overhead(rec: dict[str, Any]) -> list[str]:
     r = rec["result"]
     b = r.get("breakdown_ms") or {}
@@ -242,10 +306,15 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
         f"thread, global batch {r.get('global_batch', 48)} "
         f"(micro-batch {r.get('micro_batch', 8)}), {r.get('steps')} steps per run with "
         f"{r.get('warmup')} warm-up steps left out, {len(r.get('rounds') or [])} interleaved "
-        + ("rounds (planaria, DDP, ...; the per-step protocol too in the first "
+        + ("rounds (planaria, DDP, ...; one step at a time too in the first "
+           f"{r['train_step_rounds']}); medians over every steady step, 95% intervals "
+           "bootstrapped over the rounds." if "train_step_rounds" in r else
+           "rounds (planaria, DDP, ...; the per-step protocol too in the first "
            f"{r['per_step_rounds']}); medians over every steady step, 95% intervals "
            "bootstrapped over the rounds." if "per_step_rounds" in r else
            "rounds (planaria, planaria per step, DDP, ...); medians over every steady step.")
+        + (f" DDP loads the next step as planaria's worker does (`--prefetch "
+           f"{r['ddp_prefetch']}`)." if r.get("ddp_prefetch") else "")
         + (f" The `tiny` cross-check: {r['tiny_steps']} steps per run, {r['tiny_warmup']} "
            "warm-up, as many rounds." if r.get("tiny_steps") else ""),
         "",
@@ -258,11 +327,18 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
     ]
     if r.get("repeats"):
         out[paragraph] += _runs(r, ", by the small model's ratio")
-    if r.get("per_step_protocol_step_ms") is not None:
+    one_ms, one_ratio, one_label = _one_step(r)
+    if one_ms is not None:
         out.append(
-            f"| the same, per-step protocol | {_f(r['per_step_protocol_step_ms'], '.2f')} | "
-            f"{_f(r['ddp_step_ms'], '.2f')} | {_f(r.get('per_step_protocol_ratio'), '.3f')} | — "
+            f"| {one_label} | {_f(one_ms, '.2f')} | "
+            f"{_f(r['ddp_step_ms'], '.2f')} | {_f(one_ratio, '.3f')} | — "
             "| — |"
+        )
+    if r.get("planaria_step_ms_mean") is not None:
+        out.append(
+            f"| mean step time (ms), `{r.get('size')}` model | "
+            f"{_f(r['planaria_step_ms_mean'], '.2f')} | {_f(r['ddp_step_ms_mean'], '.2f')} | "
+            f"{_f(r.get('ratio_of_means'), '.3f')} | — | — |"
         )
     tiny = r.get("tiny")
     if tiny:
@@ -274,15 +350,24 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
             f"{_ci(tiny.get('fixed_ms_ci95'), '+.2f')} | ≤ 1.15: "
             f"{_ok(_within(tr, tiny.get('ratio_ci95'), 1.15))} |"
         )
-        if tiny.get("per_step_protocol_step_ms") is not None:
+        t_ms, t_ratio, t_label = _one_step(tiny)
+        if t_ms is not None:
             out.append(
-                f"| the same, per-step protocol | {_f(tiny['per_step_protocol_step_ms'], '.2f')}"
+                f"| {t_label} | {_f(t_ms, '.2f')}"
                 f" | {_f(tiny['ddp_step_ms'], '.2f')} | "
-                f"{_f(tiny.get('per_step_protocol_ratio'), '.3f')} | — | — |"
+                f"{_f(t_ratio, '.3f')} | — | — |"
             )
-    out += ["", "planaria's step time is the autonomous loop's (`fit`'s): the period between "
-            "rank 0's commits in a run of the steady steps. The breakdown below is the "
-            "per-step protocol's (one call per worker per step)."]
+        if tiny.get("planaria_step_ms_mean") is not None:
+            out.append(
+                f"| `tiny` mean step time (ms) | {_f(tiny['planaria_step_ms_mean'], '.2f')} | "
+                f"{_f(tiny['ddp_step_ms_mean'], '.2f')} | {_f(tiny.get('ratio_of_means'), '.3f')}"
+                " | — | — |"
+            )
+    out += ["", "planaria's step time is `fit`'s (runs up to the next boundary): the period "
+            "between rank 0's commits in a run of the steady steps. The breakdown below is "
+            + ("one step's at a time (`Job.train_step`, a run of one step)."
+               if "train_step_ms" in r else "the per-step protocol's (one call per worker per "
+               "step).")]
     out += [
         "",
         "Where planaria's step goes (medians per step):",
@@ -750,6 +835,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             continue
         if name == "overhead":
             out += render_overhead(rec)
+        elif name == "overhead_before":
+            out += render_overhead_change(rec, results.get("overhead"))
+            continue  # its own runs' outputs are in its record
         elif name == "recovery":
             out += render_recovery(rec)
         elif name == "goodput":
@@ -805,6 +893,8 @@ def main(argv: list[str] | None = None) -> None:
         help="save the last line of a captured output as NAME's result",
     )
     p.add_argument("--command", default=None, help="with --ingest: the command that produced it")
+    p.add_argument("--commit", default=None,
+                   help="with --ingest: the commit it ran at (default: this checkout's)")
     p.add_argument("--machine", default=None,
                    help="with --ingest: JSON describing the machine it ran on (default: this one)")
     p.add_argument("--timeout-s", type=float, default=3600.0)
@@ -831,6 +921,7 @@ def main(argv: list[str] | None = None) -> None:
             args.command or f"python bench/{name}.py",
             table=_table_lines(texts[chosen]),
             machine_info=json.loads(args.machine) if args.machine else None,
+            **({"commit": args.commit} if args.commit else {}),
         )
     if args.run:
         for name in args.only or BENCHES:

@@ -5,10 +5,10 @@
 
 The same model, data, global batch (64) and micro-batch (16), 2 replicas with
 1 torch thread each, three ways: planaria (``planaria.Job`` with a TrainSpec
-built from ``bench.common``) under each step protocol, and DDP under ``torchrun
---nproc_per_node=2`` (``bench.baselines.runners.run_ddp_steady``). The runs are
-interleaved (planaria, DDP, planaria, ...; the per-step protocol too in the first
-``--per-step-rounds``) so that all see the same load, and the figures are
+built from ``bench.common``) driven as ``fit`` drives it and one step at a time, and
+DDP under ``torchrun --nproc_per_node=2`` (``bench.baselines.runners.run_ddp_steady``).
+The runs are interleaved (planaria, DDP, planaria, ...; one step at a time too in the
+first ``--train-step-rounds``) so that all see the same load, and the figures are
 medians over the steady steps of every round pooled (``--warmup`` steps of each
 run left out), with 95% intervals bootstrapped over the rounds. Neither side
 prefetches in a background thread on this machine (planaria's ``prefetch`` is off
@@ -20,14 +20,12 @@ spare, both load the next step on a background thread (``--prefetch thread``).
 
 Figures:
 
-- ``planaria_step_ms``: the step period under the autonomous loop (``fit``'s:
+- ``planaria_step_ms``: the step period in runs up to the next boundary (``fit``'s:
   ``Job.run_steps``, see ``planaria.run_ahead``): the time between two of rank
   0's commits, in one run of the steady steps.
-- ``per_step_protocol_step_ms`` (and its ratio): under the per-step protocol,
-  the driver loop's wall time per ``Job.train_step`` (step boundary + dispatch
-  + waiting for every result + commit bookkeeping); the commit itself rides on
-  the next dispatch, so this is the step period. The breakdown below is this
-  protocol's.
+- ``train_step_ms`` (and its ratio): one step's latency, the driver loop's wall
+  time per ``Job.train_step`` (a run of one step: step boundary + the run's calls +
+  waiting for every result + commit bookkeeping). The breakdown below is that step's.
 - ``ddp_step_ms``: rank 0's time per step (micro-batches, allreduce, Adam).
 - ``*_mean``: the same step times' means (``ratio_of_means``); the medians are the
   estimator the claims rest on, chosen before the runs.
@@ -81,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps per run of the tiny-model cross-check (its steps take ms)")
     p.add_argument("--tiny-warmup", type=int, default=30)
     p.add_argument("--rounds", type=int, default=10, help="planaria, DDP pairs (interleaved)")
-    p.add_argument("--per-step-rounds", type=int, default=2,
-                   help="of those, how many also run the per-step protocol (its breakdown)")
+    p.add_argument("--train-step-rounds", type=int, default=2,
+                   help="of those, how many also run one step at a time (its breakdown)")
     p.add_argument("--no-tiny", action="store_true", help="skip the tiny-model cross-check")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--workdir", default=None)
@@ -145,14 +143,14 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path, *, step
     per_round = []
     for i in range(rounds):
         auto = run_planaria_steady(steps, size, args.replicas, args.threads, warmup=warmup,
-                                   run_dir=wd / f"planaria_autonomous_{size}_{i}",
-                                   step_protocol="autonomous")
-        # The per-step protocol, side by side in the first rounds (its step's breakdown).
+                                   run_dir=wd / f"planaria_run_steps_{size}_{i}",
+                                   driver="run_steps")
+        # One step at a time, side by side in the first rounds (a step's breakdown).
         pl = None
-        if i < args.per_step_rounds:
+        if i < args.train_step_rounds:
             pl = run_planaria_steady(steps, size, args.replicas, args.threads, warmup=warmup,
-                                     run_dir=wd / f"planaria_per_step_{size}_{i}",
-                                     step_protocol="per_step")
+                                     run_dir=wd / f"planaria_train_step_{size}_{i}",
+                                     driver="train_step")
             ps_ms += pl["step_ms"]
         ddp = run_ddp_steady(
             steps,
@@ -171,22 +169,22 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path, *, step
         row["ratio"] = row["planaria_step_ms"] / row["ddp_step_ms"]
         text = ""
         if pl is not None:
-            row["per_step_protocol_step_ms"] = pl["step_ms_median"]
-            row["per_step_protocol_ratio"] = pl["step_ms_median"] / row["ddp_step_ms"]
+            row["train_step_ms"] = pl["step_ms_median"]
+            row["train_step_ratio"] = pl["step_ms_median"] / row["ddp_step_ms"]
             row.update({k: pl[f"{k}_median"] for k in BREAKDOWN})
-            text = (f", {row['per_step_protocol_step_ms']:.2f} ms per step (slowest worker "
+            text = (f", {row['train_step_ms']:.2f} ms a train_step (slowest worker "
                     f"{row['worker_ms']:.1f} + apply {row['apply_ms']:.1f} ms, controller "
                     f"{row['controller_ms']:.1f} ms)")
         per_round.append(row)
         print(
-            f"  round {i} ({size}): planaria {row['planaria_step_ms']:.2f} ms (autonomous "
-            f"loop){text}, DDP {row['ddp_step_ms']:.2f} ms, ratio {row['ratio']:.3f}; "
+            f"  round {i} ({size}): planaria {row['planaria_step_ms']:.2f} ms (fit's runs)"
+            f"{text}, DDP {row['ddp_step_ms']:.2f} ms, ratio {row['ratio']:.3f}; "
             f"load {common.loadavg()}",
             flush=True,
         )
     pl_ms = [x for r in pl_rounds for x in r]
     ddp_ms = [x for r in ddp_rounds for x in r]
-    with_ps = [r for r in per_round if "per_step_protocol_step_ms" in r]
+    with_ps = [r for r in per_round if "train_step_ms" in r]
     out = {
         "planaria_step_ms": _med(pl_ms),
         "ddp_step_ms": _med(ddp_ms),
@@ -194,11 +192,11 @@ def _compare(args: argparse.Namespace, size: str, rounds: int, wd: Path, *, step
         "planaria_step_ms_mean": _mean(pl_ms),
         "ddp_step_ms_mean": _mean(ddp_ms),
         "ratio_of_means": _mean(pl_ms) / _mean(ddp_ms),
-        "per_step_protocol_step_ms_mean": _mean(ps_ms) if ps_ms else None,
+        "train_step_ms_mean": _mean(ps_ms) if ps_ms else None,
         "fixed_ms": _med(pl_ms) - _med(ddp_ms),
         **_interval(pl_rounds, ddp_rounds),
-        "per_step_protocol_step_ms": _med(ps_ms) if ps_ms else None,
-        "per_step_protocol_ratio": _med(ps_ms) / _med(ddp_ms) if ps_ms else None,
+        "train_step_ms": _med(ps_ms) if ps_ms else None,
+        "train_step_ratio": _med(ps_ms) / _med(ddp_ms) if ps_ms else None,
         "ratio_per_round_median": _med([r["ratio"] for r in per_round]),
         "rounds": per_round,
     }
@@ -248,8 +246,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{name}mean step ms: planaria {c['planaria_step_ms_mean']:.2f}, DDP "
                   f"{c['ddp_step_ms_mean']:.2f}, ratio of means {c['ratio_of_means']:.3f}")
     print(f"ratio, median of the per-round ratios: {m['ratio_per_round_median']:.3f}")
-    if m["per_step_protocol_step_ms"] is not None:
-        _print_breakdown(m, args.per_step_rounds)
+    if m["train_step_ms"] is not None:
+        _print_breakdown(m, args.train_step_rounds)
     print(f"load average before {load_before} after {load_after}; wall {time.time() - t0:.0f} s")
 
     out = {
@@ -261,25 +259,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fixed_ms": m["fixed_ms"],
         "fixed_ms_ci95": m["fixed_ms_ci95"],
         "controller_overhead_ms": m["controller_ms"],
-        "per_step_protocol_step_ms": m["per_step_protocol_step_ms"],
-        "per_step_protocol_ratio": m["per_step_protocol_ratio"],
+        "train_step_ms": m["train_step_ms"],
+        "train_step_ratio": m["train_step_ratio"],
         "ratio_per_round_median": m["ratio_per_round_median"],
         "planaria_step_ms_mean": m["planaria_step_ms_mean"],
         "ddp_step_ms_mean": m["ddp_step_ms_mean"],
         "ratio_of_means": m["ratio_of_means"],
-        "per_step_protocol_step_ms_mean": m["per_step_protocol_step_ms_mean"],
+        "train_step_ms_mean": m["train_step_ms_mean"],
         "ddp_prefetch": ddp_prefetch(args.replicas, args.threads),
         "breakdown_ms": {k: m[k] for k in BREAKDOWN},
         "tiny": None
         if tiny is None
         else {k: tiny[k] for k in ("planaria_step_ms", "ddp_step_ms", "ratio", "ratio_ci95",
                                    "fixed_ms", "fixed_ms_ci95", "controller_ms",
-                                   "per_step_protocol_step_ms", "per_step_protocol_ratio",
+                                   "train_step_ms", "train_step_ratio",
                                    "planaria_step_ms_mean", "ddp_step_ms_mean",
-                                   "ratio_of_means", "per_step_protocol_step_ms_mean",
+                                   "ratio_of_means", "train_step_ms_mean",
                                    "rounds")},
         "rounds": m["rounds"],
-        "per_step_rounds": args.per_step_rounds,
+        "train_step_rounds": args.train_step_rounds,
         "size": args.size,
         "replicas": args.replicas,
         "threads": args.threads,
@@ -295,13 +293,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _print_breakdown(m: dict[str, Any], rounds: int) -> None:
-    print(f"per-step protocol (Job.train_step): {m['per_step_protocol_step_ms']:.1f} ms, ratio "
-          f"{m['per_step_protocol_ratio']:.3f}")
-    print(f"the per-step protocol's step, per-step medians (median over its {rounds} rounds), "
-          "ms:")
+    print(f"one step at a time (Job.train_step, a run of one): {m['train_step_ms']:.1f} ms, "
+          f"ratio {m['train_step_ratio']:.3f}")
+    print(f"its step, per-step medians (median over its {rounds} rounds), ms:")
     print(f"  slowest worker data wait + compute + reduce  {m['worker_ms']:7.1f}")
     print(f"  its update apply (Adam, outside its timers)  {m['apply_ms']:7.1f}")
-    print(f"  rest of its step call                        {m['worker_other_ms']:7.1f}")
+    print(f"  rest of its run call                         {m['worker_other_ms']:7.1f}")
     print(f"  Ray transport (dispatch -> results back)     {m['transport_ms']:7.1f}")
     print(f"  controller bookkeeping (boundary, log)       {m['bookkeeping_ms']:7.1f}")
     print(f"  step wall - data/compute/reduce ('gap')      {m['gap_ms']:7.1f}")

@@ -83,23 +83,23 @@ def make_spec(size: str = "small", micro_batch_size: int = common.MICRO_BATCH) -
 
 
 class _TimedWorkerMixin:
-    """Bench instrumentation of the worker: times the whole ``step`` call and its settle.
+    """Bench instrumentation of the worker: times the whole ``run`` call and its applies.
 
-    A worker applies the committed update (Adam) in ``_settle`` at the start of
-    its next ``step`` call, before its own timers start; this adds ``apply_s``
-    (that settle) and ``call_s`` (the whole call, worker side) to the step
-    result. Two ``perf_counter`` calls per step: nothing else changes.
+    A worker applies a step's update (Adam) in ``_settle`` once the step's reduction
+    completed, outside the step's own timers; this adds ``apply_s`` (the run's settles)
+    and ``call_s`` (the whole call, worker side) to the run's result. Two
+    ``perf_counter`` calls per settle and per run: nothing else changes.
     """
 
     def _settle(self, steps_done: int, skipped: int = -1, *, allow_behind: bool = False) -> None:
         t0 = time.perf_counter()
         super()._settle(steps_done, skipped, allow_behind=allow_behind)  # type: ignore[misc]
-        self._bench_settle_s = time.perf_counter() - t0
+        self._bench_settle_s = getattr(self, "_bench_settle_s", 0.0) + time.perf_counter() - t0
 
-    def step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def run(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
         self._bench_settle_s = 0.0
-        out = super().step(*args, **kwargs)  # type: ignore[misc]
+        out = super().run(*args, **kwargs)  # type: ignore[misc]
         out["apply_s"] = self._bench_settle_s
         out["call_s"] = time.perf_counter() - t0
         return out
@@ -122,11 +122,12 @@ def _timed_workers() -> Iterator[None]:
         pool_module.Worker = original
 
 
-_TIMES = ("data_wait_s", "compute_s", "reduce_s", "apply_s", "call_s")
+_TIMES = ("data_wait_s", "compute_s", "reduce_s")
 
 
 def _timed_job_class() -> type:
-    """A Job that keeps the workers' own step timings (bench instrumentation only)."""
+    """A Job that keeps the workers' own timings of runs of one step and its own wait for
+    them (bench instrumentation only)."""
     from planaria import Job
 
     class TimedJob(Job):
@@ -134,15 +135,19 @@ def _timed_job_class() -> type:
             self, refs: dict[str, Any], *, deadline_s: float, step: int | None,
             poll: Any = None,
         ) -> dict[str, Any]:
+            t0 = time.perf_counter()
             results = super()._gather(refs, deadline_s=deadline_s, step=step, poll=poll)
-            if step is not None:
-                times = {
-                    name: {k: float(r.get(k, 0.0)) for k in _TIMES}
-                    for name, r in results.items()
-                    if isinstance(r, dict) and "compute_s" in r
-                }
-                if times:
-                    self.__dict__.setdefault("worker_times", {})[step] = times
+            gather_s = time.perf_counter() - t0
+            times = {}
+            for name, r in results.items():
+                if isinstance(r, dict) and "call_s" in r and len(r.get("steps") or ()) == 1:
+                    rec = r["steps"][0]
+                    times[name] = {**{k: float(rec[k]) for k in _TIMES},
+                                   "apply_s": r["apply_s"], "call_s": r["call_s"],
+                                   "gather_s": gather_s, "step": rec["step"]}
+            if times:
+                step_of = next(iter(times.values()))["step"]
+                self.__dict__.setdefault("worker_times", {})[step_of] = times
             return results
 
     return TimedJob
@@ -163,22 +168,25 @@ def run_planaria_steady(
     **run_options: Any,
 ) -> dict[str, Any]:
     """``steps`` steps on ``replicas`` workers, no faults; per-step medians after ``warmup``.
-    ``run_options`` are further RunConfig fields (e.g. ``overlap_reduction``).
+    ``driver``: ``"run_steps"`` (``fit``'s: runs up to the next boundary, see
+    :func:`_run_autonomous`) or ``"train_step"`` (one step at a time: a run of one step
+    each, whose breakdown follows). ``run_options`` are further RunConfig fields (e.g.
+    ``overlap_reduction``).
 
-    Per step (then the median over the steady steps), in ms:
+    Per step under ``train_step`` (then the median over the steady steps), in ms:
 
-    - ``step_ms``: the driver loop's wall time per ``train_step`` (boundary,
-      dispatch, wait for every result, commit bookkeeping): the step period;
-    - ``duration_ms``: the controller's ``duration_s`` (dispatch → all results);
+    - ``step_ms``: the driver loop's wall time per ``train_step`` (boundary, the run's
+      calls, wait for every result, commit bookkeeping): one step's latency;
+    - ``duration_ms``: the controller's wait for the run's results (calls out → all back);
     - ``worker_ms``: the slowest worker's ``data_wait_s + compute_s + reduce_s``;
     - ``gap_ms``: ``step_ms - worker_ms``;
     - ``apply_ms``: the slowest worker's update apply (Adam; outside its timers);
-    - ``worker_other_ms``: the rest of the slowest worker's ``step`` call (generation
-      check, prefetch submit, result);
+    - ``worker_other_ms``: the rest of the slowest worker's ``run`` call (generation
+      check, stop watch, prefetch submit, result);
     - ``transport_ms``: ``duration_ms`` minus the slowest worker's whole call: Ray
       dispatch, scheduling onto the actor, (de)serialisation, return, ``ray.wait``;
     - ``bookkeeping_ms``: ``step_ms - duration_ms``: step boundary (poll for
-      replacements, chaos, checkpoint), loss and metrics, the event log;
+      replacements, chaos, checkpoint), loss and metrics, the event log, the run's keys;
     - ``controller_ms``: ``step_ms`` minus the slowest worker's
       ``data_wait + compute + reduce + apply``: what the controller adds to the
       work a DDP rank does in a step.
@@ -189,16 +197,15 @@ def run_planaria_steady(
         raise ValueError(f"steps={steps} must exceed warmup={warmup}")
     _ensure_worker_path()
     rd = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="planaria_steady_"))
-    run_options.setdefault("step_protocol", "per_step")
+    driver = run_options.pop("driver", "train_step")
     config = RunConfig(steps=steps, replicas=replicas, run_dir=rd, threads_per_worker=threads,
                        **run_options)
-    if config.step_protocol == "autonomous":
+    if driver == "run_steps":
         return _run_autonomous(config, size, warmup)
     with _timed_workers():
         job = _timed_job_class()(make_spec(size), config)
         job.start()
     wall: dict[int, float] = {}
-    duration: dict[int, float] = {}
     cpu = 0.0
     try:
         while job.steps_done < steps:
@@ -207,7 +214,6 @@ def run_planaria_steady(
             wall[result.step] = time.perf_counter() - t0
             if result.step >= warmup:
                 cpu += time.process_time() - c0
-            duration[result.step] = result.duration_s
         job.commit_all()
     finally:
         job.close()
@@ -236,30 +242,31 @@ def run_planaria_steady(
         )
         timed = w["data_wait_s"] + w["compute_s"] + w["reduce_s"]
         call = max(t["call_s"] for t in times[s].values())
+        duration = w["gather_s"]
         row = {
             "step_ms": wall[s],
-            "duration_ms": duration[s],
+            "duration_ms": duration,
             "worker_ms": timed,
             "gap_ms": wall[s] - timed,
             "apply_ms": w["apply_s"],
             "worker_other_ms": w["call_s"] - timed - w["apply_s"],
-            "transport_ms": duration[s] - call,
-            "bookkeeping_ms": wall[s] - duration[s],
+            "transport_ms": duration - call,
+            "bookkeeping_ms": wall[s] - duration,
             "controller_ms": wall[s] - timed - w["apply_s"],
         }
         for k, v in row.items():
             per_step[k].append(v * 1000)
     out: dict[str, Any] = {f"{k}_median": _median(v) for k, v in per_step.items()}
     out.update(step_ms=per_step["step_ms"], replicas=replicas, size=size, run_dir=str(rd),
-               controller_cpu_ms=cpu * 1000 / (steps - warmup), step_protocol="per_step")
+               controller_cpu_ms=cpu * 1000 / (steps - warmup), driver="train_step")
     return out
 
 
 def _run_autonomous(config: Any, size: str, warmup: int) -> dict[str, Any]:
-    """``run_planaria_steady`` under the autonomous loop (``Job.run_steps``): the steps
-    after ``warmup`` in one run. ``step_ms``: the periods between rank 0's commits (the
-    workers' clock); ``controller_cpu_ms``: the controller process's CPU over the run
-    (its thread and Ray's) per step. The per-step breakdown needs the per-step protocol."""
+    """``run_planaria_steady`` in runs up to the next boundary (``Job.run_steps``, ``fit``'s):
+    the steps after ``warmup`` in one run. ``step_ms``: the periods between rank 0's
+    commits (the workers' clock); ``controller_cpu_ms``: the controller process's CPU over
+    the run (its thread and Ray's) per step. The per-step breakdown is ``train_step``'s."""
     from planaria import Job
 
     job = Job(make_spec(size), config)
@@ -284,7 +291,7 @@ def _run_autonomous(config: Any, size: str, warmup: int) -> dict[str, Any]:
     return {"step_ms_median": _median(periods), "step_ms": periods,
             "wall_per_step_ms": wall * 1000 / n, "controller_cpu_ms": cpu * 1000 / n,
             "replicas": config.replicas, "size": size, "run_dir": str(config.run_dir),
-            "step_protocol": "autonomous"}
+            "driver": "run_steps"}
 
 
 def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -90,10 +90,11 @@ def of(evs: list[dict], name: str) -> list[dict]:
 
 def drive(job: Any, steps: int, *, wait_width_at: int | None = None, width: int = 3,
           before: Any = None) -> None:
-    """``fit()``'s loop on an open job: train until ``steps`` steps are committed, recovering
-    from every failure. At ``wait_width_at`` steps done it first waits (bounded) for
-    ``width`` replicas, so that a slow replacement start cannot end the run before it joins;
-    ``before(job)`` runs before every step attempt."""
+    """``fit()``'s loop on an open job, one step at a time (``train_step``: runs of one step):
+    train until ``steps`` steps are committed, recovering from every failure. At
+    ``wait_width_at`` steps done it first waits (bounded) for ``width`` replicas, so that a
+    slow replacement start cannot end the run before it joins; ``before(job)`` runs before
+    every step attempt."""
     import planaria
 
     while job.steps_done < steps:
@@ -108,8 +109,9 @@ def drive(job: Any, steps: int, *, wait_width_at: int | None = None, width: int 
 
 
 def run_to(job: Any, steps: int) -> dict:
-    """``fit()``'s loop on an open job, in autonomous runs: train until ``steps`` steps are
-    committed, recovering from every failure; returns the final model state."""
+    """``fit()``'s loop on an open job, in runs up to the next boundary: train until
+    ``steps`` steps are committed, recovering from every failure; returns the final model
+    state."""
     import planaria
 
     while job.steps_done < steps:

@@ -32,6 +32,7 @@ from planaria.errors import StepAborted, UserCodeError
 from planaria.examples import bn_mlp
 from planaria.fit import _finish as finish
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import drive as drive_steps
 from tests.loop_faults import DieLeavingSocketsOpen, SignalSelfAt
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -48,21 +49,25 @@ def spec() -> planaria.TrainSpec:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, ray_cluster):
-    """The same spec under the per-step protocol, one replica."""
-    return fit(spec(), steps=STEPS, replicas=1, run_dir=tmp_path_factory.mktemp("ref"),
-               step_protocol="per_step").state_dict
+    """The same spec one step at a time (``Job.train_step``: runs of one step), one replica."""
+    with Job(spec(), RunConfig(steps=STEPS, replicas=1,
+                               run_dir=tmp_path_factory.mktemp("ref"))) as job:
+        while job.steps_done < STEPS:
+            job.train_step()
+        return finish(job)
 
 
-def test_the_autonomous_loop_equals_the_per_step_protocol(tmp_path, reference):
+def test_runs_of_many_steps_equal_steps_one_at_a_time(tmp_path, reference):
     result = fit(spec(), steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True,
                  verify_every=5)
     assert_same_state(reference, result.state_dict)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(tmp_path)
     # Step 0 runs alone (it names the loss's metrics); then runs end at each replica check
-    # (every 5 steps); the last step, alone before the end, is dispatched per step.
+    # (every 5 steps); the last step runs alone before the end.
     assert [(r["start"], r["steps"], r["ended"]) for r in of(evs, "run_ahead")] == [
-        (1, 4, "until"), (5, 5, "until"), (10, 5, "until")
+        (0, 1, "until"), (1, 4, "until"), (5, 5, "until"), (10, 5, "until"),
+        (15, 1, "until"),
     ]
     assert [e["step"] for e in of(evs, "replicas_verified")] == [5, 10, 15]
     assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
@@ -229,29 +234,34 @@ class _OnOneRank:
             raise UserCodeError(f"the loss function failed on {worker.name} at step {step}")
 
 
-def _with_fault(run_dir: Path, protocol: str, fault: Any) -> tuple[dict, dict]:
-    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True,
-                       step_protocol=protocol)
+def _with_fault(run_dir: Path, fault: Any, *, one_at_a_time: bool = False
+                ) -> tuple[dict, dict]:
+    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
     policy = planaria.RecoveryPolicy(on_nonfinite="skip")
     with Job(spec(), config, policy=policy) as job:
         job.run_steps(1)
         _install(job, "w1", fault)
-        state = _drive(job, STEPS)
+        if one_at_a_time:  # train_step: runs of one step
+            drive_steps(job, STEPS)
+            state = finish(job)
+        else:
+            state = _drive(job, STEPS)
         return state, job.checksums()
 
 
-def test_a_nonfinite_gradient_on_one_rank_is_skipped_as_per_step(tmp_path):
+def test_a_nonfinite_gradient_on_one_rank_is_skipped_in_a_run_as_alone(tmp_path):
     """NaN in one rank's gradient: the reduced gradient is non-finite on every rank, they all
-    end the run without applying it, the policy skips it; the same as the per-step protocol."""
-    auto, sums = _with_fault(tmp_path / "auto", "autonomous", _OnOneRank(FAULT_STEP, "nan"))
-    per, _ = _with_fault(tmp_path / "per", "per_step", _OnOneRank(FAULT_STEP, "nan"))
+    end the run without applying it, the policy skips it; the same as in a run of one."""
+    auto, sums = _with_fault(tmp_path / "auto", _OnOneRank(FAULT_STEP, "nan"))
+    alone, _ = _with_fault(tmp_path / "alone", _OnOneRank(FAULT_STEP, "nan"),
+                           one_at_a_time=True)
     assert len(set(sums.values())) == 1, sums
-    assert_same_state(per, auto)
+    assert_same_state(alone, auto)
     evs = events(tmp_path / "auto")
     assert [(r["start"] + r["steps"], r["ended"]) for r in of(evs, "run_ahead")
             if r["ended"] != "until"] == [(FAULT_STEP, "nonfinite")]
     assert [e["step"] for e in of(evs, "step_skipped")] == [FAULT_STEP]
-    assert [e["step"] for e in of(events(tmp_path / "per"), "step_skipped")] == [FAULT_STEP]
+    assert [e["step"] for e in of(events(tmp_path / "alone"), "step_skipped")] == [FAULT_STEP]
 
 
 def test_a_user_error_on_one_rank_stops_the_job_without_a_hang(tmp_path):
@@ -259,7 +269,7 @@ def test_a_user_error_on_one_rank_stops_the_job_without_a_hang(tmp_path):
     collective (it closes its group), and the job stops with the error, not a retry."""
     t0 = time.monotonic()
     with pytest.raises(UserCodeError, match="failed on w1 at step 6"):
-        _with_fault(tmp_path, "autonomous", _OnOneRank(FAULT_STEP, "user_error"))
+        _with_fault(tmp_path, _OnOneRank(FAULT_STEP, "user_error"))
     assert time.monotonic() - t0 < 120
     evs = events(tmp_path)
     assert [f["kind"] for f in of(evs, "fault")] == ["user_code_error"]
@@ -333,8 +343,8 @@ LONG = 48
 
 @pytest.fixture(scope="module")
 def reference_long(tmp_path_factory, ray_cluster):
-    return fit(spec(), steps=LONG, replicas=1, run_dir=tmp_path_factory.mktemp("ref_long"),
-               step_protocol="per_step").state_dict
+    return fit(spec(), steps=LONG, replicas=1,
+               run_dir=tmp_path_factory.mktemp("ref_long")).state_dict
 
 
 def test_a_replacement_ends_a_run_early_and_joins(tmp_path, reference_long):

@@ -107,8 +107,7 @@ def test_a_job_whose_call_notices_never_come_still_trains_and_recovers(
     wait says whom it waits for."""
     n, g, steps = 256, 64, 12
     spec = bn_mlp.make_spec(n=n)
-    reference = fit(spec, steps=steps, replicas=1, run_dir=tmp_path / "ref",
-                    step_protocol="per_step").state_dict
+    reference = fit(spec, steps=steps, replicas=1, run_dir=tmp_path / "ref").state_dict
     monkeypatch.setattr(planaria.controller, "CallWatch", _Deaf)
     monkeypatch.setattr(planaria.controller, "RECHECK_S", 0.3)
     monkeypatch.setattr(planaria.controller, "WAIT_REPORT_S", 1.0)

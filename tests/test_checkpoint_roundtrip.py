@@ -165,10 +165,10 @@ def test_async_writer_never_overlaps_and_reports(tmp_path) -> None:
         w.close()
 
 
-def test_async_writer_skip_and_error(tmp_path) -> None:
+def test_async_writer_waits_for_the_previous_write_and_reports_errors(tmp_path) -> None:
     state = {"w": torch.ones(4)}
     (plan,) = plan_shards({"w": ((4,), torch.float32)}, 1)
-    w = AsyncShardWriter(str(tmp_path), if_busy="skip")
+    w = AsyncShardWriter(str(tmp_path), busy_timeout_s=0.01)
     with pytest.raises(RuntimeError):
         w.result()
     import threading
@@ -177,7 +177,8 @@ def test_async_writer_skip_and_error(tmp_path) -> None:
     w._pool.submit(gate.wait)  # hold the thread: the next write waits behind it
     assert w.start(1, state, plan) is not None
     assert w.busy and w.poll() is None
-    assert w.start(2, state, plan) is None  # skipped: the previous one still writes
+    with pytest.raises(TimeoutError, match="still running"):  # never two writes at once
+        w.start(2, state, plan)
     with pytest.raises(TimeoutError):
         w.result(timeout_s=0.01)
     gate.set()

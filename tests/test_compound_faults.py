@@ -14,7 +14,8 @@ import torch
 import planaria
 from planaria import Job, RecoveryPolicy, fit
 from planaria.examples import mlp
-from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from planaria.fit import _finish as finish
+from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -146,17 +147,20 @@ def test_a_transient_infrastructure_error_under_user_code_reruns_the_step_elsewh
         grad_clip_norm=base.grad_clip_norm,
     )
 
-    def arm(result) -> None:
-        if result.step == 4:
+    armed: list[int] = []
+
+    def arm(job) -> None:  # once, before step 5 runs (train_step: a run of one step)
+        if job.steps_done == 5 and not armed:
+            armed.append(5)
             marker.write_text("1")
 
     run_dir = tmp_path / "run"
-    # on_step arms the fault before step 5 runs: one step at a time (under the autonomous
-    # loop the callback comes when a run of steps ends).
-    result = fit(spec, steps=STEPS, replicas=3, run_dir=run_dir, ledger=True, on_step=arm,
-                 step_protocol="per_step")
+    with Job(spec, planaria.RunConfig(steps=STEPS, replicas=3, run_dir=run_dir,
+                                      ledger=True)) as job:
+        drive(job, STEPS, before=arm)
+        state = finish(job)
     assert (tmp_path / "hiccup.claimed").exists()
-    assert_same_state(reference, result.state_dict)
+    assert_same_state(reference, state)
     assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(run_dir)
     faults = of(evs, "fault")

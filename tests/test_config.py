@@ -149,7 +149,7 @@ def test_a_local_ray_start_that_times_out_is_tried_again(tmp_path, monkeypatch):
 
     import ray
 
-    from planaria import controller
+    from planaria import backoff, controller
     from planaria.config import RunConfig
 
     calls: list[dict] = []
@@ -162,7 +162,7 @@ def test_a_local_ray_start_that_times_out_is_tried_again(tmp_path, monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", flaky_init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    monkeypatch.setattr(controller.time, "sleep", lambda s: None)
+    monkeypatch.setattr(backoff.time, "sleep", lambda s: None)
     sessions: list[str] = []
     reaper = SimpleNamespace(marking=contextlib.nullcontext, session=sessions.append)
     monkeypatch.setattr(ray._private.worker, "_global_node",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import signal
 import sys
 
 import numpy as np
@@ -23,7 +24,8 @@ from planaria.data_plan import Ledger
 from planaria.examples import bn_mlp, mlp
 from planaria.integrity import ServedAgain
 from planaria.randomness import GlobalStates, drawn_from, probe_sample, serve_samples
-from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import assert_exactly_once, assert_same_state, events, of, run_to
+from tests.loop_faults import SignalSelfAt, install
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -220,15 +222,22 @@ class Counting(mlp.Regression):
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_nondeterministic_dataset_served_again_after_a_kill_is_named(tmp_path):
-    fit(spec_of(Counting), steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True,
-        chaos="kill:w1@step5")
+    # w1 dies at step 5 once it has computed (what it was served is in the ledger), before
+    # the reduction: step 5's attempt breaks, and runs again at width 2.
+    config = RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True)
+    with Job(spec_of(Counting), config) as job:
+        job.run_steps(1)
+        install(job, "w1", SignalSelfAt(5, "computed", signal.SIGKILL, str(tmp_path / "hit")))
+        run_to(job, STEPS)
     evs = events(tmp_path)
+    assert [e["step"] for e in of(evs, "step_failed")] == [5]
     changed = of(evs, "dataset_nondeterministic")
-    assert changed and {e["step"] for e in changed} == {5}
+    step = 5
+    assert changed and {e["step"] for e in changed} == {step}
     # Every sample of the broken attempt the ledger holds was served again, otherwise.
     records = Ledger.read(tmp_path)
-    commit_gen = next(r["gen"] for r in records if r["kind"] == "commit" and r["step"] == 5)
-    broken = {i for r in records if r["kind"] == "served" and r["step"] == 5
+    commit_gen = next(r["gen"] for r in records if r["kind"] == "commit" and r["step"] == step)
+    broken = {i for r in records if r["kind"] == "served" and r["step"] == step
               and r["gen"] != commit_gen for i in r["ids"]}
     assert broken and {i for e in changed for i in e["samples"]} == broken
     assert sum(e["count"] for e in changed) == len(broken)

@@ -24,6 +24,7 @@ import planaria
 from planaria import Job, RunConfig
 from planaria.checkpointing import CheckpointConfig
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import drive as drive_steps
 from tests.loop_faults import install
 from tests.test_durable_saves import G, N, drive, gated_options, register_gated, spec
 
@@ -114,12 +115,12 @@ def test_a_reclaim_wave_inside_a_step_is_saved_and_restored(tmp_path, reference,
 
 def test_a_reclaim_wave_at_a_step_boundary_is_saved_and_restored(tmp_path, reference):
     chaos = "preempt:w0@step4,preempt:w1@step4,preempt:w2@step4"
-    job = Job(spec(), RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True,
-                                step_protocol="per_step"),
+    job = Job(spec(), RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True),
               checkpoint=CheckpointConfig(every=100, fsync=False),
               chaos=planaria.ChaosPlan.parse(chaos))
-    with job:
-        state = drive(job, STEPS)
+    with job:  # one step at a time (train_step): the wave lands in a run of one step
+        drive_steps(job, STEPS)
+        state = job.model_state_dict()
     assert_same_state(reference, state)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(tmp_path)

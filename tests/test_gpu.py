@@ -23,7 +23,7 @@ import ray
 import torch
 
 import planaria
-from planaria import HangConfig, Job, RunConfig, fit
+from planaria import HangConfig, Job, RunConfig, fit, store_keys
 from planaria.checkpointing import CheckpointConfig
 from planaria.examples import mlp
 from planaria.liveness import Heartbeat
@@ -147,8 +147,8 @@ def test_a_kill_mid_allreduce(tmp_path):
             end = time.time() + 120
             while not killed and time.time() < end:
                 for h in list(job.members):
-                    raw = job.store.get(f"hb/{h.name}") if job.store.check([f"hb/{h.name}"]) \
-                        else None
+                    key = store_keys.heartbeat(h.name)
+                    raw = job.store.get(key) if job.store.check([key]) else None
                     if raw and Heartbeat.parse(raw).phase == "reduce" and h.pid:
                         killed.append(h.name)
                         os.kill(h.pid, signal.SIGKILL)

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from planaria import store_keys
 from planaria.liveness import Heartbeat, Liveness
 
 
@@ -18,7 +19,7 @@ class Clock:
 
 
 def beat(store: dist.Store, name: str, n: int, phase: str, progress: int) -> None:
-    store.set(f"hb/{name}", Heartbeat(n, phase, 3, 0, False, progress).format())
+    store.set(store_keys.heartbeat(name), Heartbeat(n, phase, 3, 0, False, progress).format())
 
 
 def make() -> tuple[dist.Store, Liveness, Clock]:
@@ -181,13 +182,14 @@ def test_a_quiet_worker_skips_its_heartbeat_writes():
     t.start()
     try:
         stop.wait(0.3)
-        assert written == [] and not store.check(["hb/w0"])  # quiet: nothing written
+        # quiet: nothing written
+        assert written == [] and not store.check([store_keys.heartbeat("w0")])
         quiet.clear()
         deadline = 1000  # 20 s: a loaded machine may be slow to schedule the thread
         while not written and deadline:
             stop.wait(0.02)
             deadline -= 1
-        assert written and store.check(["hb/w0"])
+        assert written and store.check([store_keys.heartbeat("w0")])
     finally:
         stop.set()
         t.join()
@@ -209,7 +211,7 @@ def test_a_fault_is_dated_no_earlier_than_the_last_vouch():
 
 def record(store: dist.Store, name: str, n: int, phase: str, progress: int, *, work: str = "",
            busy: int = 0, gap_ms: int = 0) -> None:
-    store.set(f"hb/{name}",
+    store.set(store_keys.heartbeat(name),
               Heartbeat(n, phase, 3, 0, False, progress, work, busy, gap_ms).format())
 
 

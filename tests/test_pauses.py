@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from planaria import HangConfig, Job, RunConfig
+from planaria import HangConfig, Job, RunConfig, store_keys
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 from tests.loop_faults import install
 from tests.test_durable_saves import G, N, drive, spec
@@ -44,7 +44,7 @@ class StopThenWait:
 
             # Its last micro-batch's progress reported first (a beat is every 0.25 s): the
             # controller must see no progress from here on but the pause's.
-            while Heartbeat.parse(worker._store.get(f"hb/{worker.name}")).progress \
+            while Heartbeat.parse(worker._store.get(store_keys.heartbeat(worker.name))).progress \
                     != worker.progress:
                 time.sleep(0.01)
             Path(self.marker).write_text(worker.name)

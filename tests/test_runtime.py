@@ -57,9 +57,11 @@ def test_older_generation_is_refused_and_changes_nothing(tmp_path):
         old_gen = job.gen
         job.build_generation(job.members, reason="resize")  # generation moves on
         w0 = job.members[0]
-        ids = job.data_ids(job.steps_done)
+        assert job.plan is not None
+        plan = (job.plan.num_samples, job.plan.global_batch_size, job.plan.seed)
+        start = job.steps_done
         with pytest.raises(StaleGeneration, match="refused"):
-            ray.get(w0.actor.step.remote(old_gen, job.steps_done, ids, job.steps_done))
+            ray.get(w0.actor.run.remote(old_gen, 99, start, start + 1, plan=plan))
         with pytest.raises(StaleGeneration):
             ray.get(w0.actor.commit.remote(old_gen, job.steps_done))
         assert job.checksums() == before

@@ -27,6 +27,7 @@ from planaria.examples import mlp
 from planaria.integrity import dataset_fingerprint
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 from tests.assertions import run_to as drive
+from tests.loop_faults import SignalSelfAt, install
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -193,12 +194,12 @@ def test_a_poison_sample_is_skipped_when_the_policy_says_so(tmp_path, k):
 def test_a_second_real_death_at_the_same_step_is_the_workers(tmp_path):
     ref = reference(tmp_path / "ref")
     run = tmp_path / "run"
-    job = Job(spec_with(), RunConfig(steps=STEPS, replicas=3, run_dir=run, ledger=True),
-              chaos=planaria.ChaosPlan.parse("kill:w1@step3"))
+    job = Job(spec_with(), RunConfig(steps=STEPS, replicas=3, run_dir=run, ledger=True))
     with job:
-        handle = next(h for h in job.members if h.name == "w2")
-        hook = DieOnRerun(3, job.gen)
-        ray.get(handle.actor.__ray_call__.remote(lambda self: setattr(self, "loop_fault", hook)))
+        # w1 dies at step 3 once it has computed (before the reduction), w2 at that step's
+        # re-run in the next generation.
+        install(job, "w1", SignalSelfAt(3, "computed", 9, str(tmp_path / "w1-killed")))
+        install(job, "w2", DieOnRerun(3, job.gen))
         state = drive(job, STEPS)
     assert_same_state(ref, state)
     assert_exactly_once(run, num_samples=N, global_batch_size=G, steps=STEPS)

@@ -7,6 +7,7 @@ the same process.
 
 from planaria._version import __version__
 from planaria.chaos import ChaosPlan
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.config import RunConfig, TrainSpec
 from planaria.controller import Job, StepResult
 from planaria.errors import (
@@ -36,6 +37,7 @@ from planaria.retry import elastic_retry
 __all__ = [
     "AllReplicasLost",
     "ChaosPlan",
+    "CheckpointConfig",
     "CheckpointError",
     "ConfigError",
     "DataMismatch",

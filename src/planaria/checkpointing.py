@@ -51,10 +51,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import ray
 
+from planaria.backoff import retry
 from planaria.checkpoint import (
     CheckpointError,
     CheckpointInterval,
@@ -69,6 +70,7 @@ from planaria.checkpoint import (
 )
 from planaria.checkpoint.backoff import with_retries
 from planaria.checkpoint.compat import compare_data_plans
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.checkpoint.dtypes import DTYPES
 from planaria.checkpoint.errors import (
     CheckpointMismatch,
@@ -81,7 +83,6 @@ from planaria.checkpoint.lease import RootLease
 from planaria.checkpoint.restore import CheckpointInfo, read_run_id
 from planaria.checkpoint.retention import delete_checkpoint, remove_uncommitted_save
 from planaria.checkpoint.storage import Storage
-from planaria.config import check
 from planaria.errors import Failure, StorageError, WorkerLost, root_cause
 
 if TYPE_CHECKING:
@@ -93,135 +94,8 @@ _log = logging.getLogger("planaria.checkpoint")
 POLL_S = 0.02  # while a blocking save waits for its writers
 
 
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    """Where and how often a job saves checkpoints, and whether it resumes from them."""
-
-    root: str | None = None
-    """A path (made absolute) or fsspec URL (s3://, gs://; every worker must reach it, so
-    not memory://); None: RUN_DIR/checkpoints."""
-    every: int | str | None = None
-    """N steps (int or "500"), a duration ("90s", "10m"), "auto" (Young/Daly); None: no saves."""
-    keep_last: int | None = 3
-    """Keep the newest this many committed checkpoints (None: keep all)."""
-    keep_every: int | None = None
-    """Also keep for good every checkpoint whose step is a multiple of this."""
-    resume: bool = True
-    """At start, restore the newest viable checkpoint of the root's lineage if there is one
-    (an error, not a start from step 0, if checkpoints exist and none is viable)."""
-    on_other_run: Literal["refuse", "overwrite", "branch"] = "refuse"
-    """``resume=False`` on a root holding another run's checkpoints: refuse (an error),
-    overwrite (delete them first) or branch (keep them; this run starts its own lineage
-    beside them and never restores, ranks or deletes theirs, except a step it re-saves)."""
-    strict: bool = True
-    """A restore needs the checkpoint's tensors to match the job's (names, shapes, dtypes);
-    False: report the differences (``checkpoint_mismatch``) and load the tensors that match."""
-    replan_data: bool = False
-    """Resume even if the data plan (dataset length, global batch, seed) differs from the
-    checkpoint's: the samples are then planned anew from the resumed step."""
-    storage_attempts: int = 3
-    """Tries of a storage operation (with backoff) before it counts as failed."""
-    lease_ttl_s: float = 30.0
-    """The lease on the root lasts this long past each renewal; a background thread renews
-    it every third of that. A controller started again takes over at once the lease of a
-    holder on this machine that no longer runs, and waits at most this long for one it
-    cannot check (another host): renewed meanwhile, the holder is live and the start is
-    refused (see planaria.checkpoint.lease)."""
-    staging_budget_bytes: int | None = None
-    """Host memory a worker may hold for staging its share (None: no bound; the staging
-    buffers then hold the share, about 1/N of the state, from one save to the next). A
-    share over the budget is written from the live tensors while training waits (all of
-    it stall)."""
-    min_bytes_per_s: float = 20e6
-    """Deadlines of saves and restores grow by one second per this many bytes."""
-    if_busy: Literal["wait", "skip"] = "wait"
-    """A save falls due while the previous one is still writing: wait for it, or skip this one."""
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    """Passed to fsspec (e.g. endpoint_url, key, secret for S3)."""
-    mtbf_prior_s: float = 24 * 3600.0
-    """every="auto": the job's mean time between failures assumed before any is seen."""
-    stall_prior_s: float = 1.0
-    """every="auto": the save stall assumed before one is measured."""
-    auto_max_steps: int | None = None
-    """every="auto": never more steps than this between saves (None: no bound)."""
-    restore_strategy: Literal["auto", "read_all", "share"] = "auto"
-    """Each replica reads all, or a share plus broadcast; auto: read_all when every replica
-    is on one node, share when they span several (see the module doc)."""
-    continuous: bool = False
-    """every="auto": when the optimum is shorter than a save takes, save back to back
-    instead of once per save time."""
-    save_on_preemption: bool = True
-    """Save just in time when a preemption would leave fewer than min_replicas (needs ``every``)."""
-    fsync: bool = True
-    """fsync shard files and directories on local disk (off only for benchmarks and tests)."""
-    direct_io: bool = True
-    """On local disk, write each staged shard and read it back with ``O_DIRECT`` (the disk's
-    DMA moves the bytes; no page-cache copy competes with training for CPU). File systems
-    without it fall back to buffered writes by themselves; False forces buffered writes."""
-    max_failed_saves: int = 3
-    """This many saves in a row that do not commit (a full disk, a lost bucket) are escalated:
-    a ``checkpoints_failing`` event and a warning naming the newest committed step, then
-    ``on_failing``."""
-    on_failing: Literal["warn", "stop"] = "warn"
-    """After ``max_failed_saves`` failed saves in a row: go on training (warn; every further
-    failure is warned about again), or stop the job with a CheckpointError (its trained
-    state is not durable: the newest committed checkpoint is older and older)."""
-    timeout_s: float = 600.0
-    """Base deadline for a blocking save (final, just in time) or a restore's reads (plus
-    one second per ``min_bytes_per_s`` bytes)."""
-
-    def __post_init__(self) -> None:
-        check(self.root is None or (isinstance(self.root, str) and bool(self.root)), "root",
-              self.root, "a path or fsspec URL, or None for RUN_DIR/checkpoints")
-        check(not (isinstance(self.root, str) and self.root.startswith("memory://")), "root",
-              self.root, "a path or a URL every worker reaches (memory:// lives in one "
-              "process: the workers would each see their own)")
-        check(self.on_other_run in ("refuse", "overwrite", "branch"), "on_other_run",
-              self.on_other_run, "'refuse', 'overwrite' or 'branch'")
-        check(isinstance(self.strict, bool), "strict", self.strict, "True or False")
-        check(isinstance(self.replan_data, bool), "replan_data", self.replan_data,
-              "True or False")
-        check(isinstance(self.storage_attempts, int) and self.storage_attempts >= 1,
-              "storage_attempts", self.storage_attempts, "an integer >= 1")
-        check(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "seconds > 0")
-        check(self.staging_budget_bytes is None or (isinstance(self.staging_budget_bytes, int)
-              and self.staging_budget_bytes >= 0), "staging_budget_bytes",
-              self.staging_budget_bytes, "bytes >= 0, or None for no bound")
-        check(self.min_bytes_per_s > 0, "min_bytes_per_s", self.min_bytes_per_s,
-              "bytes per second > 0")
-        if self.every is not None:
-            try:
-                CheckpointInterval.from_spec(self.every)
-            except (ValueError, TypeError) as err:
-                check(False, "every", self.every, f"N steps, '90s'/'10m'/'2h', or 'auto' ({err})")
-        check(self.keep_last is None or (isinstance(self.keep_last, int) and self.keep_last >= 1),
-              "keep_last", self.keep_last, "an integer >= 1 or None")
-        every_ok = isinstance(self.keep_every, int) and self.keep_every >= 1
-        check(self.keep_every is None or every_ok, "keep_every", self.keep_every,
-              "an integer >= 1 or None")
-        check(isinstance(self.resume, bool), "resume", self.resume, "True or False")
-        check(self.if_busy in ("wait", "skip"), "if_busy", self.if_busy, "'wait' or 'skip'")
-        check(isinstance(self.storage_options, dict), "storage_options", self.storage_options,
-              "a dict")
-        check(self.mtbf_prior_s > 0, "mtbf_prior_s", self.mtbf_prior_s, "seconds > 0")
-        check(self.stall_prior_s >= 0, "stall_prior_s", self.stall_prior_s, "seconds >= 0")
-        check(self.auto_max_steps is None or self.auto_max_steps >= 1, "auto_max_steps",
-              self.auto_max_steps, "an integer >= 1 or None")
-        check(self.restore_strategy in ("auto", "read_all", "share"), "restore_strategy",
-              self.restore_strategy, "'auto', 'read_all' or 'share'")
-        check(self.timeout_s > 0, "timeout_s", self.timeout_s, "seconds > 0")
-        check(isinstance(self.max_failed_saves, int) and self.max_failed_saves >= 1,
-              "max_failed_saves", self.max_failed_saves, "an integer >= 1")
-        check(self.on_failing in ("warn", "stop"), "on_failing", self.on_failing,
-              "'warn' or 'stop'")
-
-    @classmethod
-    def from_cli(
-        cls, every: str | None = None, resume: bool = True, root: str | None = None, **options: Any
-    ) -> CheckpointConfig:
-        """From ``--checkpoint-every`` (None: no saves), ``--no-resume`` (``resume=False``) and a
-        root (None: RUN_DIR/checkpoints); ``options`` are further fields."""
-        return cls(every=every, resume=resume, root=root, **options)
+class _ReadFailed(Exception):
+    """A restore's read hit storage errors (the message names them): tried again."""
 
 
 def save_under(job: Job, root: str, storage_options: dict[str, Any] | None, *,
@@ -758,7 +632,7 @@ class Checkpointer:
         if beside is None:
             refs = {h.name: h.actor.ckpt_start.remote(
                 job.gen, step, i, width, save.save_id, self.root, self.options,
-                if_busy="wait", describe=describe if i == 0 else None, **options)
+                describe=describe if i == 0 else None, **options)
                 for i, h in enumerate(job.members)}
         else:
             refs = {h.name: h.actor.ckpt_start_beside.remote(
@@ -1125,8 +999,8 @@ class Checkpointer:
             owners = {s.name: p.index for p in plans for s in p.slices}
             names = [[s.name for s in p.slices] for p in plans]
         deadline = self._deadline(manifest.nbytes)
-        delay = 0.5
-        for attempt in range(1, self.config.storage_attempts + 1):
+
+        def read() -> str | None:  # what was wrong, or None; raises _ReadFailed to retry
             refs = {h.name: h.actor.ckpt_read.remote(job.gen, path, names[r], self.options,
                                                       strict=self.config.strict)
                     for r, h in enumerate(members)}
@@ -1148,15 +1022,18 @@ class Checkpointer:
             problems = [r["error"] for r in failed if not r.get("storage")]
             if problems:
                 return "; ".join(dict.fromkeys(problems))
-            if not storage:
-                break
-            if attempt == self.config.storage_attempts:
-                return (f"storage error after {attempt} attempts: "
-                        + "; ".join(dict.fromkeys(storage)))
-            _log.warning("reading %s failed (%s); retry %d in %.1f s", path, storage[0],
-                         attempt, delay)
-            time.sleep(delay)  # backoff before the retry
-            delay *= 2
+            if storage:
+                raise _ReadFailed("; ".join(dict.fromkeys(storage)))
+            return None
+
+        attempts = self.config.storage_attempts
+        try:
+            problem = retry(read, what=f"reading {path}", attempts=attempts,
+                            retryable=lambda err: isinstance(err, _ReadFailed), log=_log)
+        except _ReadFailed as err:
+            return f"storage error after {attempts} attempts: {err}"
+        if problem is not None:
+            return problem
         refs = {h.name: h.actor.ckpt_apply.remote(job.gen, path, owners) for h in members}
         applied = job._gather(refs, deadline_s=deadline, step=None)
         sums = {name: r["checksum"] for name, r in applied.items()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -11,59 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_spec", "main"]
+from planaria.spec_file import load_spec
 
-
-def _importable(name: str) -> bool:
-    try:
-        return name in sys.modules or importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return True
-
-
-def load_spec(target: str) -> Any:
-    """Loads ``SCRIPT.py[:NAME]`` and returns its TrainSpec (named ``spec`` by default).
-
-    The script is imported as a module whose code travels to the workers by
-    value, and its folder goes on the workers' PYTHONPATH so that it can import
-    its neighbours.
-    """
-    from planaria.config import TrainSpec
-    from planaria.errors import ConfigError
-
-    path_text, _, name = target.partition(":")
-    name = name or "spec"
-    path = Path(path_text)
-    if not path.is_file():
-        raise ConfigError(f"script {path_text!r} does not exist: give SCRIPT.py[:SPEC_NAME]")
-    # Its own name where that imports nothing else, so that the workers (which get its folder
-    # on their PYTHONPATH) can import it: what cloudpickle cannot send by value (a function
-    # under functools.lru_cache) is sent by reference. A name taken is prefixed instead.
-    module_name = path.stem
-    if not module_name.isidentifier() or _importable(module_name):
-        module_name = f"planaria_user_{path.stem}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"cannot import {path}: is it a Python file?")
-    folder = str(path.resolve().parent)
-    sys.path.insert(0, folder)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (folder, os.environ.get("PYTHONPATH", "")) if p
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(module)
-    value = getattr(module, name, None)
-    if not isinstance(value, TrainSpec):
-        found = [k for k, v in vars(module).items() if isinstance(v, TrainSpec)]
-        raise ConfigError(
-            f"{path} has no TrainSpec named {name!r}"
-            + (f"; it has {', '.join(found)}: use {path_text}:{found[0]}" if found else "")
-        )
-    return value
+__all__ = ["load_spec", "main"]  # load_spec: planaria.spec_file's, kept importable here
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -227,9 +176,6 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
                    help="with --gpu: a fraction lets workers share a GPU (over gloo)")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="process group backend (auto: NCCL with whole GPUs, else gloo)")
-    p.add_argument("--step-protocol", choices=("autonomous", "per_step"), default="autonomous",
-                   help="workers run steps on their own between boundaries (autonomous), or "
-                        "one controller call per worker per step (per_step)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -336,7 +282,6 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             use_gpu=args.gpu,
             gpus_per_worker=args.gpus_per_worker,
             backend=args.backend,
-            step_protocol=args.step_protocol,
             listeners=listeners,
         )
     finally:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planaria import store_keys
+
 __all__ = ["Collective", "connect_store"]
 
 CHUNK_BYTES = 32 << 20  # big sends in chunks: gloo moves 8 chunks ~10x faster than one cold call
@@ -78,7 +80,7 @@ class Collective:
         )
         self._staging: list[torch.Tensor] = []
         self._interrupted = False  # set from another thread (interrupt)
-        prefixed = dist.PrefixStore(f"gen{gen}/{tag}", store)
+        prefixed = dist.PrefixStore(store_keys.group_prefix(gen, tag), store)
         _wait_for_peers(store, prefixed, gen, rank, world_size, join_timeout_s)
         self.pg: Any
         if backend == "nccl":
@@ -314,7 +316,7 @@ def _wait_for_peers(
     pause = 0.005
     # Polled with check (a store wait that times out logs a warning in C++ every time).
     while not prefixed.check(keys):
-        if store.check([f"abort/{gen}"]):
+        if store.check([store_keys.abort(gen)]):
             raise StepAborted(f"generation {gen} was aborted during its rendezvous")
         if time.monotonic() > end:
             raise RuntimeError(

@@ -258,10 +258,6 @@ class RunConfig:
     """Ask Ray for draining nodes every this many seconds (in the background): the workers
     on a node Ray drains leave at the next step boundary, as after a preemption notice
     (see planaria.drain). None: do not ask."""
-    step_protocol: str = "autonomous"
-    """How ``fit`` drives steps: ``"autonomous"`` (workers run the steps between two
-    boundaries on their own, one call per worker per run: see planaria.run_ahead) or
-    ``"per_step"`` (one call per worker per step, the controller waiting for every answer)."""
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for ``ray.init`` (local start only)."""
 
@@ -344,12 +340,6 @@ class RunConfig:
             "drain_poll_s",
             self.drain_poll_s,
             "a number of seconds > 0 between queries for Ray's draining nodes, or None",
-        )
-        check(
-            self.step_protocol in ("autonomous", "per_step"),
-            "step_protocol",
-            self.step_protocol,
-            '"autonomous" (workers run steps on their own between boundaries) or "per_step"',
         )
         object.__setattr__(self, "run_dir", local_run_dir(self.run_dir))
 

@@ -23,10 +23,13 @@ import numpy as np
 import ray
 import torch
 
+from planaria import store_keys
 from planaria._version import __version__
 from planaria.attribution import Attribution, Blame, Sighting
+from planaria.backoff import retry
 from planaria.call_watch import CallWatch
 from planaria.chaos import ChaosPlan, send_signal
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.compile_cache import CACHE_FILE
 from planaria.config import RunConfig, TrainSpec
 from planaria.data_plan import DataPlan, Ledger, split_micro_batches
@@ -46,16 +49,15 @@ from planaria.errors import (
     WorkerUnreachable,
     WorkFault,
     classify,
+    is_death,
 )
 from planaria.events import EventLog
 from planaria.integrity import describe_global_draws, describe_mismatch, divergent_replicas
 from planaria.liveness import (
     IO_STALL_S,
-    NOTICES_KEY,
     WORK_PHASES,
     Heartbeat,
     Liveness,
-    notice_key,
 )
 from planaria.loss_history import LossHistory
 from planaria.network import (
@@ -109,9 +111,9 @@ class StepResult:
 class Job:
     """A training job: the controller side of planaria.
 
-    Use as a context manager; :meth:`train_step` runs one step and raises a
-    :class:`~planaria.errors.Failure` when one goes wrong, :meth:`recover`
-    applies the policy to it (see :mod:`planaria.recovery`).
+    Use as a context manager; :meth:`run_steps` runs steps up to a count (:meth:`train_step`
+    one) and raises a :class:`~planaria.errors.Failure` when one goes wrong;
+    ``job.recovery.handle(failure)`` applies the policy to it (see :mod:`planaria.recovery`).
     """
 
     def __init__(
@@ -122,7 +124,7 @@ class Job:
         policy: RecoveryPolicy | None = None,
         hang: HangConfig | None = None,
         chaos: ChaosPlan | None = None,
-        checkpoint: Any = None,
+        checkpoint: CheckpointConfig | None = None,
         listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
     ) -> None:
         from planaria.recovery import Recovery
@@ -348,20 +350,15 @@ class Job:
         kwargs.update(cfg.ray_init_kwargs)
         reaper = self.reaper
         assert reaper is not None
-        for attempt in range(RAY_START_ATTEMPTS):
-            try:
-                with reaper.marking():  # the session's processes are the job's
-                    ray.init(**kwargs)
-                break
-            except Exception as err:  # Ray raises a bare Exception for a node start timeout
-                if attempt + 1 == RAY_START_ATTEMPTS or "timed out during startup" not in str(err):
-                    raise
-                # A local node that did not come up in time (a loaded machine): its half-started
-                # processes go, and it is started again.
-                _mlog.warning("Ray's local node did not start in time (%s); starting it again",
-                              err)
-                ray.shutdown()
-                time.sleep(2.0 * (attempt + 1))
+        def start() -> None:
+            with reaper.marking():  # the session's processes are the job's
+                ray.init(**kwargs)
+
+        # A local node that did not come up in time (a loaded machine): its half-started
+        # processes go, and it is started again. Ray raises a bare Exception for that.
+        retry(start, what="starting Ray's local node", attempts=RAY_START_ATTEMPTS,
+              retryable=lambda err: "timed out during startup" in str(err),
+              backoff_s=2.0, log=_mlog, on_retry=lambda err: ray.shutdown())
         route_ray_logs(self.run_dir)
         self._started_ray = True
         node: Any = ray._private.worker._global_node
@@ -559,60 +556,19 @@ class Job:
     # ---- the step ----------------------------------------------------------------------------
 
     def train_step(self) -> StepResult:
-        """Runs the next step at the current width and commits it, or raises a Failure.
+        """Runs the next step at the current width and commits it, or raises a Failure
+        (:meth:`recovery.handle <planaria.recovery.Recovery.handle>` applies the policy to it).
 
-        The per-step protocol: one call per worker for this step. :meth:`run_steps` runs
-        many steps with one call per worker (the autonomous loop, what ``fit`` uses).
+        A run of one step (:meth:`run_steps` with ``until`` the next step): the same
+        protocol, commit and ledger as ``fit``'s runs.
         """
-        self.boundary()
-        return self.dispatch_step()
+        return self.run_ahead.run(self.steps_done + 1)[-1]
 
     def run_steps(self, until: int) -> list[StepResult]:
         """Runs steps up to ``until`` (at least one, up to the next boundary where the
         controller must act) and commits them, or raises a Failure (recover from it as
-        from train_step's). With ``RunConfig(step_protocol="per_step")``, one step."""
-        if self.config.step_protocol == "per_step":
-            return [self.train_step()]
+        from train_step's)."""
         return self.run_ahead.run(until)
-
-    def dispatch_step(self) -> StepResult:
-        """The next step under the per-step protocol, without a boundary first."""
-        assert self.plan is not None
-        step = self.steps_done
-        parts = self._split(step, self.width)
-        nxt = self._split(step + 1, self.width)
-        t0 = time.time()
-        refs = {
-            h.name: h.actor.step.remote(
-                self.gen, step, parts[r], self.steps_done, nxt[r], skipped=self.last_skipped
-            )
-            for r, h in enumerate(self.members)
-        }
-        self._chaos_during_step(step)
-        # Hangs are judged by heartbeat and progress (see planaria.liveness); the step's own
-        # deadline is only the last resort.
-        results = self._gather(refs, deadline_s=self.hang.ceiling_s, step=step,
-                               poll=self.poll_notices)
-        self._ledger_served(step, {h.name: results[h.name] for h in self.members})
-        duration = time.time() - t0
-        n = sum(r["n"] for r in results.values())
-        loss = sum(r["loss_sum"] for r in results.values()) / max(1, n)
-        grad_norm = max(float(r["grad_norm"]) for r in results.values())
-        overflow = any(r.get("overflow") for r in results.values())
-        self._check_finite(step, loss, grad_norm, overflow)
-        metrics: dict[str, float] = {}
-        for r in results.values():
-            for k, v in r["metric_sums"].items():
-                metrics[k] = metrics.get(k, 0.0) + v / max(1, n)
-        if self.metric_keys is None:
-            self.metric_keys = tuple(sorted(metrics))  # what autonomous runs sum on the status
-        for name, r in results.items():
-            self._preempt_notice(name, r["preempting"], step)
-        # Committed: the update rides on the next call to each worker.
-        return self._committed(
-            step, loss=loss, n=n, duration=duration, metrics=metrics,
-            data_wait=max(r["data_wait_s"] for r in results.values()),
-        )
 
     def poll_notices(self) -> None:
         """Preemption notices that came while steps run (one store read of a counter the
@@ -621,7 +577,7 @@ class Job:
         the generation is aborted so that they leave together once the save is written
         (:meth:`Recovery.evacuate <planaria.recovery.Recovery.evacuate>`)."""
         try:
-            count = int(self.store.add(NOTICES_KEY, 0))
+            count = int(self.store.add(store_keys.NOTICES, 0))
         except Exception:  # the store is ours; the next poll reads it again
             return
         if count <= self._notices_seen:
@@ -632,9 +588,9 @@ class Job:
                 continue
             # A sharded replica's other workers' notices are the replica's.
             for name in self._with_followers([handle.name]):
-                if self.store.check([notice_key(name)]):
+                if self.store.check([store_keys.notice(name)]):
                     self._draining.add(handle.name)
-                    at = float(self.store.get(notice_key(name)).decode() or time.time())
+                    at = float(self.store.get(store_keys.notice(name)).decode() or time.time())
                     self._chaos_at.setdefault(handle.name, at)  # the fault's time: its notice
                     self.log.emit("preempt_notice", worker=handle.name, step=self.steps_done,
                                   source="sigterm", notice_t=at)
@@ -663,58 +619,31 @@ class Job:
             self._draining.add(name)
             self.log.emit("preempt_notice", worker=name, step=step, source="sigterm")
 
-    def _check_finite(self, step: int, loss: float, grad_norm: float, overflow: bool) -> None:
-        if overflow and math.isfinite(loss):
-            # fp16: the loss scale was too high. Not a fault: every replica skips the
-            # update and backs the scale off at apply, as a GradScaler does.
-            self.log.emit("step_overflow", step=step, grad_norm=grad_norm)
-        elif not math.isfinite(loss) or not math.isfinite(grad_norm):
-            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
-            raise NonFiniteLoss(f"{what} at step {step}", step=step)
-
-    def _committed(
-        self, step: int, *, loss: float, n: int, duration: float, metrics: dict[str, float],
-        data_wait: float, t: float | None = None, ledger: bool = True,
-    ) -> StepResult:
-        """Records step ``step`` as committed at ``t`` (events, ledger, open faults)."""
+    def record_step(self, rec: dict[str, Any]) -> StepResult:
+        """Records a step a run applied (:mod:`planaria.run_ahead`) as committed at its
+        ``t`` (events, losses, open faults), from one rank's record of it, which holds the
+        step's totals. The ledger is the caller's (:meth:`ledger_step`): it is written when
+        the run ends."""
+        step, t = rec["step"], rec["t"]
+        if rec.get("overflow"):
+            # fp16: the loss scale was too high. Not a fault: every replica skipped the
+            # update and backed the scale off at apply, as a GradScaler does.
+            self.log.emit("step_overflow", step=step, grad_norm=rec["grad_norm"], t=t)
+        n = int(rec["global_samples"])
+        loss = rec["global_loss_sum"] / n if n else math.nan
+        metrics = {k: v / max(1, n) for k, v in rec.get("global_metric_sums", {}).items()}
+        duration = max(1e-9, t - rec["t0"])
         self.steps_done = step + 1
         self.deadline.observe(duration)
-        result = StepResult(
-            step, loss, self.width, duration, n / duration if duration else 0.0, metrics
-        )
+        result = StepResult(step, loss, self.width, duration, n / duration, metrics)
         self.losses.append((step, loss))
         self.log.emit(
-            "step_committed",
-            t=t,
-            step=step,
-            gen=self.gen,
-            width=self.width,
-            duration_s=duration,
-            loss=loss,
-            samples=n,
-            samples_per_s=result.samples_per_s,
-            data_wait_s=data_wait,
-            metrics=metrics,
+            "step_committed", t=t, step=step, gen=self.gen, width=self.width,
+            duration_s=duration, loss=loss, samples=n, samples_per_s=result.samples_per_s,
+            data_wait_s=rec["data_wait_s"], metrics=metrics,
         )
-        if ledger and self.ledger is not None:
-            self.ledger.commit(step, gen=self.gen)
         self.recovery.on_commit(step, now=t)
         return result
-
-    def record_step(self, rec: dict[str, Any]) -> StepResult:
-        """Records a step an autonomous run applied (:mod:`planaria.run_ahead`) from one
-        rank's record of it, which holds the step's totals. The ledger is the caller's
-        (:meth:`ledger_step`): it is written when the run ends."""
-        step = rec["step"]
-        if rec.get("overflow"):
-            self.log.emit("step_overflow", step=step, grad_norm=rec["grad_norm"], t=rec["t"])
-        n = int(rec["global_samples"])
-        metrics = {k: v / max(1, n) for k, v in rec.get("global_metric_sums", {}).items()}
-        return self._committed(
-            step, loss=rec["global_loss_sum"] / n if n else math.nan, n=n,
-            duration=max(1e-9, rec["t"] - rec["t0"]), metrics=metrics,
-            data_wait=rec["data_wait_s"], t=rec["t"], ledger=False,
-        )
 
     def ledger_step(self, step: int, served: dict[str, Any]) -> None:
         """The ledger's records of a step an autonomous run committed: what each rank was
@@ -725,14 +654,15 @@ class Job:
         self.ledger.commit(step, gen=self.gen)
 
     def record_nonfinite(self, rec: dict[str, Any], per_worker: dict[str, Any]) -> None:
-        """An autonomous run stopped at a non-finite step (applied nowhere): the policy
-        decides, as for train_step's. Raises NonFiniteLoss."""
+        """A run stopped at a non-finite step (applied nowhere): raises NonFiniteLoss, and
+        the policy decides."""
         step = rec["step"]
         self._ledger_served(step, per_worker)
         n = int(rec["global_samples"])
         loss = rec["global_loss_sum"] / n if n else math.nan
-        self._check_finite(step, loss, float(rec["grad_norm"]), bool(rec.get("overflow")))
-        raise NonFiniteLoss(f"step {step} is not finite", step=step)  # not reached
+        grad_norm = float(rec["grad_norm"])
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+        raise NonFiniteLoss(f"{what} at step {step}", step=step)
 
     def _split(self, step: int, width: int) -> list[np.ndarray]:
         """Step ``step``'s sample ids split over ``width`` ranks in whole micro-batches
@@ -862,7 +792,7 @@ class Job:
                     results[name] = ray.get(ref)
                 except Exception as err:
                     errors[name] = err
-                    if _is_death(err):  # known now; classified once the others answered
+                    if is_death(err):  # known now; classified once the others answered
                         self.log.emit("failure_seen", worker=name, how="death")
                     self._abort_generation()
             if not len(calls):
@@ -907,14 +837,14 @@ class Job:
         if not errors and not hung and not leave:
             return results
         self._confirm_survivors(errors, hung, list(results))
-        hung_set = [h for h in dict.fromkeys(hung) if h not in errors or _is_death(errors[h])]
+        hung_set = [h for h in dict.fromkeys(hung) if h not in errors or is_death(errors[h])]
         if hung_set:
             self._evict_hung([h for h in hung_set if h in self.names])
             for h in hung_set:
                 errors.pop(h, None)  # the death is the one we caused
-        faulty = set(hung_set) | {n for n, e in errors.items() if _is_death(e)}
+        faulty = set(hung_set) | {n for n, e in errors.items() if is_death(e)}
         if unreachable and set(hung_set) <= set(unreachable) and not any(
-                _is_death(e) for n, e in errors.items() if n not in hung_set):
+                is_death(e) for n, e in errors.items() if n not in hung_set):
             failure: Failure = WorkerUnreachable(
                 f"worker {', '.join(hung_set)} could not be reached by its peers (its "
                 "process-group link is dead though it runs): evicted", workers=tuple(hung_set),
@@ -961,9 +891,9 @@ class Job:
         answered is asked whether it is alive (a call beside any step, up to
         :data:`CONFIRM_S`); one that died gets its death as its error, so the failure is
         classified as what happened, not as what it looked like."""
-        if not hung and not any(_is_death(e) for e in errors.values()):
+        if not hung and not any(is_death(e) for e in errors.values()):
             return
-        suspects = [n for n, e in errors.items() if not _is_death(e) and n not in hung]
+        suspects = [n for n, e in errors.items() if not is_death(e) and n not in hung]
         suspects += [n for n in answered if n not in errors and n not in hung]
         handles = {h.name: h for h in self.members if h.name in suspects}
         if not handles:
@@ -974,7 +904,7 @@ class Job:
             try:
                 ray.get(ref)
             except Exception as err:
-                if _is_death(err):
+                if is_death(err):
                     errors[pings[ref]] = err
 
     def _report_wait(self, names: list[str], step: int | None, waited_s: float) -> None:
@@ -997,7 +927,7 @@ class Job:
             return
         self._aborted_gen = self.gen
         try:
-            self.store.set(f"abort/{self.gen}", "1")
+            self.store.set(store_keys.abort(self.gen), "1")
         except Exception:  # the store is ours; nothing to do if it fails but wait
             _log.debug("could not set abort/%d", self.gen, exc_info=True)
         for handle in self.members:  # fire and forget: a dead one needs no telling
@@ -1037,14 +967,14 @@ class Job:
         no one is to blame: the failure then rebuilds the generation on fresh links)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from planaria.links import find_unreachable, probe, probe_key
+        from planaria.links import find_unreachable, probe
 
         watched = self._with_followers(names)
         addresses: dict[str, str] = {}
         for n in watched:
             with contextlib.suppress(Exception):
-                if self.store.check([probe_key(n)]):
-                    addresses[n] = self.store.get(probe_key(n)).decode()
+                if self.store.check([store_keys.probe(n)]):
+                    addresses[n] = self.store.get(store_keys.probe(n)).decode()
         with ThreadPoolExecutor(max_workers=max(1, len(addresses))) as pool:
             mine = dict(zip(addresses, pool.map(probe, addresses.values()), strict=True))
         asks = {}
@@ -1225,7 +1155,7 @@ class Job:
         ``restore`` (a restore's reads in flight). Fault campaigns inject faults here.
         A hook with a ``next_step(after) -> int | None`` method is called at the boundaries
         it names (and wherever the job has one anyway); one without is called at every step
-        (the job then dispatches one step at a time)."""
+        (the job then runs one step at a time)."""
         for hook in self.hooks:
             hook(self, phase, **info)
 
@@ -1361,9 +1291,6 @@ class Job:
     def elapsed_s(self) -> float:
         return time.time() - self._t0
 
-    def data_ids(self, step: int) -> np.ndarray:
-        assert self.plan is not None
-        return self.plan.batch(step)
 
 
 def _layouts(source: dict[str, Any]) -> list[tuple[list[int], str]]:
@@ -1383,10 +1310,6 @@ def _work_of(hb: Heartbeat) -> Work | None:
     return None
 
 
-def _is_death(err: BaseException) -> bool:
-    from ray.exceptions import ActorDiedError, RayActorError
-
-    return isinstance(err, (ActorDiedError, RayActorError))
 
 
 def _describe(cfg: RunConfig, policy: RecoveryPolicy) -> dict[str, Any]:

@@ -36,6 +36,7 @@ __all__ = [
     "WorkerLost",
     "WorkerUnreachable",
     "classify",
+    "is_death",
     "signature",
 ]
 
@@ -332,6 +333,16 @@ def root_cause(err: BaseException) -> BaseException:
     return err
 
 
+def is_death(err: BaseException) -> bool:
+    """Whether ``err`` (a call's error, as Ray raised it) says the worker's process is gone:
+    the one test of a death, for the classification, the controller's waits and a sharded
+    replica's leader."""
+    from ray.exceptions import RayActorError, WorkerCrashedError
+
+    # ActorDiedError and ActorUnavailableError are RayActorErrors.
+    return isinstance(err, (RayActorError, WorkerCrashedError))
+
+
 def classify(
     errors: dict[str, BaseException],
     *,
@@ -349,23 +360,6 @@ def classify(
     exception over a death, a death over a survivor's collective error, which
     is never a root cause unless nothing else explains it.
     """
-    try:
-        from ray.exceptions import (
-            ActorDiedError,
-            ActorUnavailableError,
-            RayActorError,
-            WorkerCrashedError,
-        )
-
-        died_types: tuple[type[BaseException], ...] = (
-            ActorDiedError,
-            RayActorError,
-            WorkerCrashedError,
-            ActorUnavailableError,
-        )
-    except ImportError:  # pragma: no cover
-        died_types = ()
-
     user: list[tuple[str, UserCodeError]] = []
     dead: list[str] = []
     broken: list[tuple[str, InfrastructureError | InternalError]] = []
@@ -376,7 +370,7 @@ def classify(
         err = root_cause(raw)
         if isinstance(err, UserCodeError):
             user.append((name, err))
-        elif isinstance(raw, died_types) or isinstance(err, (*died_types, WorkerLost)):
+        elif is_death(raw) or is_death(err) or isinstance(err, WorkerLost):
             dead.append(name)  # WorkerLost: a sharded replica's leader lost one of its workers
         elif isinstance(err, (InfrastructureError, InternalError)):
             broken.append((name, err))

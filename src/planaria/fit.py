@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from planaria.chaos import ChaosPlan
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.config import RunConfig, TrainSpec, local_run_dir
 from planaria.controller import Job, StepResult
 from planaria.errors import CheckpointError, ElasticRuntimeError, Failure, FinalSaveFailed
@@ -47,7 +48,7 @@ def fit(
     policy: RecoveryPolicy | None = None,
     hang: HangConfig | None = None,
     chaos: ChaosPlan | str | None = None,
-    checkpoint: Any = None,
+    checkpoint: CheckpointConfig | None = None,
     on_step: Callable[[StepResult], None] | None = None,
     listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
     **options: Any,
@@ -59,7 +60,7 @@ def fit(
     (:class:`~planaria.errors.UserCodeError`), and a spent budget raises
     :class:`~planaria.errors.ElasticRuntimeError`. ``options`` are further
     :class:`~planaria.config.RunConfig` fields (``ledger``, ``cpus_per_worker``, ...).
-    ``checkpoint`` is a :class:`~planaria.checkpointing.CheckpointConfig`; ``listeners``
+    ``checkpoint`` is a :class:`~planaria.CheckpointConfig`; ``listeners``
     receive every event record as it is logged (progress display, Prometheus). A final
     save that does not commit raises :class:`~planaria.errors.FinalSaveFailed` with the
     job left open (``err.job``): save its state elsewhere (``err.job.save(root=...)``),

@@ -38,7 +38,6 @@ __all__ = [
     "find_unreachable",
     "local_endpoints",
     "probe",
-    "probe_key",
     "stalled_connections",
 ]
 
@@ -48,9 +47,6 @@ PROBE_TIMEOUT_S = 1.0
 """How long a probe waits for a rank to answer."""
 
 
-def probe_key(name: str) -> str:
-    """The store key worker ``name`` publishes its probe address under (``host:port``)."""
-    return f"probe/{name}"
 
 
 class ProbeServer:

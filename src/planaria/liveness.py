@@ -66,9 +66,18 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from planaria import store_keys
+
 __all__ = [
-    "IO_PHASES", "IO_STALL_S", "NOTICES_KEY", "PEER_PHASES", "QUIET_S", "WORK_PHASES",
-    "Heartbeat", "Liveness", "beat", "notice_key", "quiet_s",
+    "IO_PHASES",
+    "IO_STALL_S",
+    "PEER_PHASES",
+    "QUIET_S",
+    "WORK_PHASES",
+    "Heartbeat",
+    "Liveness",
+    "beat",
+    "quiet_s",
 ]
 
 _log = logging.getLogger("planaria.liveness")
@@ -190,13 +199,14 @@ class Liveness:
         """Reads the heartbeats of ``names`` (one store round trip) and notes what changed."""
         if not names:
             return
-        keys = [f"hb/{n}" for n in names]
+        keys = [store_keys.heartbeat(n) for n in names]
         try:  # multi_get would wait for a missing key: check first (one round trip when all are)
             if self.store.check(keys):
                 present = list(names)
             else:
                 present = [n for n, k in zip(names, keys, strict=True) if self.store.check([k])]
-            raws = self.store.multi_get([f"hb/{n}" for n in present]) if present else []
+            raws = (self.store.multi_get([store_keys.heartbeat(n) for n in present])
+                    if present else [])
         except Exception:  # the store itself is the controller's: a read error is transient
             return
         now = self._clock()
@@ -343,16 +353,6 @@ GAP_WINDOW = 1200
 """Beats over which a worker's longest beat gap is reported (5 minutes at 0.25 s)."""
 
 
-NOTICES_KEY = "notices"
-"""A counter every worker bumps (once) when it gets a preemption notice; the controller reads
-this one key to learn of notices while steps run (see :func:`notice_key`)."""
-
-
-def notice_key(name: str) -> str:
-    """Set by worker ``name`` when it gets a preemption notice."""
-    return f"notice/{name}"
-
-
 def beat(
     connect: Callable[[], dist.Store],
     name: str,
@@ -369,13 +369,13 @@ def beat(
     (evicted while stopped or cut off: its state is no one's now) exits. ``gap_s`` is the
     longest time between two of this thread's beats over the last :data:`GAP_WINDOW`
     beats, beyond the period (a pause of the whole process). Once ``noticed()`` (a
-    preemption notice), it sets :func:`notice_key` and bumps :data:`NOTICES_KEY` at once,
-    whatever the steps are doing (``wake``, set by the notice's handler, ends the beat's wait
-    early). Returns when ``stop`` is set."""
+    preemption notice), it sets its ``store_keys.notice`` key and bumps ``store_keys.NOTICES``
+    at once, whatever the steps are doing (``wake``, set by the notice's handler, ends the
+    beat's wait early). Returns when ``stop`` is set."""
     from collections import deque
 
     store = connect()
-    fence_key, hb_key = f"fence/{name}", f"hb/{name}"
+    fence_key, hb_key = store_keys.fence(name), store_keys.heartbeat(name)
     every = max(1, round(FENCE_CHECK_S / period_s))
     beats = 0
     gaps: deque[float] = deque(maxlen=GAP_WINDOW)
@@ -395,8 +395,8 @@ def beat(
         last = now
         try:
             if not told and noticed is not None and noticed():
-                store.set(notice_key(name), str(time.time()))
-                store.add(NOTICES_KEY, 1)
+                store.set(store_keys.notice(name), str(time.time()))
+                store.add(store_keys.NOTICES, 1)
                 told = True
             if beats % every == 0 and store.check([fence_key]):
                 _log.warning("%s was fenced off by the controller; exiting", name)

@@ -76,9 +76,6 @@ class Placement:
             )
         }
 
-    def slot_of(self, worker: str) -> int | None:
-        return self.holders.index(worker) if worker in self.holders else None
-
     def free(self, worker: str) -> None:
         """``worker`` is gone (killed or released): its bundle takes the next worker."""
         for i, holder in enumerate(self.holders):

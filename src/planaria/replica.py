@@ -27,6 +27,7 @@ from typing import Any, TypeVar, cast
 
 import ray
 
+from planaria import store_keys
 from planaria.errors import (
     Failure,
     InfrastructureError,
@@ -34,9 +35,10 @@ from planaria.errors import (
     StepAborted,
     UserCodeError,
     WorkerLost,
+    is_death,
 )
 
-__all__ = ["FOLLOWER_SETTLE_S", "fans_out", "lane", "merge_records", "merge_step", "replica_failed"]
+__all__ = ["FOLLOWER_SETTLE_S", "fans_out", "lane", "merge_records", "replica_failed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -84,7 +86,7 @@ def replica_failed(store: Any, replica_key: str, index: int, err: Failure) -> No
     record = {"type": type(err).__name__, "message": str(err.args[0]) if err.args else "",
               "traceback": getattr(err, "remote_traceback", None)}
     with contextlib.suppress(Exception):
-        store.set(f"replica/{replica_key}/failed/{index}", json.dumps(record))
+        store.set(store_keys.replica_failed(replica_key, index), json.dumps(record))
     logging.getLogger("planaria.replica").error("%s", record["message"])
     os._exit(1)
 
@@ -92,7 +94,7 @@ def replica_failed(store: Any, replica_key: str, index: int, err: Failure) -> No
 def _dead(worker: Any, index: int, err: BaseException) -> Failure:
     """The replica's loss when worker ``index`` died, or the error it left (replica_failed)."""
     name = worker.name
-    key = f"replica/{worker.replica_key}/failed/{index}"
+    key = store_keys.replica_failed(worker.replica_key, index)
     with contextlib.suppress(Exception):
         if worker._store.check([key]):
             record = json.loads(worker._store.get(key))
@@ -112,14 +114,16 @@ def _gather(worker: Any, refs: list[Any]) -> list[Any]:
     for i, ref in enumerate(refs, start=1):
         try:
             out.append(ray.get(ref))
-        except ray.exceptions.RayActorError as err:
-            raise _dead(worker, i, err) from None
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else err
             if isinstance(cause, Failure) and cause.workers:
                 cause.workers = (name,)  # the controller knows the replica by its leader
             first_error = first_error or cause
             out.append(None)
+        except Exception as err:
+            if not is_death(err):
+                raise
+            raise _dead(worker, i, err) from None
     if first_error is not None:
         raise first_error
     return out
@@ -137,15 +141,14 @@ def _raise_replica_error(worker: Any, refs: list[Any], err: BaseException) -> No
             continue
         try:
             ray.get(ref)
-        except ray.exceptions.RayActorError as died:
-            raise _dead(worker, i, died) from err
         except ray.exceptions.RayTaskError as failed:
             cause = failed.cause
             if isinstance(cause, Failure):  # another worker's own failure (it could not load
                 cause.workers = (worker.name,)  # its samples): the replica's, named by it
                 raise cause from err
-        except Exception:
-            pass
+        except Exception as other:
+            if is_death(other):
+                raise _dead(worker, i, other) from err
 
 
 # ---- merging the workers' answers -----------------------------------------------------------
@@ -164,38 +167,23 @@ def _served(parts: list[dict[str, Any]]) -> dict[str, Any]:
             else [d for ds in digests if ds is not None for d in ds]}
 
 
-def merge_step(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A step's results of every worker of the replica, as one replica's."""
-    out = dict(mine)
-    parts = [mine, *theirs]
-    for key in ("loss_sum", "n"):
-        if key in out:
-            out[key] = type(mine[key])(sum(p[key] for p in parts))
-    if "metric_sums" in out:
-        sums: dict[str, float] = {}
-        for p in parts:
-            for k, v in p["metric_sums"].items():
-                sums[k] = sums.get(k, 0.0) + v
-        out["metric_sums"] = sums
-    for key in ("data_wait_s", "compute_s", "reduce_s"):
-        if key in out:
-            out[key] = max(p[key] for p in parts)
-    out["preempting"] = any(p.get("preempting") for p in parts)
-    if "ids" in out:
-        out.update(_served(parts))
-    return out
-
-
 def merge_records(
     mine: list[dict[str, Any]], theirs: list[list[dict[str, Any]]]
 ) -> list[dict[str, Any]]:
-    """The leader's step records with every worker's served ids (ledger) merged in."""
+    """The leader's step records with every worker's served ids (ledger) and own metric
+    sums merged in, where their records of the step came back."""
     by_step = [{r["step"]: r for r in recs} for recs in theirs]
     out = []
     for rec in mine:
+        parts = [rec, *(s[rec["step"]] for s in by_step if rec["step"] in s)]
         if "ids" in rec:
-            parts = [rec, *(s[rec["step"]] for s in by_step if rec["step"] in s)]
             rec = {**rec, **_served(parts)}
+        if "metric_sums" in rec:
+            sums: dict[str, float] = {}
+            for part in parts:
+                for k, v in part.get("metric_sums", {}).items():
+                    sums[k] = sums.get(k, 0.0) + v
+            rec = {**rec, "metric_sums": sums}
         out.append(rec)
     return out
 

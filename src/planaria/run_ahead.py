@@ -9,7 +9,7 @@ replacement ready to join, a node draining, a checkpoint or chaos event due by
 time) end the run early: the controller sets one store key, rank 0 reads it and
 the stop rides on the next step's all-reduce, so every rank stops after the same
 step. Deaths arrive as Ray's errors on the runs, hangs from heartbeats and
-progress, as under the per-step protocol.
+progress.
 
 When a run fails, a collective may have completed on some survivors and not on
 others (a rank dying mid-ring). The survivors report how far they got
@@ -30,12 +30,14 @@ With a ledger on, each worker also appends what it was served to a store key
 before each step's collective, so that the records of a worker that died survive
 it; the ledger is written when the run ends.
 
-The per-step protocol (:meth:`Job.train_step`) stays for callers that drive
-steps one at a time, and a run of one step is dispatched that way: around
-recoveries (open faults and joins are closed at their first committed step, on
-the controller's clock) and when a hook needs every boundary. A hook (a fault
-campaign's injector) that has a ``next_step(after)`` method names the boundaries
-it needs instead, so that its faults land inside runs as they do in production.
+This is planaria's one step protocol: :meth:`Job.train_step
+<planaria.controller.Job.train_step>` is a run of one step. Runs are one step long
+around recoveries (open faults and joins are closed at their first committed
+step), for the job's first step (it names the loss's metrics, which later runs sum
+on the status: every rank's own sums come back from a run of one) and when a hook
+needs every boundary. A hook (a fault campaign's injector) that has a
+``next_step(after)`` method names the boundaries it needs instead, so that its
+faults land inside runs as they do in production.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from planaria import store_keys
 from planaria.errors import Failure, NonFiniteLoss, Preempted
-from planaria.worker_loop import ledger_key, stop_key, stream_key
 
 if TYPE_CHECKING:
     from planaria.controller import Job, StepResult
@@ -100,13 +102,12 @@ class RunAhead:
     # ---- a run -------------------------------------------------------------------------------
 
     def run(self, until: int) -> list[StepResult]:
-        """The next steps up to ``until`` (at least one); raises a Failure as train_step does."""
+        """The next steps up to ``until`` (at least one) and commits them, or raises the
+        Failure that ended the run (its steps that every survivor applied are committed)."""
         job = self.job
         job.boundary()
         start = job.steps_done
         stop = self.next_boundary(start, until)
-        if stop == start + 1:
-            return [job.dispatch_step()]
         assert job.plan is not None
         self.run_id += 1
         self._stop_sent, self._why = False, None
@@ -119,7 +120,8 @@ class RunAhead:
         refs = {
             h.name: h.actor.run.remote(
                 gen, run_id, start, stop, plan=plan, skipped=job.last_skipped,
-                ledger=job.ledger is not None, metric_keys=job.metric_keys,
+                ledger=job.ledger is not None, metric_keys=job.metric_keys or (),
+                horizon=job.config.steps,
             )
             for h in members
         }
@@ -155,19 +157,19 @@ class RunAhead:
         self._stop_sent = True
         self._why = why
         _log.debug("run %d ends early: %s", self.run_id, why)
-        job.store.set(stop_key(job.gen, self.run_id), why)
+        job.store.set(store_keys.run_stop(job.gen, self.run_id), why)
 
     def _read_stream(self) -> None:
         job = self.job
         try:
-            key = stream_key(job.gen, self.run_id)
+            key = store_keys.run_stream(job.gen, self.run_id)
             if not job.store.check([key]):
                 return
             count = int(job.store.get(key))
             if count > self._chunks:  # steps every rank reduced: all alive and moving
                 job.liveness.vouch(self._ranks)
             while self._chunks < count:
-                raw = job.store.get(stream_key(job.gen, self.run_id, self._chunks))
+                raw = job.store.get(store_keys.run_stream(job.gen, self.run_id, self._chunks))
                 self._chunks += 1
                 for rec in json.loads(raw):
                     if rec["step"] >= job.steps_done:
@@ -179,12 +181,12 @@ class RunAhead:
         store = self.job.store
         try:
             for chunk in range(self._chunks):
-                store.delete_key(stream_key(gen, run_id, chunk))
-            store.delete_key(stream_key(gen, run_id))
-            store.delete_key(stop_key(gen, run_id))
+                store.delete_key(store_keys.run_stream(gen, run_id, chunk))
+            store.delete_key(store_keys.run_stream(gen, run_id))
+            store.delete_key(store_keys.run_stop(gen, run_id))
             if self.job.ledger is not None:
                 for rank in range(width):
-                    store.delete_key(ledger_key(gen, run_id, rank))
+                    store.delete_key(store_keys.run_ledger(gen, run_id, rank))
         except Exception:  # the store is ours; a leftover key costs a few bytes
             _log.debug("could not clear run %d's keys", run_id, exc_info=True)
 
@@ -198,6 +200,8 @@ class RunAhead:
         head = results[members[0].name]
         ledger = job.ledger is not None
         out: list[StepResult] = list(self._streamed)
+        if job.metric_keys is None and head["steps"]:
+            self._name_metrics(head["steps"][0], [results[h.name]["steps"] for h in members])
         for i, rec in enumerate(head["steps"]):
             served = {h.name: results[h.name]["steps"][i] for h in members} if ledger else {}
             if not rec["finite"]:
@@ -210,6 +214,19 @@ class RunAhead:
         for h in members:
             job._preempt_notice(h.name, results[h.name]["preempting"], last)
         return out
+
+    def _name_metrics(self, rec: dict[str, Any], records: list[list[dict[str, Any]]]) -> None:
+        """The job's first run (one step, before the loss's metrics are known): its metrics
+        are the sums of every rank's own (each returns its record of a run of one), and
+        their names are the ones later runs sum on the status."""
+        sums: dict[str, float] = {}
+        for recs in records:
+            mine = next((r for r in recs if r["step"] == rec["step"]), None)
+            for k, v in (mine or {}).get("metric_sums", {}).items():
+                sums[k] = sums.get(k, 0.0) + v
+        rec["global_metric_sums"] = sums
+        if rec["finite"]:
+            self.job.metric_keys = tuple(sorted(sums))
 
     def _reconcile(self, failure: Failure, start: int, stop: int, members: list[Any]) -> None:
         """After a failed run: commits what the furthest survivor applied, marks the
@@ -291,7 +308,7 @@ class RunAhead:
         job = self.job
         out: dict[int, dict[str, dict[str, Any]]] = {}
         for rank in range(len(members)):
-            key = ledger_key(job.gen, self.run_id, rank)
+            key = store_keys.run_ledger(job.gen, self.run_id, rank)
             try:
                 if not job.store.check([key]):
                     continue

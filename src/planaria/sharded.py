@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from planaria import store_keys
 from planaria.errors import StepAborted
 
 __all__ = [
@@ -52,7 +53,7 @@ def init_replica_group(
     """This process's replica group: torch's default group, ranks = shard indices."""
     if dist.is_initialized():
         return  # one replica per process lifetime
-    prefixed = dist.PrefixStore(f"replica/{replica_key}/", store)
+    prefixed = dist.PrefixStore(store_keys.replica_prefix(replica_key), store)
     dist.init_process_group(backend, store=prefixed, rank=index, world_size=k,
                             timeout=timedelta(seconds=timeout_s))
 

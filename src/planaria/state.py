@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from planaria.checkpoint.checksum import byte_view, crc32c
 from planaria.sharded import local as _local
 
-__all__ = ["TrainState", "flatten_state", "load_state", "shard_origins", "tensor_layout"]
+__all__ = ["TrainState", "flatten_state", "load_state", "model_checksum", "shard_origins",
+           "tensor_layout"]
 
 TrainState = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
@@ -162,3 +164,13 @@ def _like_param(value: Any, param: torch.Tensor) -> Any:
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     full = getattr(tensor, "full_tensor", None)
     return full() if full is not None else tensor
+
+
+def model_checksum(model: torch.nn.Module) -> int:
+    """CRC-32C (in hardware) over the bytes of every parameter and buffer, in name order (of
+    this worker's shards, in a sharded replica): equal on every replica, or they drifted
+    (or a restore went wrong)."""
+    crc = 0
+    for _, tensor in sorted(model.state_dict().items()):
+        crc = crc32c(byte_view(_local(tensor.detach()).cpu().contiguous()), crc)
+    return crc

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 import traceback
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import ray
 import torch
 
 from planaria import compile_cache as compile_cache_mod
-from planaria import forkserver
+from planaria import forkserver, store_keys
 from planaria.buffers import BufferSync
 from planaria.busy import BusyProbe, current_thread_ids
 from planaria.collective import Collective, connect_store
@@ -49,13 +48,7 @@ from planaria.errors import (
 from planaria.faults import user_call
 from planaria.integrity import Served, dataset_fingerprint
 from planaria.key_watch import KeyWatch
-from planaria.links import (
-    ProbeServer,
-    local_endpoints,
-    probe,
-    probe_key,
-    stalled_connections,
-)
+from planaria.links import ProbeServer, local_endpoints, probe, stalled_connections
 from planaria.liveness import Heartbeat, beat, quiet_s
 from planaria.overlap import OverlappedReduce
 from planaria.randomness import (
@@ -72,16 +65,15 @@ from planaria.replica import (
     merge_join,
     merge_meta,
     merge_setup,
-    merge_step,
     merge_sum,
     replica_failed,
 )
 from planaria.sharded import ShardedReduce, init_replica_group, local, shard_model
-from planaria.state import flatten_state, load_state, tensor_layout
+from planaria.state import flatten_state, load_state, model_checksum, tensor_layout
 from planaria.worker_checkpoint import CheckpointWorkerMixin
 from planaria.worker_loop import WorkerLoopMixin
 
-__all__ = ["Worker", "param_checksum"]
+__all__ = ["Worker"]
 
 _log = logging.getLogger("planaria.worker")
 T = TypeVar("T")
@@ -114,26 +106,10 @@ def status_in_tail(tail: torch.Tensor | None, status_len: int, global_batch_size
     return tail.dtype == torch.float64 or global_batch_size < FP32_EXACT_COUNT
 
 
-def param_checksum(model: torch.nn.Module) -> int:
-    """crc32 over the bytes of every parameter and buffer, in name order (of this worker's
-    shards, in a sharded replica)."""
-    crc = 0
-    for _, tensor in sorted(model.state_dict().items()):
-        data = local(tensor.detach()).cpu().contiguous().view(-1).view(torch.uint8).numpy()
-        crc = zlib.crc32(data.data, crc)
-    return crc
-
-
-def _user(what: str, fn: Callable[..., T], *args: Any) -> T:
-    """Runs user code: a bug becomes UserCodeError, an infrastructure error raised inside it
-    (CUDA, out of memory, storage I/O) InfrastructureError; both carry the traceback."""
-    return user_call(what, fn, *args)
-
-
 def _factory(what: str, seed: int, fn: Callable[..., T], *args: Any) -> T:
     """A user factory, run with every global generator seeded from (spec seed, factory)."""
     seed_globals(factory_seed(seed, what))
-    return _user(f"the {what} factory", fn, *args)
+    return user_call(f"the {what} factory", fn, *args)
 
 
 @dataclass
@@ -250,7 +226,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         # Answers the controller's and its peers' probes on the address its group uses
         # (planaria.links: who cannot be reached when every rank waits on its peers).
         self._probe = ProbeServer(_group_address())
-        self._store.set(probe_key(name), self._probe.address)
+        self._store.set(store_keys.probe(name), self._probe.address)
         self._publish_heartbeat()
         threading.Thread(
             target=beat, name="planaria-heartbeat", daemon=True,
@@ -307,9 +283,9 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             from torch.utils.data import default_collate
 
             self.collate = default_collate
-        num_samples = _user("len(dataset)", len, self.dataset)
+        num_samples = user_call("len(dataset)", len, self.dataset)
         self._global_draws = set()
-        fingerprint = _user(
+        fingerprint = user_call(
             "dataset[i]", dataset_fingerprint, self.dataset, spec.seed, self._fingerprint_sample
         )
         t2 = time.time()
@@ -324,7 +300,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             "pid": os.getpid(),
             "node": socket.gethostname(),
             "ray_node": self.ray_node,
-            "checksum": param_checksum(self.model),
+            "checksum": model_checksum(self.model),
             "num_samples": int(num_samples),
             "data_fingerprint": fingerprint,
             "dataset_draws": sorted(self._global_draws),
@@ -340,15 +316,15 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         the dataset's first samples (the shape of every step's micro-batches), then the
         model's state and the gradients put back as they were."""
         mbs = self.spec.micro_batch_size
-        n = _user("len(dataset)", len, self.dataset)
+        n = user_call("len(dataset)", len, self.dataset)
         samples = [self._fingerprint_sample(i % n) for i in range(mbs)]
-        batch = _to_device(_user("collate", self.collate, samples), self.device)
+        batch = _to_device(user_call("collate", self.collate, samples), self.device)
         saved = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.model.train()
         torch.manual_seed(self.spec.seed)
-        out = _user("the loss function", self.spec.loss, self.compiled, batch)
+        out = user_call("the loss function", self.spec.loss, self.compiled, batch)
         loss = out[0] if isinstance(out, tuple) else out
-        _user("backward", loss.backward)
+        user_call("backward", loss.backward)
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
                 v.copy_(saved[k])
@@ -404,7 +380,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self.pending = None
         self.steps_done = 0
         self.ckpt_dirty = False
-        return param_checksum(self.model)
+        return model_checksum(self.model)
 
     def _prebuild_optimizer_state(self) -> None:
         """One optimizer step on zero gradients creates the state tensors (exp_avg, ...).
@@ -518,13 +494,6 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     # ---- the step ----------------------------------------------------------------------------
 
-    @fans_out(merge_step)
-    def step(self, gen: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The per-step protocol's call: :meth:`_step` once the generation and the fence
-        are checked."""
-        self._check(gen)
-        return self._step(gen, *args, **kwargs)
-
     def _step(
         self,
         gen: int,
@@ -538,15 +507,16 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
     ) -> dict[str, Any]:
         """Computes step ``step`` on ``ids`` and reduces the gradient; applies nothing yet.
 
-        ``steps_done`` is the controller's count of committed steps: if this
-        worker's pending step is among them it is applied first (the commit rides
-        on the next dispatch), otherwise it is dropped; ``skipped`` is the newest
-        step whose update the controller dropped (a non-finite one): it counts as done.
-        ``status`` (the autonomous loop's, see :mod:`planaria.worker_loop`) is summed over
-        the ranks in the gradient's own all-reduce, in place.
+        ``steps_done`` is the run's count of committed steps: if this worker's pending
+        step is among them it is applied first, otherwise it is dropped; ``skipped`` is
+        the newest step whose update the controller dropped (a non-finite one): it counts
+        as done. ``status`` (see :mod:`planaria.worker_loop`) is summed over the ranks in
+        the gradient's own all-reduce, in place. ``next_ids`` (this rank's share of the
+        next step) load on the loader thread, or on this one while the reduction is in
+        flight.
 
-        The autonomous loop calls it directly: it checks its run's call once (the fence is
-        a store read), not each step.
+        A run (:meth:`run <planaria.worker_loop.WorkerLoopMixin.run>`) calls it each step:
+        it checks its call's generation and fence once, not each step.
         """
         self._refuse_if_dirty("step")
         self._train_thread = current_thread_ids()
@@ -610,12 +580,12 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 seed_torch(micro_batch_seed(self.spec.seed, step, first + j))
                 try:
                     with self._autocast():
-                        out = _user("the loss function", self.spec.loss, self.compiled, batch)
+                        out = user_call("the loss function", self.spec.loss, self.compiled, batch)
                     loss, metrics = out if isinstance(out, tuple) else (out, {})
                     scaled = loss * (n / gbs)
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
-                    _user("backward", scaled.backward)
+                    user_call("backward", scaled.backward)
                 except Failure as err:
                     err.work = Work(step=step, micro_batch=first + j)
                     raise
@@ -774,7 +744,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
         self._set_phase("apply", self.pending if self.pending is not None else -1)
         clip = self.spec.grad_clip_norm
         if self.scaler is not None:
-            _user("GradScaler.unscale_", self.scaler.unscale_, self.optimizer)
+            user_call("GradScaler.unscale_", self.scaler.unscale_, self.optimizer)
         if clip is not None and math.isfinite(self._grad_norm):
             # torch's clip_grad_norm_, with the norm computed after the reduce
             coef = min(1.0, clip / (self._grad_norm + 1e-6))
@@ -783,12 +753,12 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 for flat in grads:
                     flat.mul_(coef)
         if self.scaler is not None:  # skips the update on an overflow, then backs off the scale
-            _user("optimizer.step", self.scaler.step, self.optimizer)
+            user_call("optimizer.step", self.scaler.step, self.optimizer)
             self.scaler.update()
         else:
-            _user("optimizer.step", self.optimizer.step)
+            user_call("optimizer.step", self.optimizer.step)
         if self.scheduler is not None:
-            _user("lr_scheduler.step", self.scheduler.step)
+            user_call("lr_scheduler.step", self.scheduler.step)
         self.buffer_sync.commit()
         self._drop_pending()
         self.steps_done += 1
@@ -855,13 +825,13 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 continue
             # dataset[i] for each, with the sample's own random stream, recorded as served
             try:
-                samples = _user("dataset[i]", serve_samples, seed, step, getitem, chunk, reseed)
+                samples = user_call("dataset[i]", serve_samples, seed, step, getitem, chunk, reseed)
             except Failure as err:
                 sample = getattr(err.__cause__, "planaria_sample", None)
                 err.work = Work(step=step, micro_batch=first + start // mbs, sample=sample)
                 raise
             served.extend(chunk, samples)
-            batch = _user("collate", self.collate, samples)
+            batch = user_call("collate", self.collate, samples)
             out.append((len(chunk), _to_device(batch, self.device)))
         return _Loaded(out, served)
 
@@ -1021,19 +991,10 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
             "steps_done": self.steps_done,
         }
 
-    def set_state(self, gen: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
-        """Loads a whole state (from a checkpoint); returns steps done."""
-        self._check(gen)
-        self._refuse_if_sharded("set_state")
-        load_state(self.model, self.optimizer, self.scheduler, tensors, meta)
-        self._drop_pending()
-        self.steps_done = int(meta["steps_done"])
-        return self.steps_done
-
     @fans_out(merge_checksums)
     def checksum(self, gen: int) -> int:
         self._check(gen)
-        return param_checksum(self.model)
+        return model_checksum(self.model)
 
     # ---- fencing, heartbeat, diagnostics --------------------------------------------------
 
@@ -1066,13 +1027,13 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     def _abort_generation(self, step: int) -> None:
         with contextlib.suppress(Exception):
-            self._store.set(f"abort/{self.gen}", str(step))
+            self._store.set(store_keys.abort(self.gen), str(step))
         if self.comm is not None:
             self.comm.close()
 
     def _refuse_if_fenced(self) -> None:
         """A call queued before this worker was evicted finds the fence and ends the process."""
-        if self._store.check([f"fence/{self.name}"]):
+        if self._store.check([store_keys.fence(self.name)]):
             _log.warning("%s was fenced off by the controller; exiting", self.name)
             os._exit(0)
 
@@ -1121,18 +1082,7 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
 
     def _publish_heartbeat(self) -> None:
         record = self._heartbeat_record()
-        self._store.set(f"hb/{self.name}", record)
-
-    @fans_out()
-    def ping(self) -> bool:
-        """Answers at once: the controller's check that an idle standby spare still lives."""
-        return True
-
-    def _refuse_if_sharded(self, what: str) -> None:
-        if self.k > 1:
-            raise PlanariaError(
-                f"{what} is not available for sharded replicas (workers_per_replica > 1) yet"
-            )
+        self._store.set(store_keys.heartbeat(self.name), record)
 
     @ray.method(concurrency_group="control")
     def probe_links(self, peers: dict[str, str], timeout_s: float) -> dict[str, Any]:
@@ -1145,8 +1095,11 @@ class Worker(CheckpointWorkerMixin, WorkerLoopMixin):
                 "endpoints": local_endpoints()}
 
     @ray.method(concurrency_group="control")
+    @fans_out()
     def alive(self) -> bool:
-        """Answers beside any step: the controller's question after a peer's death."""
+        """Answers at once, beside any step (a sharded replica's workers all answer): the
+        controller's question after a peer's death, and before an idle standby spare takes
+        a place."""
         return True
 
     @ray.method(concurrency_group="control")

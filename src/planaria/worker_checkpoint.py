@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,13 +40,13 @@ from planaria.checkpoint import (
     read_manifest,
 )
 from planaria.checkpoint.backoff import is_storage_error
-from planaria.checkpoint.checksum import byte_view, crc32c
 from planaria.checkpoint.compat import compare_layouts
 from planaria.checkpoint.device_load import load_to_device
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
 from planaria.checkpoint.plan import ShardPlan, plan_row_shards
 from planaria.checkpoint.storage import Storage
 from planaria.errors import PlanariaError
+from planaria.faults import user_call
 from planaria.replica import (
     fans_out,
     lane,
@@ -57,8 +57,7 @@ from planaria.replica import (
     merge_hold,
     merge_probe,
 )
-from planaria.sharded import local
-from planaria.state import _jsonable, flatten_state, load_state, shard_origins
+from planaria.state import _jsonable, flatten_state, load_state, model_checksum, shard_origins
 
 if TYPE_CHECKING:
     from planaria.collective import Collective
@@ -147,11 +146,9 @@ class CheckpointWorkerMixin:
 
     def _extra_state_get(self, meta: dict[str, Any]) -> dict[str, Any]:
         """``meta`` with the spec's extra state added (``extra_state``), if it has one."""
-        from planaria.worker import _user  # worker imports this module
-
         hook = self.spec.extra_state
         if hook is not None:
-            meta["extra_state"] = _jsonable(_user("extra_state get", hook[0], self.model,
+            meta["extra_state"] = _jsonable(user_call("extra_state get", hook[0], self.model,
                                                   self.optimizer), "extra_state")
         scaler = getattr(self, "scaler", None)
         if scaler is not None:  # fp16: the loss scale and its growth tracker travel too
@@ -160,11 +157,9 @@ class CheckpointWorkerMixin:
 
     def _extra_state_set(self, meta: Mapping[str, Any]) -> None:
         """Hands the extra state in ``meta`` (if any) to the spec's setter."""
-        from planaria.worker import _user
-
         hook = self.spec.extra_state
         if hook is not None and isinstance(meta.get("extra_state"), dict):
-            _user("extra_state set", hook[1], self.model, self.optimizer, meta["extra_state"])
+            user_call("extra_state set", hook[1], self.model, self.optimizer, meta["extra_state"])
         scaler = getattr(self, "scaler", None)
         if scaler is not None and isinstance(meta.get("grad_scaler"), dict):
             scaler.load_state_dict(meta["grad_scaler"])
@@ -188,7 +183,6 @@ class CheckpointWorkerMixin:
         root: str,
         storage_options: Mapping[str, Any] | None = None,
         *,
-        if_busy: Literal["wait", "skip"] = "wait",
         fsync: bool = True,
         attempts: int = 3,
         staging_budget_bytes: int | None = None,
@@ -201,9 +195,9 @@ class CheckpointWorkerMixin:
         beside the shards, with this worker's metadata added, before the shard.
 
         The state must be settled (the controller calls ``commit`` first). Returns
-        ``stall_s`` (seconds the snapshot blocked; None if the save was skipped because
-        the previous write still runs, with ``if_busy="skip"``), ``bytes`` of the share
-        and, from shard 0, the state's JSON ``meta``.
+        ``stall_s`` (seconds the snapshot blocked), ``bytes`` of the share and, from shard
+        0, the state's JSON ``meta``; ``busy`` (and nothing saved) while this worker's
+        previous write still runs: the controller drops the save.
         """
         self._check(gen)
         self._refuse_if_dirty("be saved")
@@ -217,7 +211,7 @@ class CheckpointWorkerMixin:
             )
         self._set_phase("snapshot", step)
         return self._snapshot(step, index, num_shards, save_id, root, storage_options,
-                              if_busy, fsync, attempts, staging_budget_bytes, direct_io,
+                              fsync, attempts, staging_budget_bytes, direct_io,
                               describe, flatten_state(self.model, self.optimizer,
                                                       self.scheduler))
 
@@ -286,12 +280,12 @@ class CheckpointWorkerMixin:
                 tensors = {**tensors, **{f"model/{k}": v for k, v in committed.items()
                                          if f"model/{k}" in tensors}}
             return self._snapshot(step, index, num_shards, save_id, root, storage_options,
-                                  "wait", fsync, attempts, staging_budget_bytes, direct_io,
+                                  fsync, attempts, staging_budget_bytes, direct_io,
                                   describe, (tensors, meta), phase=False)
 
     def _snapshot(
         self, step: int, index: int, num_shards: int, save_id: str, root: str,
-        storage_options: Mapping[str, Any] | None, if_busy: Literal["wait", "skip"],
+        storage_options: Mapping[str, Any] | None,
         fsync: bool, attempts: int, staging_budget_bytes: int | None, direct_io: bool,
         describe: dict[str, Any] | None, state: tuple[dict[str, torch.Tensor], dict[str, Any]],
         *, phase: bool = True,
@@ -300,7 +294,7 @@ class CheckpointWorkerMixin:
         write (see :meth:`ckpt_start`)."""
         tensors, meta = state
         plan = self._ckpt_plan(tensors, index, num_shards)
-        writer = self._writer(root, storage_options, if_busy, fsync)
+        writer = self._writer(root, storage_options, fsync)
         writer.attempts = attempts
         writer.staging_budget_bytes = staging_budget_bytes
         writer.direct = direct_io
@@ -363,7 +357,6 @@ class CheckpointWorkerMixin:
         self,
         root: str,
         storage_options: Mapping[str, Any] | None,
-        if_busy: Literal["wait", "skip"],
         fsync: bool,
     ) -> AsyncShardWriter:
         key = (root, repr(sorted((storage_options or {}).items())), fsync)
@@ -371,10 +364,9 @@ class CheckpointWorkerMixin:
             if self._ckpt_writer is not None:
                 self._ckpt_writer.close(timeout_s=300)
             self._ckpt_writer = AsyncShardWriter(
-                root, if_busy=if_busy, fsync=fsync, storage_options=storage_options
+                root, fsync=fsync, storage_options=storage_options
             )
             self._ckpt_writer_key = key
-        self._ckpt_writer.if_busy = if_busy
         return self._ckpt_writer
 
     @fans_out(merge_probe)
@@ -529,15 +521,7 @@ class CheckpointWorkerMixin:
         self.steps_done = int(meta["steps_done"])
         self._set_phase("idle", self.steps_done)
         return {"steps_done": self.steps_done, "bcast_s": bcast_s,
-                "checksum": self._model_crc()}
-
-    def _model_crc(self) -> int:
-        """CRC-32C (in hardware) over the model's tensors in name order: equal on every
-        replica after a restore, or the restore went wrong."""
-        crc = 0
-        for _, tensor in sorted(self.model.state_dict().items()):
-            crc = crc32c(byte_view(local(tensor.detach()).cpu().contiguous()), crc)
-        return crc
+                "checksum": model_checksum(self.model)}
 
     def _broadcast(
         self,

@@ -1,10 +1,11 @@
-"""The worker's autonomous loop: steps run on their own between the controller's boundaries.
+"""The worker's side of planaria's step protocol: steps run on their own between the
+controller's boundaries.
 
-Under the per-step protocol the controller sends every worker one call per step
-and waits for every answer before the next: its work per step grows with the
-number of workers. In the autonomous loop (:meth:`WorkerLoopMixin.run`) the
-controller starts a *run* with one call per worker ("steps ``start`` to ``until``
-at this width") and each worker:
+A controller that sent every worker one call per step, waiting for every answer
+before the next, would do work per step that grows with the number of workers.
+Instead (:meth:`WorkerLoopMixin.run`) the controller starts a *run* with one call
+per worker ("steps ``start`` to ``until`` at this width"; ``Job.train_step`` is a
+run of one) and each worker:
 
 - computes its own share of each step's samples from the deterministic data plan;
 - runs the step; the gradient all-reduce also sums a small **status** vector
@@ -37,10 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from planaria import store_keys
 from planaria.data_plan import DataPlan, split_micro_batches
 from planaria.replica import fans_out, merge_run, merge_settled
 
-__all__ = ["STATUS", "WorkerLoopMixin", "ledger_key", "stop_key", "stream_key"]
+__all__ = ["STATUS", "WorkerLoopMixin"]
 
 STATUS = ("loss_sum", "samples", "leaving", "stop")
 """The status vector summed in every step's all-reduce, in this order; the sums of the
@@ -55,19 +57,10 @@ STREAMED = ("step", "t0", "t", "global_loss_sum", "global_samples", "global_metr
 """The fields of a streamed step record."""
 
 
-def stop_key(gen: int, run: int) -> str:
-    """The store key the controller sets to end run ``run`` of generation ``gen`` early."""
-    return f"stop/{gen}/{run}"
 
 
-def stream_key(gen: int, run: int, chunk: int | None = None) -> str:
-    """Rank 0's streamed records of run ``run``: chunk ``chunk``, or (None) the count."""
-    return f"prog/{gen}/{run}/" + ("n" if chunk is None else str(chunk))
 
 
-def ledger_key(gen: int, run: int, rank: int) -> str:
-    """The store key a rank appends what it was served to, a JSON line per step."""
-    return f"led/{gen}/{run}/{rank}"
 
 
 class WorkerLoopMixin:
@@ -103,12 +96,17 @@ class WorkerLoopMixin:
         skipped: int = -1,
         ledger: bool = False,
         metric_keys: tuple[str, ...] = (),
+        horizon: int | None = None,
     ) -> dict[str, Any]:
         """Runs steps ``start`` .. ``until - 1`` (or fewer, see the module doc) on its own.
 
         ``plan`` is the data plan's (num_samples, global_batch_size, seed); ``skipped``
-        the newest step the controller dropped (settled as in :meth:`Worker.step`);
-        ``metric_keys`` the loss's metrics, summed over the ranks on the status.
+        the newest step the controller dropped (a non-finite one: it counts as done
+        without its update); ``metric_keys`` the loss's metrics, summed over the ranks on
+        the status. Each step loads the next one's share ahead (see
+        :meth:`Worker._step <planaria.worker.Worker._step>`), the run's last step too, up
+        to ``horizon`` (the job's step count; ``until`` if None): a run of one step
+        (``Job.train_step``) finds its share loaded by the run before.
         Returns ``{"steps": [record, ...], "ended": "until" | "stop" | "leaving" |
         "nonfinite", "steps_done": n, "preempting": bool}``; only rank 0 (every rank
         with a ledger) returns its records, which hold the step's totals: the
@@ -119,7 +117,7 @@ class WorkerLoopMixin:
         comm = self.comm
         assert comm is not None, "run before join"
         data_plan = DataPlan(*plan)
-        key = stop_key(gen, run_id)
+        key = store_keys.run_stop(gen, run_id)
         rank = comm.rank
         self._run_id = run_id
         self._ledger_hook = (gen, run_id, rank) if ledger else None
@@ -128,7 +126,8 @@ class WorkerLoopMixin:
             self._keys.watch(key, STOP_POLL_S)
         try:
             with self._keys.busy():
-                ended = self._run(gen, start, until, data_plan, key, skipped)
+                ended = self._run(gen, start, until, data_plan, key, skipped,
+                                  until if horizon is None else horizon)
         except BaseException:
             # Whatever ended the run here, no peer may wait on this rank in a collective:
             # tell them to abandon the step, and close the group (see Worker.step).
@@ -149,7 +148,8 @@ class WorkerLoopMixin:
                 "preempting": self.preempting}
 
     def _run(
-        self, gen: int, start: int, until: int, data_plan: DataPlan, key: str, skipped: int
+        self, gen: int, start: int, until: int, data_plan: DataPlan, key: str, skipped: int,
+        horizon: int,
     ) -> str:
         comm = self.comm
         width, rank, mbs = comm.world_size, comm.rank, self.spec.micro_batch_size
@@ -167,7 +167,7 @@ class WorkerLoopMixin:
         while step < until:
             ids = nxt
             assert ids is not None
-            nxt = share(step + 1) if step + 1 < until else None
+            nxt = share(step + 1) if step + 1 < max(until, horizon) else None
             stop_seen = rank == 0 and self._keys.seen(key)  # polled off this thread
             keys = self._status_metrics or ()
             status = torch.zeros(len(STATUS) + len(keys), dtype=torch.float64, device=device)
@@ -229,12 +229,12 @@ class WorkerLoopMixin:
         line = json.dumps({"step": step, "worker": self.name,
                            "ids": [int(i) for i in self._attempt["ids"]],
                            "digests": self._attempt.get("digests")})
-        self._store.append(ledger_key(gen, run_id, rank), line + "\n")
+        self._store.append(store_keys.run_ledger(gen, run_id, rank), line + "\n")
 
 
 class _Stream:
     """Rank 0's records, published every :data:`STREAM_S` as chunks under
-    :func:`stream_key` (two store writes a chunk), for the controller's progress
+    ``store_keys.run_stream`` (two store writes a chunk), for the controller's progress
     display, metrics and event log while the run goes on."""
 
     def __init__(self, store: Any, gen: int, run_id: int) -> None:
@@ -248,7 +248,7 @@ class _Stream:
         if upto <= self.sent or time.monotonic() - self.last < STREAM_S:
             return
         chunk = [{k: r[k] for k in STREAMED} for r in records[self.sent:upto]]
-        self.store.set(stream_key(self.gen, self.run_id, self.chunks), json.dumps(chunk))
+        self.store.set(store_keys.run_stream(self.gen, self.run_id, self.chunks), json.dumps(chunk))
         self.chunks += 1
-        self.store.set(stream_key(self.gen, self.run_id), str(self.chunks))
+        self.store.set(store_keys.run_stream(self.gen, self.run_id), str(self.chunks))
         self.sent, self.last = upto, time.monotonic()

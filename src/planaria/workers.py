@@ -17,7 +17,7 @@ from typing import Any
 import ray
 import torch.distributed as dist
 
-from planaria import forkserver
+from planaria import forkserver, store_keys
 from planaria.config import RunConfig, TrainSpec
 from planaria.errors import DataMismatch, UserCodeError
 from planaria.events import EventLog
@@ -207,7 +207,7 @@ class WorkerPool:
         while self.standby:
             handle = self.standby.pop(0)
             try:  # a standby sits idle, so a death there is only seen when it is asked
-                ray.get(handle.actor.ping.remote(), timeout=5.0)
+                ray.get(handle.actor.alive.remote(), timeout=5.0)
             except Exception as err:
                 self.log.emit("spare_lost", worker=handle.name, error=str(err)[:300])
                 self.kill(handle, fence=False)
@@ -349,9 +349,9 @@ class WorkerPool:
     def fence(self, name: str) -> None:
         """Marks a worker evicted: if it ever wakes up, its heartbeat thread makes it exit
         (the other workers of its replica too, with ``workers_per_replica`` > 1)."""
-        self.store.set(f"fence/{name}", "1")
+        self.store.set(store_keys.fence(name), "1")
         for i in range(1, self.config.workers_per_replica):
-            self.store.set(f"fence/{name}.{i}", "1")
+            self.store.set(store_keys.fence(f"{name}.{i}"), "1")
 
     def kill(self, handle: WorkerHandle, *, fence: bool = True) -> None:
         """Evicts a worker: fences it off, then kills its process."""

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from planaria.campaign.dataset import CampaignData
+from planaria.spec_file import load_spec
 
 __all__ = ["CAMPAIGN_SPECS", "build_spec", "has_buffers", "is_campaign_spec"]
 
@@ -78,8 +79,6 @@ def build_spec(target: str, *, control: str | None) -> Any:
     if is_campaign_spec(target):
         spec, limit = _example(target)
     else:
-        from planaria.cli import load_spec
-
         spec, limit = load_spec(target), None
     return dataclasses.replace(spec, dataset=CampaignData(spec.dataset, control=control,
                                                           limit=limit))

@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -55,15 +55,14 @@ class AsyncShardWriter:
     :meth:`start` blocks only for the snapshot (the share copied into a reused
     :class:`ShardImage` of the shard file), then :func:`write_image` runs on a
     background thread (``O_DIRECT`` on local disk unless ``direct=False``). Saves never
-    overlap: a new :meth:`start` first waits for the previous write (or, with
-    ``if_busy="skip"``, skips the new save). Not thread-safe: one owner calls it.
+    overlap: a new :meth:`start` first waits for the previous write (a caller that must
+    not wait looks at :attr:`busy` first). Not thread-safe: one owner calls it.
     """
 
     def __init__(
         self,
         root: str,
         *,
-        if_busy: Literal["wait", "skip"] = "wait",
         busy_timeout_s: float | None = None,
         fsync: bool = True,
         pin_memory: bool = False,
@@ -73,18 +72,14 @@ class AsyncShardWriter:
         staging_budget_bytes: int | None = None,
         direct: bool = True,
     ) -> None:
-        """``if_busy``: what :meth:`start` does while the previous write runs;
-        ``busy_timeout_s``: the longest it waits (None: no limit), then ``TimeoutError``;
-        ``verify``: read each shard back once written and check it; ``attempts``: writes
-        tried (with backoff) before a storage error is final
+        """``busy_timeout_s``: the longest :meth:`start` waits for the previous write (None:
+        no limit), then ``TimeoutError``; ``verify``: read each shard back once written and
+        check it; ``attempts``: writes tried (with backoff) before a storage error is final
         (:class:`~planaria.errors.StorageError`); ``staging_budget_bytes``: the most host
         memory the staging buffers may hold (None: a share's size, about 1/N of the
         state); a share over it is written at once from the live tensors, without a
         copy, blocking :meth:`start` for the whole write."""
-        if if_busy not in ("wait", "skip"):
-            raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         self.root = root
-        self.if_busy = if_busy
         self.busy_timeout_s = busy_timeout_s
         self.fsync = fsync
         self.storage_options = dict(storage_options or {})
@@ -122,13 +117,10 @@ class AsyncShardWriter:
         (after ``describe``, the save's description, if given: see
         :mod:`planaria.checkpoint.finished`).
 
-        Returns the seconds the snapshot blocked, or None if the save was skipped
-        because the previous one is still writing (``if_busy="skip"``). An outcome
-        of the previous save not collected with :meth:`result` is logged and dropped.
+        Returns the seconds the snapshot blocked. An outcome of the previous save not
+        collected with :meth:`result` is logged and dropped.
         """
         if self.busy:
-            if self.if_busy == "skip":
-                return None
             assert self._future is not None
             try:
                 self._future.exception(timeout=self.busy_timeout_s)

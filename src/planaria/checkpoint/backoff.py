@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from planaria.backoff import retry
 from planaria.errors import CheckpointError, StorageError
 
 __all__ = ["is_storage_error", "with_retries"]
@@ -39,18 +39,11 @@ def with_retries(
     """Calls ``fn``; retries it on a storage error up to ``attempts`` times in all, waiting
     ``backoff_s``, then twice that, and so on (at most ``max_backoff_s``). Raises
     :class:`StorageError` (chained) when the last attempt fails; other errors at once."""
-    delay = backoff_s
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn()
-        except Exception as err:
-            if not is_storage_error(err):
-                raise
-            if attempt == attempts:
-                raise StorageError(f"{what} failed {attempts} times, last: "
-                                   f"{type(err).__name__}: {err}") from err
-            _log.warning("%s failed (%s: %s); retry %d of %d in %.1f s", what,
-                         type(err).__name__, err, attempt, attempts - 1, delay)
-            time.sleep(delay)  # backoff before a retry, not a wait for another thread
-            delay = min(max_backoff_s, delay * 2)
-    raise AssertionError("unreachable")
+    try:
+        return retry(fn, what=what, attempts=attempts, retryable=is_storage_error,
+                     backoff_s=backoff_s, max_backoff_s=max_backoff_s, log=_log)
+    except Exception as err:
+        if not is_storage_error(err):
+            raise
+        raise StorageError(f"{what} failed {attempts} times, last: "
+                           f"{type(err).__name__}: {err}") from err
