@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{out[name]['b_minus_a']:+.3f} (95% interval {out[name]['b_minus_a_ci95'][0]:+.3f}"
               f" to {out[name]['b_minus_a_ci95'][1]:+.3f})")
     out["wall_s"] = time.time() - t0
+    out["command"] = " ".join(["python", "bench/overhead_ab.py", *sys.argv[1:]])
     print(json.dumps(out), flush=True)
     return out
 
