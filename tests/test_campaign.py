@@ -1024,8 +1024,8 @@ def test_a_restore_after_the_last_holder_died_may_lose_the_steps_since_the_save(
     """kill_join's source killed while its replacement had not yet received the state: no
     replica kept it, so the restore the runtime chose is the recovery; a restore while a
     member of the training generation lived is not."""
+    from planaria.campaign.fault_judgement import every_holder_lost
     from planaria.campaign.timeline import Timeline
-    from planaria.campaign.verdict import _every_holder_lost
 
     def timeline(lost: list[str]) -> Timeline:
         evs = [_ev("run_start"), _ev("generation", workers=["w1", "w2"], reason="join"),
@@ -1037,8 +1037,8 @@ def test_a_restore_after_the_last_holder_died_may_lose_the_steps_since_the_save(
             e["t"] = float(i)
         return Timeline(evs, {}, [])
 
-    assert _every_holder_lost(timeline(["w2"]), 0, 3.5, 10.0)
-    assert not _every_holder_lost(timeline([]), 0, 2.5, 10.0)  # w2 held the state
+    assert every_holder_lost(timeline(["w2"]), 0, 3.5, 10.0)
+    assert not every_holder_lost(timeline([]), 0, 2.5, 10.0)  # w2 held the state
 
 
 def test_the_verdicts_step_deadline_is_rescaled_to_the_width_as_the_watchdogs():
