@@ -750,8 +750,9 @@ def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     inside the run."""
     from types import SimpleNamespace
 
-    from planaria.campaign.inject import STALE_STEPS, Injector
+    from planaria.campaign.inject import Injector
     from planaria.campaign.mix import PlannedFault, PlannedRun
+    from planaria.campaign.triggers import STALE_STEPS
     from planaria.run_ahead import RunAhead
 
     faults = (PlannedFault(index=0, kind="kill", step=8, target=1, micro_batch=0, fraction=0.5,
@@ -763,7 +764,7 @@ def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     assert inj.next_step(6) == 7  # late: the next step
     inj.todo.pop(0)
     assert inj.next_step(7) == 11
-    inj.triggers["r0f0.primary"] = {"step": 6}  # armed at 6, not fired yet: the next fault
+    inj.triggers.armed["r0f0.primary"] = {"step": 6}  # armed at 6, not fired yet: the next fault
     assert inj.next_step(7) == 6 + STALE_STEPS  # waits (its firing ends the run) or goes stale
     (tmp_path / "fired.jsonl").write_text(json.dumps({"id": "r0f0.primary"}) + "\n")
     assert inj.next_step(7) == 11
@@ -926,7 +927,7 @@ def test_the_reference_leaves_a_skipped_sample_out_from_its_step_on():
 def test_a_run_dir_on_a_tmpfs_keeps_its_files_when_unmounted(tmp_path):
     """The run dir a disk_full fault fills is a small tmpfs the campaign mounts (as root);
     its files are kept when it is unmounted. Skipped where mounting is refused."""
-    from planaria.campaign.inject import _is_tmpfs
+    from planaria.campaign.full_disks import is_tmpfs
     from planaria.campaign.knobs import fill_disk
     from planaria.campaign.runner import _mount_tmpfs, _unmount
 
@@ -935,14 +936,14 @@ def test_a_run_dir_on_a_tmpfs_keeps_its_files_when_unmounted(tmp_path):
     if not _mount_tmpfs(job):
         pytest.skip("mounting a tmpfs is refused here (needs root, or CAP_SYS_ADMIN)")
     try:
-        assert _is_tmpfs(job)
+        assert is_tmpfs(job)
         (job / "events.jsonl").write_text("{}\n")
         fill_disk(str(job / "ballast"))
         with pytest.raises(OSError):
             (job / "more").write_bytes(b"x" * (1 << 20))
     finally:
         _unmount(job)
-    assert not _is_tmpfs(job)
+    assert not is_tmpfs(job)
     assert (job / "events.jsonl").read_text() == "{}\n"
     assert not (job / "ballast").exists()
 

@@ -51,7 +51,7 @@ import torch
 from planaria.campaign import oracle
 from planaria.campaign.dataset import read_loads
 from planaria.campaign.fault_judgement import judge_fault
-from planaria.campaign.inject import read_injections
+from planaria.campaign.injections import read_injections
 from planaria.campaign.job import FINAL_FILE, JOB_DIR, META_FILE, final_file, snapshot_file
 from planaria.campaign.kind_checks import RAY_PROCESS_KINDS
 from planaria.campaign.mix import PlannedRun
