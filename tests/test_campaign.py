@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from planaria.campaign.mix import (
 )
 from planaria.campaign.runner import SUMMARY_KEYS, CampaignConfig, run_campaign
 from planaria.checkpoint.storage import Storage
+from planaria.config import RunConfig
 from planaria.data_plan import DataPlan
 from planaria.errors import ConfigError
 
@@ -745,11 +747,28 @@ def test_a_fleet_preemption_needs_a_snapshot_within_a_second_and_loses_nothing(t
     assert _bounds(v)["lost_steps"] == (0, 0, True) and v.faults[0].recovered, v.reasons
 
 
+class _NoOpenRecovery:
+    def open_work(self) -> bool:
+        return False
+
+
+@dataclasses.dataclass
+class _JobBetweenBoundaries:
+    """What RunAhead's boundary planning reads of a Job: no recovery work open, the loss's
+    metrics named, no checkpointer, no chaos, the replicas' state not verified."""
+
+    config: RunConfig
+    width: int
+    hooks: list[Callable[..., None]] = dataclasses.field(default_factory=list)
+    recovery: _NoOpenRecovery = dataclasses.field(default_factory=_NoOpenRecovery)
+    metric_keys: tuple[str, ...] = ()
+    checkpointer: None = None
+    chaos: None = None
+
+
 def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     """The job runs autonomously between them; a fault armed ``ahead`` steps early fires
     inside the run."""
-    from types import SimpleNamespace
-
     from planaria.campaign.inject import Injector
     from planaria.campaign.mix import PlannedFault, PlannedRun
     from planaria.campaign.triggers import STALE_STEPS
@@ -773,9 +792,7 @@ def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     inj.tail_step = None
     assert inj.next_step(13) is None
 
-    job = SimpleNamespace(hooks=[], recovery=SimpleNamespace(open_work=lambda: False),
-                          metric_keys=(), checkpointer=None, config=SimpleNamespace(
-                              verify_every=None), width=3, chaos=None)
+    job = _JobBetweenBoundaries(config=RunConfig(steps=16, replicas=3, run_dir=tmp_path), width=3)
     ahead = RunAhead(job)  # type: ignore[arg-type]
     assert ahead.next_boundary(0, 16) == 16
     job.hooks.append(Injector(PlannedRun(index=0, step_s=0.05, steps=16, faults=faults),
