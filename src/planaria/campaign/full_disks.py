@@ -10,15 +10,12 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from planaria.campaign import storage_faults
+from planaria.campaign.injected_job import InjectedJob
 from planaria.campaign.injections import InjectionLog, has_fired
 from planaria.campaign.mix import PlannedFault
 from planaria.campaign.triggers import WorkerTriggers, steps_to
-
-if TYPE_CHECKING:
-    from planaria.controller import Job
 
 __all__ = ["BALLAST", "FullDisks", "is_tmpfs"]
 
@@ -39,7 +36,7 @@ class FullDisks:
     def due_steps(self) -> list[int]:
         return [step for _, step in self.frees]
 
-    def fill(self, job: Job, fault: PlannedFault, target: str) -> None:
+    def fill(self, job: InjectedJob, fault: PlannedFault, target: str) -> None:
         """A full disk, freed 2 to 4 steps after it first failed a write (at the run's tail
         at the latest): the checkpoint root through faulty://, or the run dir, a small
         tmpfs the campaign mounted, filled by a ballast file."""

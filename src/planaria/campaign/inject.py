@@ -41,11 +41,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from planaria.campaign import dataset as campaign_dataset
 from planaria.campaign import storage_faults
 from planaria.campaign.full_disks import FullDisks
+from planaria.campaign.injected_job import InjectedJob
 from planaria.campaign.injections import (
     INJECTIONS_FILE,
     InjectionLog,
@@ -66,9 +67,6 @@ from planaria.campaign.triggers import (
 )
 from planaria.chaos import send_signal
 
-if TYPE_CHECKING:
-    from planaria.controller import Job
-
 __all__ = ["INJECTIONS_FILE", "Injector", "busy_s", "read_injections"]
 
 _SECONDARY_PHASE = {"kill_rerun": "rerun", "kill_join": "join", "kill_resumed": "resumed"}
@@ -86,7 +84,7 @@ class Injector:
         job_dir: Path,
         incarnation: int,
         wait_s: float = 180.0,
-        snapshot: Callable[[Job], None] | None = None,
+        snapshot: Callable[[], None] | None = None,
     ) -> None:
         self.run = run
         self.run_dir = Path(run_dir)
@@ -96,7 +94,7 @@ class Injector:
         self.spares = run.shape.spares
         self.incarnation = incarnation
         self.wait_s = wait_s
-        self.snapshot = snapshot  # the weights before each fault: where a divergence began
+        self.snapshot = snapshot  # saves the weights before each fault: where a divergence began
         self.log = InjectionLog(self.run_dir, run_index=run.index, incarnation=incarnation)
         self.triggers = WorkerTriggers(run, control=self.control, log=self.log)
         self.storage = StorageArming(self.control, self.log)
@@ -139,7 +137,7 @@ class Injector:
             wanted.append(self.tail_step)
         return max(after + 1, min(wanted)) if wanted else None
 
-    def __call__(self, job: Job, phase: str, **info: Any) -> None:
+    def __call__(self, job: InjectedJob, phase: str, **info: Any) -> None:
         if phase == "boundary":
             self._boundary(job)
         elif phase == "save" and self.final is not None and job.steps_done >= self.run.steps:
@@ -147,7 +145,7 @@ class Injector:
         elif phase in self.waiting:
             self._secondary(job, phase, info)
 
-    def _boundary(self, job: Job) -> None:
+    def _boundary(self, job: InjectedJob) -> None:
         self.triggers.rearm_lost(job)
         step = job.steps_done
         self.disks.free(step)
@@ -179,7 +177,7 @@ class Injector:
             blocked = [p for p in self.waiting if p != "resumed"]
             if not blocked and not any(step < s for s in self.triggers.unfired_until()):
                 if self.snapshot is not None:
-                    self.snapshot(job)
+                    self.snapshot()
                 self._arm(job, self.todo.pop(0))
         elif not self.todo and self.tail_step is not None and step >= self.tail_step:
             job.wait_for_width(self.replicas, timeout_s=self.wait_s)
@@ -196,7 +194,7 @@ class Injector:
     def _arm_step(fault: PlannedFault) -> int:
         return max(0, fault.step - fault.ahead)
 
-    def _arm(self, job: Job, fault: PlannedFault) -> None:
+    def _arm(self, job: InjectedJob, fault: PlannedFault) -> None:
         # Not a worker a preemption notice is draining at this very boundary (after the
         # hooks): the fault would land on a worker about to leave.
         draining = set(getattr(job, "_draining", ()))
@@ -239,7 +237,7 @@ class Injector:
         elif kind in _SECONDARY_PHASE and kind != "kill_resumed":
             self.waiting[_SECONDARY_PHASE[kind]] = (fault, target)
 
-    def _arm_sample(self, job: Job, fault: PlannedFault) -> None:
+    def _arm_sample(self, job: InjectedJob, fault: PlannedFault) -> None:
         """A sample of a step at least two steps on (its load has not begun: the next step's
         share is loaded ahead), armed from that step on."""
         assert job.plan is not None
@@ -259,7 +257,7 @@ class Injector:
             self.log.write(fault, "primary", "slow_sample", None, None, job.steps_done,
                            sample=sample, from_step=step, seconds=seconds)
 
-    def _arm_save(self, job: Job, fault: PlannedFault, target: str) -> None:
+    def _arm_save(self, job: InjectedJob, fault: PlannedFault, target: str) -> None:
         """kill_save: SIGKILL to a writer inside the next save's snapshot (a timer at a
         drawn offset from the save's start) or part-way through its shard's bytes;
         preempt_during_save: SIGTERM to a writer part-way through its shard's bytes."""
@@ -270,7 +268,7 @@ class Injector:
             return
         self.storage.signal_writer(fault, target, pid_of(job, target), step)
 
-    def _arm_controller(self, job: Job, fault: PlannedFault, target: str) -> None:
+    def _arm_controller(self, job: InjectedJob, fault: PlannedFault, target: str) -> None:
         """SIGKILL to the controller alone: inside a step (a worker's trigger), or part-way
         through a commit's manifest or marker (faulty://, in the controller only)."""
         if fault.variant == "step":
@@ -279,7 +277,7 @@ class Injector:
             return
         self.storage.kill_commit(fault, job.steps_done)
 
-    def _arm_final_write(self, job: Job) -> None:
+    def _arm_final_write(self, job: InjectedJob) -> None:
         assert self.final is not None
         fault = self.final
         target = job.names[fault.target % len(job.names)]
@@ -289,7 +287,7 @@ class Injector:
 
     # ---- second halves -----------------------------------------------------------------------
 
-    def _secondary(self, job: Job, phase: str, info: dict[str, Any]) -> None:
+    def _secondary(self, job: InjectedJob, phase: str, info: dict[str, Any]) -> None:
         fault, _first = self.waiting[phase]
         if fault.kind not in ("kill_save",) and not self._fired(self._id(fault, "primary")):
             return
@@ -306,7 +304,7 @@ class Injector:
         del self.waiting[phase]
         self._kill_later(job, fault, victim, fault.fraction * window, f"kill_{phase}")
 
-    def _final_save(self, job: Job, writers: list[str]) -> None:
+    def _final_save(self, job: InjectedJob, writers: list[str]) -> None:
         fault = self.final
         assert fault is not None
         self.final = None
@@ -314,14 +312,14 @@ class Injector:
         self.log.write(fault, "primary", "final_save", None, None, job.steps_done)
         self._kill_later(job, fault, victim, fault.fraction * 0.02, "kill_final_snapshot")
 
-    def _kill_later(self, job: Job, fault: PlannedFault, victim: str, delay_s: float,
+    def _kill_later(self, job: InjectedJob, fault: PlannedFault, victim: str, delay_s: float,
                     action: str) -> None:
         pid = pid_of(job, victim)
         self.log.write(fault, "secondary", action, victim, pid, job.steps_done, delay_s=delay_s,
                        victims=[victim], expect=EXPECTED_REPORTS["kill"])
         kill_after(self.control, self._id(fault, "secondary"), pid, delay_s)
 
-    def _watch_starting(self, job: Job, fault: PlannedFault) -> None:
+    def _watch_starting(self, job: InjectedJob, fault: PlannedFault) -> None:
         """Kills the next worker process of this job to start (a replacement, or a spare
         warming up) inside its start, before it is ready: a drawn share of 0.3 s after the
         process appears (forked, or started by Ray), unless it is a member or a standby
@@ -335,7 +333,7 @@ class Injector:
                                        | {h.name for h in job.pool.standby}))
 
     @staticmethod
-    def _state_bytes(job: Job) -> int:
+    def _state_bytes(job: InjectedJob) -> int:
         return max((int(h.info.get("param_bytes", 0)) for h in job.members), default=0)
 
     def _id(self, fault: PlannedFault, role: str) -> str:

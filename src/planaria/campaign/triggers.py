@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from planaria.campaign import netfilter, procs, storage_faults
+from planaria.campaign.injected_job import InjectedJob
 from planaria.campaign.injections import InjectionLog, has_fired
 from planaria.campaign.knobs import arm_trigger
 from planaria.campaign.mix import PlannedFault, PlannedRun
 from planaria.data_plan import micro_batch_range
-
-if TYPE_CHECKING:
-    from planaria.controller import Job
 
 __all__ = ["EXPECTED_REPORTS", "STALE_STEPS", "TRIGGERED_ACTIONS", "WorkerTriggers", "busy_s",
            "pid_of", "steps_to"]
@@ -50,12 +48,12 @@ def busy_s(fault: PlannedFault, step_s: float, deadline_s: float = 5.0) -> float
     return round(min(120.0, max(deadline_s + 3.0, (5.0 + 3.0 * fault.draw) * step_s)), 3)
 
 
-def steps_to(fault: PlannedFault, job: Job) -> int:
+def steps_to(fault: PlannedFault, job: InjectedJob) -> int:
     """Steps from this boundary to the fault's own step (0 if it is late)."""
     return max(0, fault.step - job.steps_done)
 
 
-def pid_of(job: Job, name: str) -> int:
+def pid_of(job: InjectedJob, name: str) -> int:
     pid = next(h.pid for h in job.members if h.name == name)
     assert pid is not None, f"{name} has no pid"
     return pid
@@ -78,7 +76,7 @@ class WorkerTriggers:
         return [t["step"] + STALE_STEPS for fid, t in self.armed.items() if fid not in fired]
 
     def arm(
-        self, job: Job, fault: PlannedFault, role: str, action: str, target: str, *,
+        self, job: InjectedJob, fault: PlannedFault, role: str, action: str, target: str, *,
         ahead: int = 0, **params: Any,
     ) -> None:
         """Arms ``action`` in ``target``, to fire ``ahead`` steps after this boundary (its
@@ -102,7 +100,7 @@ class WorkerTriggers:
                        victims=victims, expect=EXPECTED_REPORTS.get(action),
                        workers={h.name: h.pid for h in job.members}, **params)
 
-    def rearm_lost(self, job: Job) -> None:
+    def rearm_lost(self, job: InjectedJob) -> None:
         """A trigger whose worker left before it fired moves to a live worker."""
         live = {h.pid: h.name for h in job.members}
         for fid, trig in list(self.armed.items()):
@@ -127,7 +125,7 @@ class WorkerTriggers:
             return "kill_pids"
         return TRIGGERED_ACTIONS[fault.kind]
 
-    def params(self, job: Job, fault: PlannedFault) -> dict[str, Any]:
+    def params(self, job: InjectedJob, fault: PlannedFault) -> dict[str, Any]:
         """The trigger's own parameters, per kind."""
         kind = fault.kind
         if kind in ("heavy_microbatch",):
@@ -153,7 +151,7 @@ class WorkerTriggers:
                     "chain": chain.name}
         return {}
 
-    def fleet(self, job: Job) -> dict[str, int]:
+    def fleet(self, job: InjectedJob) -> dict[str, int]:
         """Every process of every member: the leaders and, in a sharded replica, the
         followers (found from their markers, this job's Ray instance only)."""
         out = {h.name: pid_of(job, h.name) for h in job.members}
