@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from planaria.campaign.mix import (
 )
 from planaria.campaign.runner import SUMMARY_KEYS, CampaignConfig, run_campaign
 from planaria.checkpoint.storage import Storage
+from planaria.config import RunConfig
 from planaria.data_plan import DataPlan
 from planaria.errors import ConfigError
 
@@ -745,13 +747,31 @@ def test_a_fleet_preemption_needs_a_snapshot_within_a_second_and_loses_nothing(t
     assert _bounds(v)["lost_steps"] == (0, 0, True) and v.faults[0].recovered, v.reasons
 
 
+class _NoOpenRecovery:
+    def open_work(self) -> bool:
+        return False
+
+
+@dataclasses.dataclass
+class _JobBetweenBoundaries:
+    """What RunAhead's boundary planning reads of a Job: no recovery work open, the loss's
+    metrics named, no checkpointer, no chaos, the replicas' state not verified."""
+
+    config: RunConfig
+    width: int
+    hooks: list[Callable[..., None]] = dataclasses.field(default_factory=list)
+    recovery: _NoOpenRecovery = dataclasses.field(default_factory=_NoOpenRecovery)
+    metric_keys: tuple[str, ...] = ()
+    checkpointer: None = None
+    chaos: None = None
+
+
 def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     """The job runs autonomously between them; a fault armed ``ahead`` steps early fires
     inside the run."""
-    from types import SimpleNamespace
-
-    from planaria.campaign.inject import STALE_STEPS, Injector
+    from planaria.campaign.inject import Injector
     from planaria.campaign.mix import PlannedFault, PlannedRun
+    from planaria.campaign.triggers import STALE_STEPS
     from planaria.run_ahead import RunAhead
 
     faults = (PlannedFault(index=0, kind="kill", step=8, target=1, micro_batch=0, fraction=0.5,
@@ -763,7 +783,7 @@ def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     assert inj.next_step(6) == 7  # late: the next step
     inj.todo.pop(0)
     assert inj.next_step(7) == 11
-    inj.triggers["r0f0.primary"] = {"step": 6}  # armed at 6, not fired yet: the next fault
+    inj.triggers.armed["r0f0.primary"] = {"step": 6}  # armed at 6, not fired yet: the next fault
     assert inj.next_step(7) == 6 + STALE_STEPS  # waits (its firing ends the run) or goes stale
     (tmp_path / "fired.jsonl").write_text(json.dumps({"id": "r0f0.primary"}) + "\n")
     assert inj.next_step(7) == 11
@@ -772,9 +792,7 @@ def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     inj.tail_step = None
     assert inj.next_step(13) is None
 
-    job = SimpleNamespace(hooks=[], recovery=SimpleNamespace(open_work=lambda: False),
-                          metric_keys=(), checkpointer=None, config=SimpleNamespace(
-                              verify_every=None), width=3, chaos=None)
+    job = _JobBetweenBoundaries(config=RunConfig(steps=16, replicas=3, run_dir=tmp_path), width=3)
     ahead = RunAhead(job)  # type: ignore[arg-type]
     assert ahead.next_boundary(0, 16) == 16
     job.hooks.append(Injector(PlannedRun(index=0, step_s=0.05, steps=16, faults=faults),
@@ -926,7 +944,7 @@ def test_the_reference_leaves_a_skipped_sample_out_from_its_step_on():
 def test_a_run_dir_on_a_tmpfs_keeps_its_files_when_unmounted(tmp_path):
     """The run dir a disk_full fault fills is a small tmpfs the campaign mounts (as root);
     its files are kept when it is unmounted. Skipped where mounting is refused."""
-    from planaria.campaign.inject import _is_tmpfs
+    from planaria.campaign.full_disks import is_tmpfs
     from planaria.campaign.knobs import fill_disk
     from planaria.campaign.runner import _mount_tmpfs, _unmount
 
@@ -935,14 +953,14 @@ def test_a_run_dir_on_a_tmpfs_keeps_its_files_when_unmounted(tmp_path):
     if not _mount_tmpfs(job):
         pytest.skip("mounting a tmpfs is refused here (needs root, or CAP_SYS_ADMIN)")
     try:
-        assert _is_tmpfs(job)
+        assert is_tmpfs(job)
         (job / "events.jsonl").write_text("{}\n")
         fill_disk(str(job / "ballast"))
         with pytest.raises(OSError):
             (job / "more").write_bytes(b"x" * (1 << 20))
     finally:
         _unmount(job)
-    assert not _is_tmpfs(job)
+    assert not is_tmpfs(job)
     assert (job / "events.jsonl").read_text() == "{}\n"
     assert not (job / "ballast").exists()
 
@@ -1024,8 +1042,8 @@ def test_a_restore_after_the_last_holder_died_may_lose_the_steps_since_the_save(
     """kill_join's source killed while its replacement had not yet received the state: no
     replica kept it, so the restore the runtime chose is the recovery; a restore while a
     member of the training generation lived is not."""
+    from planaria.campaign.fault_judgement import every_holder_lost
     from planaria.campaign.timeline import Timeline
-    from planaria.campaign.verdict import _every_holder_lost
 
     def timeline(lost: list[str]) -> Timeline:
         evs = [_ev("run_start"), _ev("generation", workers=["w1", "w2"], reason="join"),
@@ -1037,8 +1055,8 @@ def test_a_restore_after_the_last_holder_died_may_lose_the_steps_since_the_save(
             e["t"] = float(i)
         return Timeline(evs, {}, [])
 
-    assert _every_holder_lost(timeline(["w2"]), 0, 3.5, 10.0)
-    assert not _every_holder_lost(timeline([]), 0, 2.5, 10.0)  # w2 held the state
+    assert every_holder_lost(timeline(["w2"]), 0, 3.5, 10.0)
+    assert not every_holder_lost(timeline([]), 0, 2.5, 10.0)  # w2 held the state
 
 
 def test_the_verdicts_step_deadline_is_rescaled_to_the_width_as_the_watchdogs():

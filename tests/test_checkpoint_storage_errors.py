@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flaky_fs import flaky_options
+from planaria.campaign.storage_faults import counted_failures
 from planaria.checkpoint import AsyncShardWriter, load_latest, plan_shards
 from planaria.checkpoint.backoff import is_storage_error, with_retries
 from planaria.errors import StorageError, UserCodeError, classify
@@ -16,20 +16,20 @@ from test_checkpoint_roundtrip import assert_same, make_state, save
 
 
 def root_of(tmp_path: Path) -> str:
-    return f"flaky://{tmp_path}/root"
+    return f"faulty://{tmp_path}/root"
 
 
 def test_read_error_is_retried_then_the_previous_checkpoint_is_used(tmp_path: Path) -> None:
-    clean = flaky_options("setup", (), ())
+    clean = counted_failures("setup", (), ())
     save(root_of(tmp_path), 1, make_state(0), 2, storage_options=clean)
     save(root_of(tmp_path), 2, make_state(1), 2, storage_options=clean)
     # One failed read of step 2: retried, step 2 loads.
-    once = flaky_options(secrets.token_hex(4), ("read",), (3,))
+    once = counted_failures(secrets.token_hex(4), ("read",), (3,))
     restored, warnings = load_latest(root_of(tmp_path), storage_options=once, backoff_s=0.01)
     assert restored is not None and restored.step == 2 and warnings == []
     assert_same(restored.tensors, make_state(1))
     # Every read of step 2 fails: step 1 is used, and said so.
-    always = flaky_options(secrets.token_hex(4), ("read",), tuple(range(1, 99)),
+    always = counted_failures(secrets.token_hex(4), ("read",), tuple(range(1, 99)),
                            match="step_000000002")
     restored, warnings = load_latest(root_of(tmp_path), storage_options=always, attempts=2,
                                      backoff_s=0.01)
@@ -41,12 +41,12 @@ def test_read_error_is_retried_then_the_previous_checkpoint_is_used(tmp_path: Pa
 def test_write_error_is_retried_and_a_persistent_one_is_a_storage_error(tmp_path: Path) -> None:
     state = make_state()
     plan = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, 1)[0]
-    opts = flaky_options(secrets.token_hex(4), ("write",), (1,))
+    opts = counted_failures(secrets.token_hex(4), ("write",), (1,))
     writer = AsyncShardWriter(root_of(tmp_path), storage_options=opts)
     writer.start(3, state, plan, save_id="a")
     record = writer.result(timeout_s=60)
     assert record.step == 3 and record.file.size > 0
-    opts = flaky_options(secrets.token_hex(4), ("write",), tuple(range(1, 10)))
+    opts = counted_failures(secrets.token_hex(4), ("write",), tuple(range(1, 10)))
     writer = AsyncShardWriter(root_of(tmp_path), storage_options=opts, attempts=2)
     writer.start(4, state, plan, save_id="b")
     with pytest.raises(StorageError, match="injected I/O error"):
@@ -83,16 +83,16 @@ def test_a_marker_read_error_neither_hides_a_checkpoint_nor_starts_over(tmp_path
     from planaria.checkpoint.restore import read_run_id
     from planaria.checkpointing import CheckpointConfig, Checkpointer
 
-    clean = flaky_options("marker-setup", (), ())
+    clean = counted_failures("marker-setup", (), ())
     save(root_of(tmp_path), 3, make_state(0), 2, storage_options=clean)
     (info,) = list_checkpoints(root_of(tmp_path), storage_options=clean)
     checkpointer = Checkpointer.__new__(Checkpointer)  # only the controller's storage side
     checkpointer.root = root_of(tmp_path)
     checkpointer.config = CheckpointConfig(storage_attempts=3)
     checkpointer.lineage = (read_run_id(info.path, storage_options=clean),)
-    checkpointer.options = flaky_options(secrets.token_hex(4), ("read",), (1,), match=MARKER)
+    checkpointer.options = counted_failures(secrets.token_hex(4), ("read",), (1,), match=MARKER)
     assert [c.step for c in checkpointer._restore_candidates()] == [3]
-    checkpointer.options = flaky_options(secrets.token_hex(4), ("read",), tuple(range(1, 99)),
+    checkpointer.options = counted_failures(secrets.token_hex(4), ("read",), tuple(range(1, 99)),
                                          match=MARKER)
     with pytest.raises(NoViableCheckpoint, match=r"markers of 1 committed checkpoints .* could "
                                                  r"not be read"):

@@ -254,10 +254,11 @@ def test_no_viable_checkpoint_is_an_error_not_step_0(old_run: Path, tmp_path: Pa
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_root_the_workers_cannot_read_is_refused_at_start(tmp_path: Path) -> None:
-    from flaky_fs import flaky_options  # registers flaky:// here, in the controller only
+    # registers faulty:// here, in the controller only
+    from planaria.campaign.storage_faults import counted_failures
 
-    cfg = CheckpointConfig(every=2, root=f"flaky://{tmp_path}/root",
-                           storage_options=flaky_options("probe", (), ()))
+    cfg = CheckpointConfig(every=2, root=f"faulty://{tmp_path}/root",
+                           storage_options=counted_failures("probe", (), ()))
     with pytest.raises(CheckpointError, match=r"not readable from every worker \(w0: .*w1: "):
         fit(mlp.make_spec(n=N), steps=4, replicas=2, run_dir=tmp_path / "run", checkpoint=cfg)
     assert not list((tmp_path / "root").glob("PROBE-*"))

@@ -18,18 +18,34 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 
-__all__ = ["CallWatch"]
+__all__ = ["CallWatch", "Notices"]
+
+
+class Notices(Protocol):
+    """Where the completion callbacks put the calls that ended: Ray's callback thread puts,
+    the waiting thread takes (``queue.SimpleQueue`` is one)."""
+
+    def put(self, item: Any) -> None:
+        """Called on Ray's callback thread; must not block."""
+
+    def get(self, *, timeout: float) -> Any:
+        """The oldest call put and not taken; waits up to ``timeout`` s for one, then
+        raises ``queue.Empty``."""
+
+    def get_nowait(self) -> Any:
+        """The oldest call put and not taken, else ``queue.Empty``."""
 
 
 class CallWatch:
-    """The calls of one wait (:meth:`Job._gather <planaria.controller.Job._gather>`)."""
+    """The calls of one wait (:meth:`Job._gather <planaria.controller.Job._gather>`).
+    ``notices``: where their completion callbacks go (a fresh queue by default)."""
 
-    def __init__(self, refs: Iterable[Any]) -> None:
-        self._ended: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    def __init__(self, refs: Iterable[Any], *, notices: Notices | None = None) -> None:
+        self._ended: Notices = notices if notices is not None else queue.SimpleQueue[Any]()
         self._pending: dict[Any, None] = dict.fromkeys(refs)
         for ref in self._pending:
             # Ray's callback thread only queues the call: its result is read with ray.get.

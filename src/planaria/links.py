@@ -38,6 +38,7 @@ __all__ = [
     "find_unreachable",
     "local_endpoints",
     "probe",
+    "proc_net_endpoint",
     "stalled_connections",
 ]
 
@@ -98,7 +99,9 @@ def _socket_inodes() -> set[int]:
     return out
 
 
-def _endpoint(hex_address: str) -> str:
+def proc_net_endpoint(hex_address: str) -> str:
+    """``ip:port`` of an address as ``/proc/net/tcp`` or ``tcp6`` spells it (hex, little
+    endian)."""
     addr, port = hex_address.split(":")
     raw = bytes.fromhex(addr)
     if len(raw) == 4:
@@ -142,7 +145,7 @@ def _connections() -> list[tuple[str, str, bool]]:
             # The kernel retransmits what a lost link dropped (a drop on this host, by a
             # filter, it retries as probes instead: icsk_probes_out, the "timeout" column).
             probes = int(fields[8]) if fields[8].isdigit() else 0
-            out.append((_endpoint(fields[1]), _endpoint(fields[2]),
+            out.append((proc_net_endpoint(fields[1]), proc_net_endpoint(fields[2]),
                         tx_queue > 0 and (retransmits > 0 or probes > 0)))
     return out
 

@@ -154,7 +154,8 @@ class _Seen:
 
 
 class Liveness:
-    """The controller's view of every worker's heartbeat, on its own monotonic clock."""
+    """The controller's view of every worker's heartbeat, on its own monotonic clock
+    (``clock``); ``wall_clock`` dates what it reports (:meth:`last_alive_t`)."""
 
     def __init__(
         self,
@@ -162,10 +163,12 @@ class Liveness:
         *,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.base_timeout_s = timeout_s
         self._clock = clock
+        self._wall_clock = wall_clock
         self._seen: dict[str, _Seen] = {}
         self._vouched: frozenset[str] = frozenset()
         self._vouch_t = -float("inf")
@@ -319,7 +322,7 @@ class Liveness:
         at = seen.step_t if steps_only else seen.progress_t
         if name in self._vouched:
             at = max(at, self._vouch_t)
-        return time.time() - (self._clock() - at)
+        return self._wall_clock() - (self._clock() - at)
 
     def moving(self, name: str, within_s: float) -> bool:
         """In an I/O phase with progress in the last ``within_s`` seconds."""
@@ -343,7 +346,7 @@ class Liveness:
         at = seen.changed_t
         if name in self._vouched:  # a vouch is a sighting (it was not read meanwhile)
             at = max(at, self._vouch_t)
-        return time.time() - (self._clock() - at)
+        return self._wall_clock() - (self._clock() - at)
 
     def forget(self, name: str) -> None:
         self._seen.pop(name, None)

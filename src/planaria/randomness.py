@@ -35,6 +35,7 @@ from planaria.errors import PlanariaError
 __all__ = [
     "GENERATORS",
     "GlobalStates",
+    "current_sample",
     "derive_seed",
     "drawn_from",
     "factory_seed",
@@ -211,6 +212,13 @@ def seed_sample_globals(seed: int) -> None:
     seed_torch(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
+
+
+def current_sample() -> tuple[int, int, int] | None:
+    """``(seed, step, sample_id)`` of the sample this thread loads now (its sample scope),
+    else None."""
+    key: tuple[int, int, int] | None = getattr(_current, "key", None)
+    return key
 
 
 def sample_seed() -> int:

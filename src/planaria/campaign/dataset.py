@@ -45,9 +45,9 @@ SAMPLE_ACTIONS = ("raise", "sleep")
 
 def _loading_step() -> int | None:
     """The step whose sample this thread loads now (planaria's sample scope), or None."""
-    from planaria import randomness
+    from planaria.randomness import current_sample
 
-    key = getattr(randomness._current, "key", None)
+    key = current_sample()
     return None if key is None else int(key[1])
 
 

@@ -114,6 +114,7 @@ def _finish(job: Any) -> dict[str, dict[str, Any]]:
 
 def run_job(cfg: dict[str, Any]) -> None:
     from planaria.campaign.inject import Injector
+    from planaria.campaign.injected_job import InjectedJob
     from planaria.campaign.mix import PlannedRun
     from planaria.checkpointing import CheckpointConfig
     from planaria.config import RunConfig
@@ -144,9 +145,10 @@ def run_job(cfg: dict[str, Any]) -> None:
                 **job.plan.describe()}
         (run_dir / META_FILE).write_text(json.dumps(meta))
 
-        def snapshot(job: Job) -> None:
+        def snapshot() -> None:
             _save(job.model_state_dict(), snapshot_file(run_dir, job.steps_done))
 
+        _view: InjectedJob = job  # the type checker's proof that a Job is what it takes
         job.hooks.append(Injector(run, run_dir=run_dir, control=control, job_dir=job_dir,
                                   incarnation=int(cfg["incarnation"]), snapshot=snapshot))
         while job.steps_done < run.steps:  # bounded by the policy's max_failures

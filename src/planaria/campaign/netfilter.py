@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 
-from planaria.links import _endpoint
+from planaria.links import proc_net_endpoint
 
 __all__ = ["Chain", "available", "cut_links", "run_chain", "tcp_endpoints"]
 
@@ -74,7 +74,8 @@ def tcp_endpoints(pid: int) -> dict[int, tuple[str, str]]:
             for line in f.read().splitlines()[1:]:
                 fields = line.split()
                 if len(fields) > 9 and fields[3] == "01" and int(fields[9]) in inodes:
-                    out[int(fields[9])] = (_endpoint(fields[1]), _endpoint(fields[2]))
+                    out[int(fields[9])] = (proc_net_endpoint(fields[1]),
+                                           proc_net_endpoint(fields[2]))
     return out
 
 

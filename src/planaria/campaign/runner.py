@@ -419,7 +419,7 @@ def _mount_tmpfs(path: Path) -> bool:
 
 def _unmount(path: Path) -> None:
     """Keeps a tmpfs run dir's files (copied out) and unmounts it."""
-    from planaria.campaign.inject import BALLAST
+    from planaria.campaign.full_disks import BALLAST
 
     if not _is_mount(path):
         return

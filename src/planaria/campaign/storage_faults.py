@@ -24,6 +24,13 @@ same control directory). Three kinds of fault:
   to ``CONTROL/writes.jsonl`` when it is closed (what finished writing, and
   when, on the campaign's own clock: the verdict dates a save's last writer
   from it).
+
+Without ``control``, none of those: a root of plain local files seen as an object store.
+And in one process (a unit test), **counted failures** (see :func:`counted_failures`):
+the calls of the chosen kinds (``read``: an open for reading; ``write``: an open for
+writing; ``meta``: ``ls`` and ``info``, and so ``exists`` and ``size``) on paths holding
+``fail_match`` are numbered from 1 per ``fail_token``, and those numbered ``fail_calls``
+raise ``OSError(EIO)``.
 """
 
 from __future__ import annotations
@@ -37,14 +44,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
-__all__ = ["PROTOCOL", "FaultyFileSystem", "arm", "armed", "fill", "fired", "free", "log_fired",
-           "writes"]
+__all__ = ["PROTOCOL", "FaultyFileSystem", "arm", "armed", "counted_failures", "fill", "fired",
+           "free", "log_fired", "writes"]
 
 PROTOCOL = "faulty"
 FIRED_LOG = "fired.jsonl"
@@ -72,6 +79,15 @@ def arm(
                                "only_pid": only_pid, "skip_thread": skip_thread, "action": action,
                                "fraction": fraction}))
     os.replace(tmp, control / f"arm-{op}-{time.time_ns():020d}.json")  # its order: the name
+
+
+def counted_failures(token: str, fail_on: tuple[str, ...], fail_calls: tuple[int, ...],
+                     match: str = "") -> dict[str, Any]:
+    """Storage options for a ``faulty://`` root without a control directory whose counted
+    calls (``fail_on``: ``read``, ``write``, ``meta``; on paths holding ``match``) numbered
+    ``fail_calls`` fail with ``OSError(EIO)``; ``token`` names a fresh count."""
+    return {"fail_on": tuple(fail_on), "fail_calls": tuple(fail_calls), "fail_token": token,
+            "fail_match": match}
 
 
 def fill(control: str | Path, *, fault_id: str, fraction: float = 0.5) -> None:
@@ -283,15 +299,32 @@ class _FaultyFile:
 
 
 class FaultyFileSystem(AbstractFileSystem):
-    """Local files, with the armed one-shot errors of the module docstring."""
+    """Local files, with the faults of the module docstring."""
 
     protocol = PROTOCOL
     root_marker = "/"
+    _counts: ClassVar[dict[str, int]] = {}  # fail_token -> the calls counted so far
+    _counts_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, control: str, **kwargs: Any) -> None:
+    def __init__(self, control: str | None = None, *, fail_on: tuple[str, ...] = (),
+                 fail_calls: tuple[int, ...] = (), fail_token: str = "", fail_match: str = "",
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.control = str(control)
+        self.control = None if control is None else str(control)
         self.local = LocalFileSystem()
+        self.fail_on = tuple(fail_on)
+        self.fail_calls = frozenset(fail_calls)
+        self.fail_token = fail_token
+        self.fail_match = fail_match
+
+    def _count(self, kind: str, path: str) -> None:
+        """A counted failure: raises on the calls numbered ``fail_calls``."""
+        if kind not in self.fail_on or self.fail_match not in path:
+            return
+        with self._counts_lock:
+            n = self._counts[self.fail_token] = self._counts.get(self.fail_token, 0) + 1
+        if n in self.fail_calls:
+            raise OSError(errno.EIO, f"injected I/O error (call {n}, {kind})", path)
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
@@ -302,18 +335,25 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         writing = "w" in mode or "a" in mode
-        armed = _take(self.control, "write" if writing else "read", path)
+        op = "write" if writing else "read"
+        self._count(op, path)
+        if self.control is None:
+            if writing:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            return open(path, mode)  # fsspec closes what _open returns
+        armed = _take(self.control, op, path)
         if writing:
             os.makedirs(os.path.dirname(path), exist_ok=True)
         full = _full(self.control) if writing else None
-        # fsspec closes what _open returns
         return _FaultyFile(open(path, mode), path=path, control=self.control, writing=writing,
                            armed=armed, full=full)
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        self._count("meta", path)
         return self.local.ls(self._strip_protocol(path), detail=detail)
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        self._count("meta", path)
         return dict(self.local.info(self._strip_protocol(path)))
 
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
