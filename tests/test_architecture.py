@@ -93,8 +93,6 @@ MAX_JOB_LINES = 300
 # Modules still over the limit while the redesign is under way, with the most lines each may
 # have: the list only shrinks (a module that shrank under the limit must leave it).
 OVERSIZE: dict[str, int] = {
-    "planaria.campaign.inject": 588,
-    "planaria.campaign.verdict": 880,
     "planaria.checkpointing": 1056,
     "planaria.controller": 1355,
     "planaria.recovery": 577,
@@ -118,7 +116,6 @@ FOREIGN_PRIVATES: set[tuple[str, str]] = {
     ("planaria.run_ahead", "_gather"),
     ("planaria.run_ahead", "_preempt_notice"),
     ("planaria.run_ahead", "_ledger_last"),
-    ("planaria.campaign.dataset", "_current"),
 }
 
 # Private names of the libraries planaria builds on, read where no public API serves (torch's
