@@ -35,30 +35,14 @@ import ray
 import torch
 
 from planaria import compile_cache as compile_cache_mod
-from planaria import forkserver, store_keys
+from planaria import forkserver, replica, store_keys
 from planaria.collective import connect_store
 from planaria.config import TrainSpec
 from planaria.data_plan import micro_batch_range
 from planaria.drain import register_worker
 from planaria.key_watch import KeyWatch
 from planaria.links import ProbeServer
-from planaria.replica import (
-    fans_out,
-    lane,
-    merge_checksums,
-    merge_ckpt_apply,
-    merge_ckpt_poll,
-    merge_ckpt_read,
-    merge_ckpt_start,
-    merge_hold,
-    merge_join,
-    merge_meta,
-    merge_probe,
-    merge_run,
-    merge_settled,
-    merge_setup,
-    merge_sum,
-)
+from planaria.replica import fans_out, lane
 from planaria.worker import process
 from planaria.worker.ckpt_restore import CheckpointRestorer
 from planaria.worker.ckpt_save import CheckpointSaver, SaveOptions, probe_storage
@@ -185,7 +169,7 @@ class Worker:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    @fans_out(merge_setup)
+    @fans_out(replica.merge_setup)
     def setup(
         self, *, prebuild_optimizer_state: bool = False, compile_cache: bytes | None = None
     ) -> dict[str, Any]:
@@ -234,7 +218,7 @@ class Worker:
             return None
         return compile_cache_mod.pack(self.compile_dir)
 
-    @fans_out(merge_checksums)
+    @fans_out(replica.merge_checksums)
     def reinit(self, gen: int) -> int:
         """Back to the initial state (after a restore that failed part-way); returns checksum."""
         self.membership.check(gen)
@@ -243,7 +227,7 @@ class Worker:
         self.state.dirty = False
         return self.state.checksum()
 
-    @fans_out(merge_join)
+    @fans_out(replica.merge_join)
     def join(
         self,
         gen: int,
@@ -297,7 +281,7 @@ class Worker:
 
     # ---- steps ---------------------------------------------------------------------------------
 
-    @fans_out(merge_run)
+    @fans_out(replica.merge_run)
     def run(
         self,
         gen: int,
@@ -316,7 +300,7 @@ class Worker:
         return self.loop.run(gen, run_id, start, until, plan=plan, skipped=skipped,
                              ledger=ledger, metric_keys=metric_keys, horizon=horizon)
 
-    @fans_out(merge_settled)
+    @fans_out(replica.merge_settled)
     def settle_run(self, gen: int) -> dict[str, Any]:
         """After a failed run: drops a step whose collective did not complete here, and
         reports how far this worker got and the records of the steps it applied."""
@@ -332,19 +316,19 @@ class Worker:
 
     # ---- state: hot-join -----------------------------------------------------------------------
 
-    @fans_out(merge_meta)
+    @fans_out(replica.merge_meta)
     def state_meta(self, gen: int) -> dict[str, Any]:
         """What a joiner needs besides tensors: the layout, the JSON metadata, steps done."""
         self.membership.check(gen)
         return self.transfer.meta()
 
-    @fans_out(merge_sum)
+    @fans_out(replica.merge_sum)
     def send_state(self, gen: int, dsts: list[int]) -> int:
         """Sends the whole state to ranks ``dsts`` over the generation's group; returns bytes."""
         self.membership.check(gen)
         return self.transfer.send(dsts)
 
-    @fans_out(merge_sum)
+    @fans_out(replica.merge_sum)
     def recv_state(self, gen: int, src: int, source: dict[str, Any]) -> int:
         """Receives the state sent by rank ``src`` straight into this replica's live tensors."""
         self.membership.check(gen)
@@ -359,14 +343,14 @@ class Worker:
         self.membership.check(gen)
         return self.state.copies(self.commits.steps_done)
 
-    @fans_out(merge_checksums)
+    @fans_out(replica.merge_checksums)
     def checksum(self, gen: int) -> int:
         self.membership.check(gen)
         return self.state.checksum()
 
     # ---- checkpoints (planaria.checkpointing's Checkpointer calls these) -----------------------
 
-    @fans_out(merge_ckpt_start)
+    @fans_out(replica.merge_ckpt_start)
     def ckpt_start(
         self, gen: int, step: int, index: int, num_shards: int, save_id: str, root: str,
         storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
@@ -378,12 +362,11 @@ class Worker:
         <planaria.worker.ckpt_save.CheckpointSaver.start>`). ``describe`` (writer 0's: the
         save's description) is written beside the shards, with this worker's metadata."""
         self.membership.check(gen)
-        options = SaveOptions(root=root, storage_options=storage_options, fsync=fsync,
-                              attempts=attempts, staging_budget_bytes=staging_budget_bytes,
-                              direct_io=direct_io)
-        return self.saver.start(step, index, num_shards, save_id, options, describe)
+        return self.saver.start(step, index, num_shards, save_id, SaveOptions(
+            root=root, storage_options=storage_options, fsync=fsync, attempts=attempts,
+            staging_budget_bytes=staging_budget_bytes, direct_io=direct_io), describe)
 
-    @fans_out(merge_hold)
+    @fans_out(replica.merge_hold)
     @lane("ckpt")
     def ckpt_freeze(self, gen: int) -> dict[str, Any]:
         """Beside the steps: no step from now on is applied (a hold) until ckpt_advance or
@@ -393,7 +376,7 @@ class Worker:
         self.membership.check(gen)
         return self.commits.freeze()
 
-    @fans_out(merge_hold)
+    @fans_out(replica.merge_hold)
     @lane("ckpt")
     def ckpt_advance(self, gen: int, to: int, timeout_s: float) -> dict[str, Any]:
         """Under a hold: lets the steps before ``to`` be applied, and waits (bounded) until
@@ -407,7 +390,7 @@ class Worker:
         """Ends a hold: the training thread applies its steps again."""
         self.commits.release()
 
-    @fans_out(merge_ckpt_start)
+    @fans_out(replica.merge_ckpt_start)
     @lane("ckpt")
     def ckpt_start_beside(
         self, gen: int, step: int, index: int, num_shards: int, save_id: str, root: str,
@@ -417,19 +400,18 @@ class Worker:
     ) -> dict[str, Any]:
         """As :meth:`ckpt_start`, but beside the steps, under a hold (:meth:`ckpt_freeze`)."""
         self.membership.check(gen)
-        options = SaveOptions(root=root, storage_options=storage_options, fsync=fsync,
-                              attempts=attempts, staging_budget_bytes=staging_budget_bytes,
-                              direct_io=direct_io)
-        return self.saver.start_beside(step, index, num_shards, save_id, options, describe)
+        return self.saver.start_beside(step, index, num_shards, save_id, SaveOptions(
+            root=root, storage_options=storage_options, fsync=fsync, attempts=attempts,
+            staging_budget_bytes=staging_budget_bytes, direct_io=direct_io), describe)
 
-    @fans_out(merge_ckpt_poll)
+    @fans_out(replica.merge_ckpt_poll)
     def ckpt_poll(self, save_id: str) -> dict[str, Any] | None:
         """The shard record of save ``save_id`` once written (None while writing). Not fenced
         by generation: it only reads what this worker's writer did, and the controller
         matches records to the save by ``save_id``."""
         return self.saver.poll(save_id)
 
-    @fans_out(merge_ckpt_poll)
+    @fans_out(replica.merge_ckpt_poll)
     @lane("ckpt")
     def ckpt_wait(self, save_id: str, timeout_s: float) -> dict[str, Any]:
         """Waits, beside the steps (its own concurrency group), until this worker's shard of
@@ -437,14 +419,14 @@ class Worker:
         commits the save the moment the last writer's answer arrives."""
         return self.saver.wait(save_id, timeout_s)
 
-    @fans_out(merge_probe)
+    @fans_out(replica.merge_probe)
     def ckpt_probe(
         self, root: str, name: str, storage_options: Mapping[str, Any] | None, size: int
     ) -> dict[str, Any]:
         """Reads the file ``name`` the controller wrote under ``root``. Not fenced: it reads."""
         return probe_storage(root, name, storage_options, size)
 
-    @fans_out(merge_ckpt_read)
+    @fans_out(replica.merge_ckpt_read)
     def ckpt_read(
         self, gen: int, path: str, names: list[str] | None,
         storage_options: Mapping[str, Any] | None = None, *, strict: bool = True,
@@ -454,7 +436,7 @@ class Worker:
         self.membership.check(gen)
         return self.restorer.read(path, names, storage_options, strict=strict)
 
-    @fans_out(merge_ckpt_apply)
+    @fans_out(replica.merge_ckpt_apply)
     def ckpt_apply(
         self, gen: int, path: str, owners: dict[str, int] | None = None
     ) -> dict[str, Any]:

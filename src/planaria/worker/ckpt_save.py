@@ -17,6 +17,7 @@ the training thread may compute the next step (see :mod:`planaria.worker.commit`
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,17 +34,22 @@ from planaria.worker.vitals import Vitals
 __all__ = ["CheckpointSaver", "SaveOptions", "probe_storage"]
 
 
+@dataclass(frozen=True, kw_only=True)
 class SaveOptions:
     """How a save is written: the controller's settings, passed on every ``ckpt_start``."""
 
-    def __init__(self, *, root: str, storage_options: Mapping[str, Any] | None, fsync: bool,
-                 attempts: int, staging_budget_bytes: int | None, direct_io: bool) -> None:
-        self.root = root
-        self.storage_options = storage_options
-        self.fsync = fsync
-        self.attempts = attempts
-        self.staging_budget_bytes = staging_budget_bytes
-        self.direct_io = direct_io
+    root: str
+    """Where the checkpoints live (a path or a URL)."""
+    storage_options: Mapping[str, Any] | None
+    """The storage's options (fsspec's), e.g. an S3 endpoint."""
+    fsync: bool
+    """Files are synced to stable storage before the shard counts as written."""
+    attempts: int
+    """How often a write that fails with a storage error is tried."""
+    staging_budget_bytes: int | None
+    """At most this much host memory stages the snapshot (None: the whole share)."""
+    direct_io: bool
+    """Written with O_DIRECT where the file system allows it."""
 
 
 class CheckpointSaver:

@@ -86,7 +86,9 @@ class SampleLoader:
         self.collate: Any = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-loader")
         self.prefetched: tuple[bytes, Future[Loaded]] | None = None
-        self.ahead: tuple[np.ndarray, int, int] | None = None  # see plan_ahead
+        # The share load_planned loads (plan_ahead): its ids, step and first micro-batch.
+        self.ahead_ids: np.ndarray | None = None
+        self.ahead_step = self.ahead_first = 0
 
     def setup(self) -> tuple[int, dict[str, Any]]:
         """Builds the dataset from the spec; returns its size and fingerprint."""
@@ -201,17 +203,17 @@ class SampleLoader:
 
     def plan_ahead(self, ids: np.ndarray | None, step: int, first: int) -> None:
         """The share :meth:`load_planned` loads (None: nothing)."""
-        self.ahead = None if ids is None else (ids, step, first)
+        self.ahead_ids, self.ahead_step, self.ahead_first = ids, step, first
 
     def load_planned(self) -> None:
         """Loads the planned share now, on this thread, while the gradient's all-reduce is in
         flight: the thread would only wait for it (without a spare core there is no loader
         thread, see :meth:`want_prefetch`); the next :meth:`take` finds it. A dataset error
         is kept for that step, which raises it as its own."""
-        if self.ahead is None:
+        ids, step, first = self.ahead_ids, self.ahead_step, self.ahead_first
+        if ids is None:
             return
-        ids, step, first = self.ahead
-        self.ahead = None
+        self.ahead_ids = None
         vitals = self.vitals
         phase, at = vitals.phase, vitals.phase_step
         vitals.set_phase("loading", step)  # its own work, not a wait on the peers

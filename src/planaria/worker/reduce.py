@@ -52,10 +52,10 @@ class Reducer(Protocol):
     Contract: every rank of the generation calls the same methods in the same order
     with the same ``extra`` and ``status`` lengths, so that every rank issues the same
     collectives. :meth:`reduce` raises as the collective does (a peer died, the group
-    was interrupted); it then leaves nothing armed and the gradient is to be dropped
-    (:meth:`zero`). After it returns, :meth:`gradients` hold the sum over the replicas,
-    ``status`` (in place) and ``extra`` the sums over the ranks, and the returned
-    norm is the same on every rank.
+    was interrupted); the gradient is then to be dropped (:meth:`zero`), and the next
+    :meth:`start_step` disarms whatever the failed step left armed. After it returns,
+    :meth:`gradients` hold the sum over the replicas, ``status`` (in place) and
+    ``extra`` the sums over the ranks, and the returned norm is the same on every rank.
     """
 
     def gradients(self) -> list[torch.Tensor]:

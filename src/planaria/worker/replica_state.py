@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -37,17 +38,22 @@ def run_factory(what: str, seed: int, fn: Callable[..., T], *args: Any) -> T:
     return user_call(f"the {what} factory", fn, *args)
 
 
+@dataclass(frozen=True, kw_only=True)
 class ReplicaShape:
     """Where this worker sits in its replica and how its gradient is reduced."""
 
-    def __init__(self, *, k: int, shard_index: int, replica_key: str, backend: str,
-                 timeout_s: float, overlap_reduction: bool) -> None:
-        self.k = k  # the replica's workers
-        self.shard_index = shard_index  # this one's
-        self.replica_key = replica_key
-        self.backend = backend
-        self.timeout_s = timeout_s  # the replica group's collectives'
-        self.overlap_reduction = overlap_reduction
+    k: int
+    """The replica's workers (more than one: a sharded replica)."""
+    shard_index: int
+    """This worker's place among them."""
+    replica_key: str
+    """The replica's name in the store (its inner group's prefix)."""
+    backend: str
+    """The process groups' backend (gloo, nccl)."""
+    timeout_s: float
+    """The replica's inner group's collective timeout."""
+    overlap_reduction: bool
+    """The gradient is reduced during the last backward (OverlappedReducer)."""
 
 
 class ReplicaState:
