@@ -79,7 +79,7 @@ class ProtocolWorker:
     """Answers the step protocol's call at once, with a result of the real one's shape, and
     loads the controller's store as a real worker does: its heartbeat thread
     (``planaria.liveness.beat``), and on rank 0 of a run the stop key's watch
-    (``KeyWatch``) and the stream of step records (``_Stream``), planaria's own code."""
+    (``KeyWatch``) and the stream of step records (``StepStream``), planaria's own code."""
 
     def __init__(self, name: str, host: str, port: int, heartbeat_s: float) -> None:
         import threading
@@ -100,7 +100,7 @@ class ProtocolWorker:
             return Heartbeat(self.beats, self.phase, self.step_no, 0, False,
                              self.progress).format()
 
-        def quiet() -> bool:  # as Worker._quiet: a step committed within quiet_s
+        def quiet() -> bool:  # as Vitals.quiet: a step committed within quiet_s
             if self._run_t is None:
                 return False
             first, end, step_s = self._run_t
@@ -138,7 +138,7 @@ class ProtocolWorker:
             ids: Any) -> dict[str, Any]:
         """The autonomous loop's call: ``until - start`` steps of ``step_s`` each, records of
         the real loop's shape (rank 0 returns every one, the others their last)."""
-        from planaria.worker_loop import STOP_POLL_S, STREAM_S, _Stream
+        from planaria.worker.run_loop import STOP_POLL_S, STREAM_S, StepStream
 
         # No wake-up per step: on a machine of few cores, dozens of stand-ins waking every
         # few ms would take the CPU from the controller whose cost is measured (real
@@ -160,7 +160,7 @@ class ProtocolWorker:
             self._keys.watch(key, STOP_POLL_S)
         self.phase, self.progress = "compute", self.progress + 1
         records: list[dict[str, Any]] = []
-        stream = _Stream(self._store, gen, run_id) if rank == 0 else None
+        stream = StepStream(self._store, gen, run_id) if rank == 0 else None
         end = first + step_s * (until - start)
         self._run_t = (first, end, step_s)
         with self._keys.busy():

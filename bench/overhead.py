@@ -100,9 +100,10 @@ def _mean(xs: list[float]) -> float:
 
 
 def ddp_prefetch(replicas: int, threads: int) -> str:
-    """DDP's loading, the same as planaria's worker chooses (``Worker._want_prefetch``): a
-    loader thread where the node has a core to spare, else the next step's load while the
-    step's last reduction is in flight (bench/baselines/ddp_train.py)."""
+    """DDP's loading, the same as planaria's worker chooses
+    (``SampleLoader.want_prefetch``): a loader thread where the node has a core to spare,
+    else the next step's load while the step's last reduction is in flight
+    (bench/baselines/ddp_train.py)."""
     return "thread" if (os.cpu_count() or 1) > replicas * threads else "ahead"
 
 

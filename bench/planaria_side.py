@@ -82,31 +82,34 @@ def make_spec(size: str = "small", micro_batch_size: int = common.MICRO_BATCH) -
     )
 
 
-class _TimedWorkerMixin:
-    """Bench instrumentation of the worker: times the whole ``run`` call and its applies.
+class TimedWorker(Worker):
+    """planaria's worker with the bench timings (module level: Ray imports it by name).
 
-    A worker applies a step's update (Adam) in ``_settle`` once the step's reduction
-    completed, outside the step's own timers; this adds ``apply_s`` (the run's settles)
-    and ``call_s`` (the whole call, worker side) to the run's result. Two
+    A worker applies a step's update (Adam) when it settles the step, once the step's
+    reduction completed, outside the step's own timers; this adds ``apply_s`` (the run's
+    settles) and ``call_s`` (the whole call, worker side) to the run's result. Two
     ``perf_counter`` calls per settle and per run: nothing else changes.
     """
 
-    def _settle(self, steps_done: int, skipped: int = -1, *, allow_behind: bool = False) -> None:
-        t0 = time.perf_counter()
-        super()._settle(steps_done, skipped, allow_behind=allow_behind)  # type: ignore[misc]
-        self._bench_settle_s = getattr(self, "_bench_settle_s", 0.0) + time.perf_counter() - t0
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bench_settle_s = 0.0
+        settle = self.commits.settle
+
+        def timed(steps_done: int, skipped: int = -1, *, allow_behind: bool = False) -> None:
+            t0 = time.perf_counter()
+            settle(steps_done, skipped, allow_behind=allow_behind)
+            self._bench_settle_s += time.perf_counter() - t0
+
+        self.commits.settle = timed  # type: ignore[method-assign]
 
     def run(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
         self._bench_settle_s = 0.0
-        out = super().run(*args, **kwargs)  # type: ignore[misc]
+        out = super().run(*args, **kwargs)
         out["apply_s"] = self._bench_settle_s
         out["call_s"] = time.perf_counter() - t0
         return out
-
-
-class TimedWorker(_TimedWorkerMixin, Worker):
-    """planaria's worker with the bench timings (module level: Ray imports it by name)."""
 
 
 @contextlib.contextmanager

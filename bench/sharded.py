@@ -187,7 +187,7 @@ class _GradBytes:
             from planaria.sharded import local
 
             worker._bench_grad_bytes = sum(_nbytes(local(p.grad))
-                                           for p in worker.model.parameters()
+                                           for p in worker.state.model.parameters()
                                            if p.grad is not None)
 
 
@@ -211,7 +211,7 @@ def _set_hook(worker: Any, hook: Any, index: int | None) -> None:
 
     if index in (0, None):
         worker.loop_fault = hook
-    for i, follower in enumerate(worker._followers, start=1):
+    for i, follower in enumerate(worker.followers, start=1):
         if index in (i, None):
             ray.get(follower.__ray_call__.remote(lambda f: setattr(f, "loop_fault", hook)))
 
@@ -222,8 +222,8 @@ def _resident(worker: Any) -> dict[str, Any]:
 
     from planaria.sharded import local
 
-    params = list(worker.model.parameters())
-    optim = [local(v) for state in worker.optimizer.state.values() for v in state.values()
+    params = list(worker.state.model.parameters())
+    optim = [local(v) for state in worker.state.optimizer.state.values() for v in state.values()
              if torch.is_tensor(v)]
     grad = getattr(worker, "_bench_grad_bytes", None)
     return {
@@ -242,7 +242,7 @@ def _replica_resident(leader: Any) -> list[dict[str, Any]]:
     import ray
 
     return [_resident(leader), *ray.get([f.__ray_call__.remote(_resident)
-                                         for f in leader._followers])]
+                                         for f in leader.followers])]
 
 
 def _install(job: Any, replica: str, hook: Any, index: int | None) -> None:

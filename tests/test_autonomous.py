@@ -1,4 +1,4 @@
-"""The autonomous loop (planaria.run_ahead, planaria.worker_loop): workers run steps on their
+"""The autonomous loop (planaria.run_ahead, planaria.worker.run_loop): workers run steps on their
 own between boundaries; a run that fails is reconciled so that no step a survivor completed
 is lost and every live replica ends with the same state.
 
@@ -229,7 +229,7 @@ class _OnOneRank:
         if phase != "computed" or step != self.step:
             return
         if self.what == "nan":
-            worker.grad_buffers[0].fill_(float("nan"))
+            worker.state.reducer.gradients()[0].fill_(float("nan"))
         else:
             raise UserCodeError(f"the loss function failed on {worker.name} at step {step}")
 

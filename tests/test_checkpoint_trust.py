@@ -108,7 +108,7 @@ def flaky_storage_model() -> nn.Module:
     """The MLP, in a worker whose first checkpoint write and first checkpoint read each
     fail with an I/O error (the retries must absorb both)."""
     import planaria.checkpoint.async_writer as aw
-    import planaria.worker_checkpoint as wc
+    import planaria.worker.ckpt_restore as wc
 
     if not getattr(aw, "_flaky", False):
         write, load = aw.write_image, wc.load_checkpoint

@@ -353,7 +353,7 @@ def test_the_ledger_catches_a_dataset_that_serves_other_samples(tmp_path):
 def _nudge(worker) -> int:
     """Runs inside a worker: a silent change to one parameter (a flipped bit, a bad kernel)."""
     with torch.no_grad():
-        next(worker.model.parameters()).view(-1)[0] += 1e-3
+        next(worker.state.model.parameters()).view(-1)[0] += 1e-3
     return 0
 
 

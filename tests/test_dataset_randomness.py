@@ -184,7 +184,7 @@ def test_an_augmenting_dataset_trains_the_same_at_any_width_and_through_a_kill(
 
 
 def _loads_in_background(worker) -> bool:
-    return bool(worker._prefetch_on)
+    return bool(worker.loader.prefetch_on)
 
 
 @pytest.mark.parametrize("dataset", [mlp.Regression, TorchAugmented], ids=["quiet", "torch"])

@@ -43,13 +43,13 @@ def slow_link(worker) -> None:
     import planaria.collective as collective
 
     collective.WINDOW = 1
-    moved = worker._bytes_moved
+    moved = worker.vitals.bytes_moved
 
     def slowly(n: int) -> None:
         time.sleep(0.8)
         moved(n)
 
-    worker._bytes_moved = slowly
+    worker.vitals.bytes_moved = slowly
 
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from planaria import fit
 from planaria.collective import Collective
 from planaria.examples import mlp
-from planaria.overlap import OverlappedReduce
+from planaria.worker.reduce_overlapped import GradientBuckets
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -52,7 +52,7 @@ def train_rank(model: nn.Module, rank: int, world: int, store: dist.Store, micro
                overlap: bool, out: dict[int, torch.Tensor], bucket_bytes: int) -> None:
     bufs = flat_grads(model)
     comm = Collective(store, 0, rank, world, join_timeout_s=30, timeout_s=30)
-    reducer = OverlappedReduce(bufs, [list(model.parameters())], bucket_bytes=bucket_bytes)
+    reducer = GradientBuckets(bufs, [list(model.parameters())], bucket_bytes=bucket_bytes)
     g = torch.Generator().manual_seed(rank)
     for j in range(micro):
         if overlap and j == micro - 1:
@@ -95,7 +95,7 @@ def test_overlapped_buckets_sum_like_one_reduction(micro: list[int]) -> None:
 def test_buckets_cover_the_buffer_in_reverse_order() -> None:
     model = Net()
     bufs = flat_grads(model)
-    reducer = OverlappedReduce(bufs, [list(model.parameters())], bucket_bytes=4096)
+    reducer = GradientBuckets(bufs, [list(model.parameters())], bucket_bytes=4096)
     ptrs = [b.data_ptr() for b in reducer.buckets]
     assert ptrs == sorted(ptrs, reverse=True)  # the last layers' gradients first
     assert sum(b.numel() for b in reducer.buckets) == bufs[0].numel()

@@ -44,8 +44,8 @@ class StopThenWait:
 
             # Its last micro-batch's progress reported first (a beat is every 0.25 s): the
             # controller must see no progress from here on but the pause's.
-            while Heartbeat.parse(worker._store.get(store_keys.heartbeat(worker.name))).progress \
-                    != worker.progress:
+            while Heartbeat.parse(worker.store.get(store_keys.heartbeat(worker.name))).progress \
+                    != worker.vitals.progress:
                 time.sleep(0.01)
             Path(self.marker).write_text(worker.name)
             os.kill(os.getpid(), signal.SIGSTOP)  # it may stop a moment after kill returns:

@@ -79,7 +79,7 @@ def _install(job: Job, worker: str, hook: Any) -> None:
     i = int(index)
 
     def install(w: Any) -> None:
-        ray.get(w._followers[i - 1].__ray_call__.remote(
+        ray.get(w.followers[i - 1].__ray_call__.remote(
             lambda f: setattr(f, "loop_fault", hook)))
 
     ray.get(handle.actor.__ray_call__.remote(install))

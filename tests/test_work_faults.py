@@ -85,7 +85,7 @@ class DieOnRerun:
         self.step, self.gen = step, gen
 
     def __call__(self, worker, step: int, phase: str) -> None:
-        if phase == "computed" and step == self.step and worker.gen > self.gen:
+        if phase == "computed" and step == self.step and worker.membership.gen > self.gen:
             os.kill(os.getpid(), 9)
 
 

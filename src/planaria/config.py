@@ -220,7 +220,8 @@ class RunConfig:
     worker compiles from scratch."""
     overlap_reduction: bool = False
     """Start the gradient all-reduce in buckets during the last micro-batch's backward, as
-    buckets complete (as DDP does), instead of once after it (see planaria.overlap)."""
+    buckets complete (as DDP does), instead of once after it (see
+    planaria.worker.reduce_overlapped)."""
     prefetch: bool | None = None
     """Load the next step's samples in a background thread while this step computes. None
     (auto): only where the node has a core to spare for it (more cores than the planaria

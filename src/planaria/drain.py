@@ -1,7 +1,7 @@
 """Drain notices from outside the worker: Ray's draining nodes and a node's SIGTERM.
 
 A worker that gets SIGTERM drains at the next step boundary (see
-``Worker._on_sigterm``). Two other ways a planned departure is announced:
+``Vitals.notice_preemption``). Two other ways a planned departure is announced:
 
 - **Ray drains a node** (the autoscaler scaling down, KubeRay deleting a pod,
   ``ray drain-node``, a ``ray start`` that got SIGTERM): :class:`NodeDrainWatch`

@@ -61,7 +61,7 @@ def fans_out(merge: Callable[[Any, list[Any]], Any] | None = None) -> Callable[[
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            followers = getattr(self, "_followers", None)
+            followers = getattr(self, "followers", None)
             if not followers:
                 return fn(self, *args, **kwargs)
             refs = [getattr(f, fn.__name__).remote(*args, **kwargs) for f in followers]
@@ -96,8 +96,8 @@ def _dead(worker: Any, index: int, err: BaseException) -> Failure:
     name = worker.name
     key = store_keys.replica_failed(worker.replica_key, index)
     with contextlib.suppress(Exception):
-        if worker._store.check([key]):
-            record = json.loads(worker._store.get(key))
+        if worker.store.check([key]):
+            record = json.loads(worker.store.get(key))
             cls = {c.__name__: c for c in (UserCodeError, InfrastructureError)}.get(
                 record["type"], InternalError)
             return cls(record["message"], remote_traceback=record["traceback"],

@@ -11,13 +11,14 @@ generation: :class:`planaria.collective.Collective`), which carries everything
 that a one-worker replica's group carries: the gradient's all-reduce (here of
 the shard), the step's status, and the state a joining replica receives.
 
-A step (:meth:`ShardedReduce.reduce`): each micro-batch's backward reduce-scatters
-the gradient inside the replica (FSDP2, summing: planaria divides by the global
-batch itself), then each worker all-reduces its shard of the summed gradient, with
-the step's status in its tail, over its shard index's group, and a last small
-all-reduce inside the replica sums the status and the squared norms of the
-shards: every worker of every replica then knows the step's totals and the
-global gradient norm, as with one worker a replica.
+A step (:class:`planaria.worker.reduce_sharded.ShardedReducer`): each
+micro-batch's backward reduce-scatters the gradient inside the replica (FSDP2,
+summing: planaria divides by the global batch itself), then each worker
+all-reduces its shard of the summed gradient, with the step's status beside it,
+over its shard index's group, and a last small all-reduce inside the replica
+sums the status and the squared norms of the shards: every worker of every
+replica then knows the step's totals and the global gradient norm, as with one
+worker a replica.
 
 The controller sees a replica as one worker, its leader (shard index 0), which
 starts the others as Ray actors it owns (they die with it) and forwards each call
@@ -26,7 +27,6 @@ to them (:mod:`planaria.replica`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -36,10 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from planaria import store_keys
-from planaria.errors import StepAborted
 
 __all__ = [
-    "ShardedReduce",
     "default_shard",
     "init_replica_group",
     "local",
@@ -110,75 +108,3 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this worker (a view of its storage); other tensors as they are."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
-
-
-class ShardedReduce:
-    """A sharded replica's gradient reduction (see the module doc)."""
-
-    def __init__(self, params: list[nn.Parameter], device: torch.device) -> None:
-        self.params = params
-        self.device = device
-
-    def grads(self) -> list[torch.Tensor]:
-        """This worker's shard of every parameter's gradient (made zero where none)."""
-        out = []
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            out.append(local(p.grad))
-        return out
-
-    def reduce(self, comm: Any, status: torch.Tensor | None, extra: list[torch.Tensor]) -> float:
-        """Sums the shards' gradients over the replicas (and ``status`` over every worker of
-        every replica, in place); returns the global norm of the reduced gradient.
-
-        The replica's workers leave together: one whose group across replicas failed (a
-        peer replica died) still takes part in the replica's own last all-reduce, with a
-        flag that makes every worker of the replica raise, so that none is left waiting
-        in a collective of the replica that the others never enter.
-        """
-        grads = self.grads()
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-        failed: BaseException | None = None
-        try:
-            comm.allreduce_sum([flat, *([] if status is None else [status]), *extra])
-        except Exception as err:
-            failed = err
-        n_status = 0 if status is None else len(status)
-        # Inside the replica: a failure flag, the squared norms of the shards and the status
-        # (each worker holds its shard index's sum over the replicas), summed.
-        tail = torch.zeros(2 + n_status, dtype=torch.float64, device=self.device)
-        tail[0] = 1.0 if failed is not None else 0.0
-        if failed is None:
-            tail[1] = flat.double().square().sum() if flat.numel() else 0.0
-            if status is not None:
-                tail[2:].copy_(status)
-        dist.all_reduce(tail)
-        if failed is not None:
-            raise failed
-        if tail[0] > 0:
-            raise StepAborted("the reduction failed on another worker of this replica")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        if status is not None:
-            status.copy_(tail[2:])
-        norm2 = float(tail[1])
-        return math.sqrt(norm2) if math.isfinite(norm2) else math.nan
-
-    def agree_loaded(self, ok: bool) -> None:
-        """After a step's load, before any of FSDP's collectives: whether every worker of the
-        replica loaded its samples (one small all-reduce inside the replica). A worker whose
-        load failed raises its own error (the leader reports it); the others raise
-        StepAborted: nobody waits in a collective the failed one never enters, and the
-        replica stays whole (a failing sample then runs on another replica, see
-        planaria.attribution)."""
-        flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(flag)
-        if ok and flag.item() > 0:
-            raise StepAborted("another worker of this replica could not load its samples")
-
-    def zero(self) -> None:
-        for p in self.params:
-            p.grad = None

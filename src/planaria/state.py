@@ -18,13 +18,14 @@ import torch
 from planaria.checkpoint.checksum import byte_view, crc32c
 from planaria.sharded import local as _local
 
-__all__ = ["TrainState", "flatten_state", "load_state", "model_checksum", "shard_origins",
-           "tensor_layout"]
+__all__ = ["TrainState", "flatten_state", "jsonable", "load_state", "model_checksum",
+           "shard_origins", "tensor_layout"]
 
 TrainState = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 
-def _jsonable(value: Any, where: str) -> Any:
+def jsonable(value: Any, where: str) -> Any:
+    """``value`` (a tuple as a list) if JSON can hold it; else a TypeError naming ``where``."""
     if isinstance(value, tuple):
         value = list(value)
     try:
@@ -53,15 +54,15 @@ def flatten_state(
     for pid, pstate in opt_state["state"].items():
         for key, value in pstate.items():
             if not isinstance(value, torch.Tensor):
-                opt_scalars.setdefault(str(pid), {})[key] = _jsonable(
+                opt_scalars.setdefault(str(pid), {})[key] = jsonable(
                     value, f"optimizer state {key}"
                 )
     meta: dict[str, Any] = {
-        "optim_param_groups": _jsonable(opt_state["param_groups"], "optimizer param_groups"),
+        "optim_param_groups": jsonable(opt_state["param_groups"], "optimizer param_groups"),
         "optim_scalars": opt_scalars,
         "scheduler": None
         if scheduler is None
-        else _jsonable(scheduler.state_dict(), "lr scheduler state"),
+        else jsonable(scheduler.state_dict(), "lr scheduler state"),
     }
     return tensors, meta
 

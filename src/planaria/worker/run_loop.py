@@ -3,7 +3,7 @@ controller's boundaries.
 
 A controller that sent every worker one call per step, waiting for every answer
 before the next, would do work per step that grows with the number of workers.
-Instead (:meth:`WorkerLoopMixin.run`) the controller starts a *run* with one call
+Instead (:meth:`RunLoop.run`) the controller starts a *run* with one call
 per worker ("steps ``start`` to ``until`` at this width"; ``Job.train_step`` is a
 run of one) and each worker:
 
@@ -22,7 +22,7 @@ run of one) and each worker:
 
 A run ends at ``until``, after a step whose status says stop or leaving, or at a
 non-finite step; it returns the per-step records. When it fails (a peer died, the
-generation was aborted), :meth:`WorkerLoopMixin.settle_run` reports how far this
+generation was aborted), :meth:`RunLoop.settle` reports how far this
 worker got and drops a step whose collective did not complete here: the
 controller counts the furthest survivor's steps as committed and sends the state
 to any survivor behind (see :mod:`planaria.run_ahead`).
@@ -40,9 +40,13 @@ import torch
 
 from planaria import store_keys
 from planaria.data_plan import DataPlan, split_micro_batches
-from planaria.replica import fans_out, merge_run, merge_settled
+from planaria.key_watch import KeyWatch
+from planaria.worker.commit import Commits
+from planaria.worker.engine import FaultSeam, StepEngine
+from planaria.worker.membership import Membership
+from planaria.worker.vitals import Vitals
 
-__all__ = ["STATUS", "WorkerLoopMixin"]
+__all__ = ["STATUS", "STOP_POLL_S", "STREAMED", "STREAM_S", "RunLoop", "StepStream"]
 
 STATUS = ("loss_sum", "samples", "leaving", "stop")
 """The status vector summed in every step's all-reduce, in this order; the sums of the
@@ -57,108 +61,90 @@ STREAMED = ("step", "t0", "t", "global_loss_sum", "global_samples", "global_metr
 """The fields of a streamed step record."""
 
 
+class RunLoop:
+    """A worker's runs of steps (see the module doc)."""
 
+    def __init__(self, name: str, engine: StepEngine, commits: Commits, membership: Membership,
+                 vitals: Vitals, keys: KeyWatch, seam: FaultSeam, *, leads: bool) -> None:
+        """``keys`` polls the controller's stop key off the training thread; ``leads``: this
+        worker is its replica's leader (shard index 0), whose rank 0 streams the records."""
+        self.name = name
+        self.spec = engine.spec
+        self.engine = engine
+        self.commits = commits
+        self.membership = membership
+        self.vitals = vitals
+        self.keys = keys
+        self.seam = seam
+        self.leads = leads
+        self.store = membership.store
+        self.records: list[dict[str, Any]] = []  # the last run's, settled by settle()
+        self._ledger: tuple[int, int, int] | None = None  # (gen, run_id, rank) with a ledger
+        self._record_served = self.record_served  # bound once: the engine calls it per step
 
-
-
-
-
-class WorkerLoopMixin:
-    """The autonomous loop of :class:`planaria.worker.Worker` (which provides the rest)."""
-
-    # provided by Worker
-    name: str
-    comm: Any
-    steps_done: int
-    pending: int | None
-    spec: Any
-    gen: int
-    preempting: bool
-    _store: Any
-    _keys: Any
-    _attempt: dict[str, Any] | None
-    _run_records: list[dict[str, Any]]
-    _ledger_hook: tuple[int, int, int] | None
-    _status_metrics: tuple[str, ...] | None
-    loop_fault: Any
-    _run_id: int
-    _committed_t: float
-
-    @fans_out(merge_run)
     def run(
-        self,
-        gen: int,
-        run_id: int,
-        start: int,
-        until: int,
-        *,
-        plan: tuple[int, int, int],
-        skipped: int = -1,
-        ledger: bool = False,
-        metric_keys: tuple[str, ...] = (),
-        horizon: int | None = None,
+        self, gen: int, run_id: int, start: int, until: int, *, plan: tuple[int, int, int],
+        skipped: int, ledger: bool, metric_keys: tuple[str, ...], horizon: int | None,
     ) -> dict[str, Any]:
         """Runs steps ``start`` .. ``until - 1`` (or fewer, see the module doc) on its own.
 
         ``plan`` is the data plan's (num_samples, global_batch_size, seed); ``skipped``
         the newest step the controller dropped (a non-finite one: it counts as done
         without its update); ``metric_keys`` the loss's metrics, summed over the ranks on
-        the status. Each step loads the next one's share ahead (see
-        :meth:`Worker._step <planaria.worker.Worker._step>`), the run's last step too, up
-        to ``horizon`` (the job's step count; ``until`` if None): a run of one step
+        the status. Each step loads the next one's share ahead, the run's last step too,
+        up to ``horizon`` (the job's step count; ``until`` if None): a run of one step
         (``Job.train_step``) finds its share loaded by the run before.
         Returns ``{"steps": [record, ...], "ended": "until" | "stop" | "leaving" |
         "nonfinite", "steps_done": n, "preempting": bool}``; only rank 0 (every rank
         with a ledger) returns its records, which hold the step's totals: the
         controller's work per step does not grow with the number of workers.
         """
-        self._run_records = []  # the last run's, settled by settle_run, go with it
-        self._check(gen)  # type: ignore[attr-defined]
-        comm = self.comm
+        self.records = []  # the last run's, settled by settle(), go with it
+        self.membership.check(gen)
+        comm = self.membership.comm
         assert comm is not None, "run before join"
         data_plan = DataPlan(*plan)
         key = store_keys.run_stop(gen, run_id)
         rank = comm.rank
-        self._run_id = run_id
-        self._ledger_hook = (gen, run_id, rank) if ledger else None
-        self._status_metrics = tuple(metric_keys)
+        self._ledger = (gen, run_id, rank) if ledger else None
         if rank == 0:
-            self._keys.watch(key, STOP_POLL_S)
+            self.keys.watch(key, STOP_POLL_S)
         try:
-            with self._keys.busy():
-                ended = self._run(gen, start, until, data_plan, key, skipped,
-                                  until if horizon is None else horizon)
+            with self.keys.busy():
+                ended = self._run(gen, run_id, start, until, data_plan, key, skipped,
+                                  tuple(metric_keys), until if horizon is None else horizon)
         except BaseException:
             # Whatever ended the run here, no peer may wait on this rank in a collective:
-            # tell them to abandon the step, and close the group (see Worker.step).
-            self._abort_generation(self.steps_done)  # type: ignore[attr-defined]
+            # tell them to abandon the step, and close the group.
+            self.membership.abort_generation(self.commits.steps_done)
             raise
         finally:
-            self._committed_t = -math.inf  # not committing: beats again (see Worker._quiet)
-            self._keys.forget(key)
-            self._ledger_hook = None
-            self._status_metrics = None
+            self.vitals.committed_t = -math.inf  # not committing: beats again (Vitals.quiet)
+            self.keys.forget(key)
+            self._ledger = None
         # Kept until the next run: a run that ended here while the controller saw a failure
-        # (a preemption wave answered in flight) is settled from them (settle_run).
-        records = list(self._run_records)
-        self._set_phase("idle", self.steps_done)  # type: ignore[attr-defined]
+        # (a preemption wave answered in flight) is settled from them (settle).
+        records = list(self.records)
+        self.vitals.set_phase("idle", self.commits.steps_done)
         if rank != 0 and not ledger:
             records = records[-1:]  # its last step only: how far it got
-        return {"steps": records, "ended": ended, "steps_done": self.steps_done,
-                "preempting": self.preempting}
+        return {"steps": records, "ended": ended, "steps_done": self.commits.steps_done,
+                "preempting": self.vitals.preempting}
 
     def _run(
-        self, gen: int, start: int, until: int, data_plan: DataPlan, key: str, skipped: int,
-        horizon: int,
+        self, gen: int, run_id: int, start: int, until: int, data_plan: DataPlan, key: str,
+        skipped: int, metric_keys: tuple[str, ...], horizon: int,
     ) -> str:
-        comm = self.comm
+        comm = self.membership.comm
+        assert comm is not None
         width, rank, mbs = comm.world_size, comm.rank, self.spec.micro_batch_size
         device = getattr(comm, "device", None) or torch.device("cpu")
         ended = "until"
-        done = start  # the steps this run counts as committed (the first step() settles)
+        done = start  # the steps this run counts as committed (the first step settles)
         step = start
-        leader = rank == 0 and not getattr(self, "shard_index", 0)  # of the whole job
-        stream = _Stream(self._store, gen, self._run_id) if leader else None
+        stream = StepStream(self.store, gen, run_id) if rank == 0 and self.leads else None
+        vitals, seam, records = self.vitals, self.seam, self.records
+        record_served = self._record_served if self._ledger is not None else None
 
         def share(s: int) -> np.ndarray:  # this rank's ids of step s
             return split_micro_batches(data_plan.batch(s), width, mbs)[rank]
@@ -168,38 +154,39 @@ class WorkerLoopMixin:
             ids = nxt
             assert ids is not None
             nxt = share(step + 1) if step + 1 < max(until, horizon) else None
-            stop_seen = rank == 0 and self._keys.seen(key)  # polled off this thread
-            keys = self._status_metrics or ()
-            status = torch.zeros(len(STATUS) + len(keys), dtype=torch.float64, device=device)
-            status[2] = float(self.preempting)
+            stop_seen = rank == 0 and self.keys.seen(key)  # polled off this thread
+            status = torch.zeros(len(STATUS) + len(metric_keys), dtype=torch.float64,
+                                 device=device)
+            status[2] = float(vitals.preempting)
             status[3] = float(stop_seen)
             t0 = time.time()
-            r = self._step(  # type: ignore[attr-defined]
-                gen, step, ids, done, nxt, skipped=skipped, status=status
-            )
+            r = self.engine.step(gen, step, ids, done, nxt, skipped=skipped, status=status,
+                                 metric_keys=metric_keys, record_served=record_served)
             skipped = -1
-            if self.loop_fault is not None:
-                self.loop_fault(self, step, "reduced")  # a fault injected after the reduction
+            hook = seam.hook
+            if hook is not None:
+                hook(seam.owner, step, "reduced")  # a fault injected after the reduction
             loss_sum, samples, leaving, stop, *metric_sums = status.tolist()
             finite = math.isfinite(loss_sum) and (r["overflow"] or math.isfinite(r["grad_norm"]))
             r.update(step=step, t0=t0, worker=self.name, global_loss_sum=loss_sum,
                      global_samples=int(samples), leaving=leaving > 0, finite=finite,
-                     global_metric_sums=dict(zip(keys, metric_sums, strict=True)))
+                     global_metric_sums=dict(zip(metric_keys, metric_sums, strict=True)))
             if not finite:
                 r["t"] = time.time()
-                self._run_records.append(r)
+                records.append(r)
                 ended = "nonfinite"  # not applied: the controller's policy decides
                 break
             done = step + 1
-            self._settle(done)  # type: ignore[attr-defined]  # applies the step now
-            self._committed_t = time.monotonic()  # progress is the heartbeat (planaria.liveness)
-            if self.loop_fault is not None:
-                self.loop_fault(self, step, "applied")  # a fault injected after the apply
+            self.commits.settle(done)  # applies the step now
+            vitals.committed_t = time.monotonic()  # progress is the heartbeat (planaria.liveness)
+            hook = seam.hook
+            if hook is not None:
+                hook(seam.owner, step, "applied")  # a fault injected after the apply
             r["t"] = time.time()
-            self._run_records.append(r)
+            records.append(r)
             if stream is not None:
                 # This step's reduction completed: every rank applied the steps before it.
-                stream.publish(self._run_records, len(self._run_records) - 1)
+                stream.publish(records, len(records) - 1)
             step += 1
             if leaving > 0:
                 ended = "leaving"
@@ -209,30 +196,29 @@ class WorkerLoopMixin:
                 break
         return ended
 
-    @fans_out(merge_settled)
-    def settle_run(self, gen: int) -> dict[str, Any]:
+    def settle(self, gen: int) -> dict[str, Any]:
         """After a failed run: drops a step whose collective did not complete here, and
         reports how far this worker got and the records of the steps it applied."""
-        self._enter(gen)  # type: ignore[attr-defined]  # a newer generation may be forming
-        if self.pending is not None:
-            self._drop_pending()  # type: ignore[attr-defined]
-        records, self._run_records = self._run_records, []
-        return {"steps_done": self.steps_done, "steps": records}
+        self.membership.enter(gen)  # a newer generation may be forming
+        if self.commits.pending is not None:
+            self.commits.drop_pending()
+        records, self.records = self.records, []
+        return {"steps_done": self.commits.steps_done, "steps": records}
 
-    def _record_served(self, step: int) -> None:
+    def record_served(self, step: int, attempt: dict[str, Any]) -> None:
         """With a ledger, what this rank was served for ``step``, into the store before the
         step's collective: a committed step's record outlives the worker."""
-        hook = self._ledger_hook
-        if hook is None or self._attempt is None:
+        hook = self._ledger
+        if hook is None:
             return
         gen, run_id, rank = hook
         line = json.dumps({"step": step, "worker": self.name,
-                           "ids": [int(i) for i in self._attempt["ids"]],
-                           "digests": self._attempt.get("digests")})
-        self._store.append(store_keys.run_ledger(gen, run_id, rank), line + "\n")
+                           "ids": [int(i) for i in attempt["ids"]],
+                           "digests": attempt.get("digests")})
+        self.store.append(store_keys.run_ledger(gen, run_id, rank), line + "\n")
 
 
-class _Stream:
+class StepStream:
     """Rank 0's records, published every :data:`STREAM_S` as chunks under
     ``store_keys.run_stream`` (two store writes a chunk), for the controller's progress
     display, metrics and event log while the run goes on."""

@@ -10,25 +10,29 @@ asynchronously, while backward goes on with the layers below. Buckets start in
 bucket order on every rank whatever order the hooks fire in (a ready bucket
 waits for the ones before it), so every rank issues the same collectives in
 the same order. Parameters that got no gradient leave their buckets
-incomplete: :meth:`OverlappedReduce.finish` starts what is left, in order,
+incomplete: :meth:`GradientBuckets.finish` starts what is left, in order,
 and waits for every bucket. The update is applied only after that, so the
-commit protocol is unchanged.
+commit protocol is unchanged. :class:`OverlappedReducer` is this as a
+:class:`planaria.worker.reduce.Reducer`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["BUCKET_BYTES", "OverlappedReduce"]
+from planaria.collective import Collective
+from planaria.worker.reduce import FlatGradients, FlatReducer, global_norm
+
+__all__ = ["BUCKET_BYTES", "GradientBuckets", "OverlappedReducer"]
 
 #: About this many bytes per bucket (DDP's default bucket_cap_mb is 25).
 BUCKET_BYTES = 25 << 20
 
 
-class OverlappedReduce:
+class GradientBuckets:
     """Buckets of the flat gradient buffers, reduced as backward completes them."""
 
     def __init__(
@@ -128,3 +132,52 @@ class OverlappedReduce:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+class OverlappedReducer:
+    """The flat buffers' buckets reduced during the last backward (:class:`GradientBuckets`);
+    the step's other sums (buffers, status) in one all-reduce after them. Alone in its
+    generation, a replica reduces as :class:`planaria.worker.reduce.FlatReducer` does."""
+
+    def __init__(self, grads: FlatGradients, global_batch_size: int) -> None:
+        self.flat = FlatReducer(grads, global_batch_size)
+        self.grads = grads
+        self.buckets = GradientBuckets(grads.buffers, grads.layout)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.grads.buffers
+
+    def zero(self) -> None:
+        self.grads.zero()
+
+    def start_step(self) -> None:
+        self.buckets.abandon()  # a step starts with no reduction armed (a failed one may)
+
+    def before_last_backward(self, comm: Collective) -> None:
+        if comm.world_size > 1:
+            self.buckets.arm(comm)  # this backward reduces its buckets as they complete
+
+    def agree_loaded(self, ok: bool) -> None:
+        pass
+
+    def reduce(
+        self, comm: Collective, status: torch.Tensor | None, extra: list[torch.Tensor],
+        meanwhile: Callable[[], None],
+    ) -> float:
+        if comm.world_size == 1:
+            return self.flat.reduce(comm, status, extra, meanwhile)
+        if self.grads.tail is not None:
+            self.grads.tail.zero_()
+        if status is not None:
+            extra.append(status)
+        buckets = self.buckets
+        if not buckets.armed:  # no micro-batch here: the same buckets, the same order
+            buckets.arm(comm)
+        buckets.launch_rest()
+        meanwhile()
+        buckets.finish()  # the buckets still in flight
+        comm.allreduce_sum(extra)
+        return global_norm(self.grads.buffers)
+
+    def close(self) -> None:
+        self.buckets.remove()

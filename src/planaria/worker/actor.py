@@ -1,0 +1,479 @@
+"""The worker actor: one replica of the model, driven by the controller.
+
+A worker never decides anything: it runs steps when told, and applies a step only
+when its reduction completed (invariant 1). Every call carries the generation; an
+older one is refused (invariant 3). The actor is a thin shell of remote methods
+over the parts that do the work:
+
+- :class:`~planaria.worker.membership.Membership`: generation, group, fence, abort;
+- :class:`~planaria.worker.vitals.Vitals`: phase, progress, heartbeat;
+- :class:`~planaria.worker.replica_state.ReplicaState`: model, optimizer, scheduler,
+  buffers, loss scaler, and the gradient's :class:`~planaria.worker.reduce.Reducer`;
+- :class:`~planaria.worker.commit.Commits`: the pending step applied or dropped;
+- :class:`~planaria.worker.loader.SampleLoader`: the samples of this worker's share;
+- :class:`~planaria.worker.engine.StepEngine`: one step's forward, backward, reduce;
+- :class:`~planaria.worker.run_loop.RunLoop`: runs of steps between boundaries;
+- :class:`~planaria.worker.transfer.StateTransfer`: the state sent to a joiner;
+- :class:`~planaria.worker.ckpt_save.CheckpointSaver` and
+  :class:`~planaria.worker.ckpt_restore.CheckpointRestorer`: checkpoints.
+
+Tests inject faults through ``loop_fault`` (see :class:`planaria.worker.engine.FaultSeam`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from planaria import compile_cache as compile_cache_mod
+from planaria import forkserver, replica, store_keys
+from planaria.collective import connect_store
+from planaria.config import TrainSpec
+from planaria.data_plan import micro_batch_range
+from planaria.drain import register_worker
+from planaria.key_watch import KeyWatch
+from planaria.links import ProbeServer
+from planaria.replica import fans_out, lane
+from planaria.worker import process
+from planaria.worker.ckpt_restore import CheckpointRestorer
+from planaria.worker.ckpt_save import CheckpointSaver, SaveOptions, probe_storage
+from planaria.worker.commit import Commits
+from planaria.worker.engine import FaultSeam, StepEngine
+from planaria.worker.loader import SampleLoader
+from planaria.worker.membership import Membership
+from planaria.worker.replica_state import ReplicaShape, ReplicaState
+from planaria.worker.run_loop import RunLoop
+from planaria.worker.transfer import StateTransfer
+from planaria.worker.vitals import Vitals
+
+__all__ = ["CONCURRENCY_GROUPS", "Worker"]
+
+CONCURRENCY_GROUPS = {"control": 1, "ckpt": 2}
+"""A worker actor's lanes beside the default one (steps, state): ``control`` for calls that
+must answer mid-step (abort, alive, stack dumps), ``ckpt`` for the wait on a checkpoint
+write (:meth:`Worker.ckpt_wait`), which may last as long as the write."""
+
+
+class Worker:
+    """A replica. Created by the controller as a Ray actor (see ``planaria.workers``)."""
+
+    def __init__(
+        self,
+        name: str,
+        spec: TrainSpec | bytes,
+        store_host: str,
+        store_port: int,
+        *,
+        threads: int,
+        heartbeat_s: float,
+        use_gpu: bool = False,
+        backend: str | None = None,
+        record_digests: bool = False,
+        overlap_reduction: bool = False,
+        prefetch: bool | None = None,
+        workers_per_replica: int = 1,
+        shard_index: int = 0,
+        replica_key: str | None = None,
+        follower_options: dict[str, Any] | None = None,
+        timeouts: tuple[float, float] = (60.0, 300.0),
+        spec_blob: bytes | None = None,
+    ) -> None:
+        self.init_t = time.time()  # after the process started and imported planaria
+        self.name = name
+        # A sharded replica (planaria.sharded): k workers, this one holding shard_index.
+        self.k = workers_per_replica
+        self.shard_index = shard_index
+        self.replica_key = replica_key or name
+        self.spec: TrainSpec = ray.cloudpickle.loads(spec) if isinstance(spec, bytes) else spec
+        torch.set_num_threads(threads)
+        device = torch.device("cuda") if use_gpu else torch.device("cpu")
+        self.backend = backend or ("nccl" if use_gpu else "gloo")
+        if self.backend == "nccl":
+            process.nccl_survives_errors()
+        self.seam = FaultSeam(self)
+
+        def connect() -> Any:
+            return connect_store(store_host, store_port, timeout_s=30)
+
+        self.vitals = Vitals(name, lambda: self.membership.gen, heartbeat_s,
+                             cpu=device.type == "cpu")
+        # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
+        signal.signal(signal.SIGTERM, lambda signum, frame: self.vitals.notice_preemption())
+        # The node's own SIGTERM reaches the node's first process, not this one: a marker lets
+        # `planaria node-drain-hook` find this worker and forward it (see planaria.drain).
+        self.ray_node = process.ray_node_id()
+        register_worker(name, node_id=self.ray_node, gcs_address=process.gcs_address())
+        self.store = connect()
+        self.membership = Membership(name, self.store, sharded=self.k > 1)
+        shape = ReplicaShape(k=self.k, shard_index=shard_index, replica_key=self.replica_key,
+                             backend=self.backend, timeout_s=timeouts[1],
+                             overlap_reduction=overlap_reduction)
+        self.state = ReplicaState(self.spec, device, shape, self.store)
+        self.commits = Commits(name, self.state, self.membership, self.vitals)
+        self.loader = SampleLoader(name, self.spec, device, self.vitals, k=self.k,
+                                   shard_index=shard_index, threads=threads,
+                                   record_digests=record_digests, prefetch=prefetch)
+        self.engine = StepEngine(name, self.state, self.commits, self.loader, self.membership,
+                                 self.vitals, self.seam)
+        # A run's stop key is polled off the training thread, by rank 0 alone (key_watch).
+        self.keys = KeyWatch(connect)
+        self.loop = RunLoop(name, self.engine, self.commits, self.membership, self.vitals,
+                            self.keys, self.seam, leads=shard_index == 0)
+        self.transfer = StateTransfer(name, self.state, self.commits, self.membership,
+                                      self.vitals)
+        self.saver = CheckpointSaver(name, self.state, self.commits, self.vitals)
+        self.restorer = CheckpointRestorer(name, self.state, self.commits, self.loader,
+                                           self.membership, self.vitals)
+        self.compile_dir: Path | None = None
+        # Answers the controller's and its peers' probes on the address its group uses
+        # (planaria.links: who cannot be reached when every rank waits on its peers).
+        self.probe = ProbeServer(process.group_address())
+        self.store.set(store_keys.probe(name), self.probe.address)
+        self.vitals.start(self.store, connect)
+        self.followers: list[Any] = []
+        if self.k > 1 and shard_index == 0:
+            # The replica's other workers: actors this one owns, so they die with it.
+            remote: Any = ray.remote
+            cls = remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)
+            # The spec as the controller pickled it: its functions may live in a module only
+            # the controller has (a script run by `planaria run`), pickled by value there.
+            blob = spec_blob if spec_blob is not None else ray.cloudpickle.dumps(spec)
+            self.followers = [
+                cls.options(max_restarts=0, max_concurrency=1, **(follower_options or {})).remote(
+                    f"{name}.{i}", blob, store_host, store_port, threads=threads,
+                    heartbeat_s=heartbeat_s, use_gpu=use_gpu, backend=backend,
+                    record_digests=record_digests, prefetch=prefetch,
+                    workers_per_replica=self.k, shard_index=i, replica_key=self.replica_key,
+                    timeouts=timeouts,
+                )
+                for i in range(1, self.k)
+            ]
+
+    @property
+    def loop_fault(self) -> Callable[[Any, int, str], None] | None:
+        """The fault seam's hook, called as ``loop_fault(worker, step, phase)`` (FaultSeam)."""
+        return self.seam.hook
+
+    @loop_fault.setter
+    def loop_fault(self, hook: Callable[[Any, int, str], None] | None) -> None:
+        self.seam.hook = hook
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @fans_out(replica.merge_setup)
+    def setup(
+        self, *, prebuild_optimizer_state: bool = False, compile_cache: bytes | None = None
+    ) -> dict[str, Any]:
+        """Builds model, optimizer, scheduler and dataset from the spec's factories.
+
+        A replacement (``prebuild_optimizer_state``) also materialises its
+        optimizer state now, off the critical path, so that the state it will
+        receive lands in memory that is already allocated and touched. With
+        ``spec.compile`` the model is compiled here, from ``compile_cache`` (a
+        running worker's, see :mod:`planaria.compile_cache`) when given.
+        """
+        self.vitals.phase = "setup"
+        t0 = time.time()
+        if self.spec.compile:
+            self.compile_dir = compile_dir = compile_cache_mod.use_private_cache()
+            if compile_cache:
+                compile_cache_mod.unpack(compile_cache, compile_dir)
+        self.state.build()
+        t1 = time.time()
+        num_samples, fingerprint = self.loader.setup()
+        t2 = time.time()
+        if self.spec.compile:
+            self.engine.warm_compile()
+        t3 = time.time()
+        if prebuild_optimizer_state:
+            self.commits.prebuild_optimizer_state()
+        self.vitals.phase = "idle"
+        return {
+            "pid": os.getpid(),
+            "node": socket.gethostname(),
+            "ray_node": self.ray_node,
+            "checksum": self.state.checksum(),
+            "num_samples": num_samples,
+            "data_fingerprint": fingerprint,
+            "dataset_draws": sorted(self.loader.global_draws),
+            "param_bytes": self.state.nbytes(),
+            "threads": torch.get_num_threads(),
+            "init_t": self.init_t,
+            "start": {"build_s": t1 - t0, "data_s": t2 - t1, "compile_s": t3 - t2,
+                      "setup_s": time.time() - t0, "forked": forkserver.forked()},
+        }
+
+    def compile_cache(self) -> bytes | None:
+        """This worker's compile cache, packed (None without ``spec.compile``)."""
+        if not self.spec.compile or self.compile_dir is None:
+            return None
+        return compile_cache_mod.pack(self.compile_dir)
+
+    @fans_out(replica.merge_checksums)
+    def reinit(self, gen: int) -> int:
+        """Back to the initial state (after a restore that failed part-way); returns checksum."""
+        self.membership.check(gen)
+        self.state.build()
+        self.commits.reset()
+        self.state.dirty = False
+        return self.state.checksum()
+
+    @fans_out(replica.merge_join)
+    def join(
+        self,
+        gen: int,
+        rank: int,
+        world_size: int,
+        steps_done: int,
+        timeouts: tuple[float, float],
+        next_ids: np.ndarray | None = None,
+        *,
+        skipped: int = -1,
+        skip: tuple[int, ...] | None = None,
+    ) -> dict[str, Any]:
+        """Enters generation ``gen``: settles the pending step, builds the new group.
+
+        A worker with no state yet (a replacement) may be behind ``steps_done``;
+        the controller sends it the state next and checks survivors are not behind.
+        ``next_ids`` (this rank's share of the next step) start loading at once.
+        Reports what a step attempt dropped here had been served (``dropped``),
+        for the ledger. ``skip``: the samples the job skips (see WorkFault), from now on.
+        """
+        self.membership.enter(gen)
+        commits, loader = self.commits, self.loader
+        pending = commits.pending
+        commits.settle(steps_done, skipped, allow_behind=True)
+        attempt, self.engine.last_attempt = self.engine.last_attempt, None
+        dropped = (
+            attempt
+            if attempt and attempt["step"] == pending and commits.steps_done <= attempt["step"]
+            else None
+        )
+        loader.prefetch_on = loader.want_prefetch()
+        if skip is not None:
+            loader.skipped_samples = frozenset(skip)
+        if next_ids is not None and len(next_ids):
+            total = self.spec.global_batch_size // self.spec.micro_batch_size
+            loader.prefetch(next_ids, steps_done, micro_batch_range(total, world_size, rank)[0])
+        self.membership.close()
+        self.vitals.set_phase("joining", commits.steps_done)
+        self.membership.join(gen, rank, world_size, backend=self.backend, timeouts=timeouts,
+                             shard_index=self.shard_index)
+        self.vitals.phase = "idle"
+        return {"steps_done": commits.steps_done, "dropped": dropped}
+
+    @fans_out()
+    def shutdown(self) -> None:
+        self.vitals.stop()
+        self.probe.close()
+        self.keys.close()
+        self.membership.close()
+        self.loader.close()
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    @fans_out(replica.merge_run)
+    def run(
+        self,
+        gen: int,
+        run_id: int,
+        start: int,
+        until: int,
+        *,
+        plan: tuple[int, int, int],
+        skipped: int = -1,
+        ledger: bool = False,
+        metric_keys: tuple[str, ...] = (),
+        horizon: int | None = None,
+    ) -> dict[str, Any]:
+        """Runs steps ``start`` .. ``until - 1`` on its own (:meth:`RunLoop.run
+        <planaria.worker.run_loop.RunLoop.run>`)."""
+        return self.loop.run(gen, run_id, start, until, plan=plan, skipped=skipped,
+                             ledger=ledger, metric_keys=metric_keys, horizon=horizon)
+
+    @fans_out(replica.merge_settled)
+    def settle_run(self, gen: int) -> dict[str, Any]:
+        """After a failed run: drops a step whose collective did not complete here, and
+        reports how far this worker got and the records of the steps it applied."""
+        return self.loop.settle(gen)
+
+    @fans_out()
+    def commit(self, gen: int, steps_done: int, *, skipped: int = -1) -> int:
+        """Applies the pending step if the controller counts it committed; returns steps done."""
+        self.membership.check(gen)
+        self.commits.settle(steps_done, skipped)
+        self.vitals.set_phase("idle", self.commits.steps_done)  # not "apply": the call is over
+        return self.commits.steps_done
+
+    # ---- state: hot-join -----------------------------------------------------------------------
+
+    @fans_out(replica.merge_meta)
+    def state_meta(self, gen: int) -> dict[str, Any]:
+        """What a joiner needs besides tensors: the layout, the JSON metadata, steps done."""
+        self.membership.check(gen)
+        return self.transfer.meta()
+
+    @fans_out(replica.merge_sum)
+    def send_state(self, gen: int, dsts: list[int]) -> int:
+        """Sends the whole state to ranks ``dsts`` over the generation's group; returns bytes."""
+        self.membership.check(gen)
+        return self.transfer.send(dsts)
+
+    @fans_out(replica.merge_sum)
+    def recv_state(self, gen: int, src: int, source: dict[str, Any]) -> int:
+        """Receives the state sent by rank ``src`` straight into this replica's live tensors."""
+        self.membership.check(gen)
+        if "shards" in source:  # a sharded replica's: this worker's counterpart's part
+            source = source["shards"][self.shard_index]
+        return self.transfer.receive(src, source)
+
+    @fans_out()
+    def get_state(self, gen: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Copies of the whole state (model and optimizer tensors, metadata); a sharded
+        replica's leader gathers the whole tensors from its workers' shards."""
+        self.membership.check(gen)
+        return self.state.copies(self.commits.steps_done)
+
+    @fans_out(replica.merge_checksums)
+    def checksum(self, gen: int) -> int:
+        self.membership.check(gen)
+        return self.state.checksum()
+
+    # ---- checkpoints (planaria.checkpointing's Checkpointer calls these) -----------------------
+
+    @fans_out(replica.merge_ckpt_start)
+    def ckpt_start(
+        self, gen: int, step: int, index: int, num_shards: int, save_id: str, root: str,
+        storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
+        attempts: int = 3, staging_budget_bytes: int | None = None, direct_io: bool = True,
+        describe: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Snapshots shard ``index`` of ``num_shards`` of the settled state after ``step``
+        steps and starts writing it under ``root`` (:meth:`CheckpointSaver.start
+        <planaria.worker.ckpt_save.CheckpointSaver.start>`). ``describe`` (writer 0's: the
+        save's description) is written beside the shards, with this worker's metadata."""
+        self.membership.check(gen)
+        return self.saver.start(step, index, num_shards, save_id, SaveOptions(
+            root=root, storage_options=storage_options, fsync=fsync, attempts=attempts,
+            staging_budget_bytes=staging_budget_bytes, direct_io=direct_io), describe)
+
+    @fans_out(replica.merge_hold)
+    @lane("ckpt")
+    def ckpt_freeze(self, gen: int) -> dict[str, Any]:
+        """Beside the steps: no step from now on is applied (a hold) until ckpt_advance or
+        ckpt_release; returns ``steps_done`` and whether the pending step is reduced here.
+        The training thread goes on computing and waits, before its next apply, in phase
+        ``held``; an abort of the generation drops the held step."""
+        self.membership.check(gen)
+        return self.commits.freeze()
+
+    @fans_out(replica.merge_hold)
+    @lane("ckpt")
+    def ckpt_advance(self, gen: int, to: int, timeout_s: float) -> dict[str, Any]:
+        """Under a hold: lets the steps before ``to`` be applied, and waits (bounded) until
+        they are: every replica then holds step ``to``'s state. Returns ``steps_done``."""
+        self.membership.check(gen)
+        return self.commits.advance(to, timeout_s)
+
+    @fans_out()
+    @lane("ckpt")
+    def ckpt_release(self, gen: int) -> None:
+        """Ends a hold: the training thread applies its steps again."""
+        self.commits.release()
+
+    @fans_out(replica.merge_ckpt_start)
+    @lane("ckpt")
+    def ckpt_start_beside(
+        self, gen: int, step: int, index: int, num_shards: int, save_id: str, root: str,
+        storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
+        attempts: int = 3, staging_budget_bytes: int | None = None, direct_io: bool = True,
+        describe: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`ckpt_start`, but beside the steps, under a hold (:meth:`ckpt_freeze`)."""
+        self.membership.check(gen)
+        return self.saver.start_beside(step, index, num_shards, save_id, SaveOptions(
+            root=root, storage_options=storage_options, fsync=fsync, attempts=attempts,
+            staging_budget_bytes=staging_budget_bytes, direct_io=direct_io), describe)
+
+    @fans_out(replica.merge_ckpt_poll)
+    def ckpt_poll(self, save_id: str) -> dict[str, Any] | None:
+        """The shard record of save ``save_id`` once written (None while writing). Not fenced
+        by generation: it only reads what this worker's writer did, and the controller
+        matches records to the save by ``save_id``."""
+        return self.saver.poll(save_id)
+
+    @fans_out(replica.merge_ckpt_poll)
+    @lane("ckpt")
+    def ckpt_wait(self, save_id: str, timeout_s: float) -> dict[str, Any]:
+        """Waits, beside the steps (its own concurrency group), until this worker's shard of
+        save ``save_id`` is written and read back, and returns its record: the controller
+        commits the save the moment the last writer's answer arrives."""
+        return self.saver.wait(save_id, timeout_s)
+
+    @fans_out(replica.merge_probe)
+    def ckpt_probe(
+        self, root: str, name: str, storage_options: Mapping[str, Any] | None, size: int
+    ) -> dict[str, Any]:
+        """Reads the file ``name`` the controller wrote under ``root``. Not fenced: it reads."""
+        return probe_storage(root, name, storage_options, size)
+
+    @fans_out(replica.merge_ckpt_read)
+    def ckpt_read(
+        self, gen: int, path: str, names: list[str] | None,
+        storage_options: Mapping[str, Any] | None = None, *, strict: bool = True,
+    ) -> dict[str, Any]:
+        """Phase 1 of a restore (:meth:`CheckpointRestorer.read
+        <planaria.worker.ckpt_restore.CheckpointRestorer.read>`)."""
+        self.membership.check(gen)
+        return self.restorer.read(path, names, storage_options, strict=strict)
+
+    @fans_out(replica.merge_ckpt_apply)
+    def ckpt_apply(
+        self, gen: int, path: str, owners: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        """Phase 2 of a restore (:meth:`CheckpointRestorer.apply
+        <planaria.worker.ckpt_restore.CheckpointRestorer.apply>`)."""
+        self.membership.check(gen)
+        return self.restorer.apply(path, owners)
+
+    # ---- beside the steps: abort, liveness, diagnostics ----------------------------------------
+
+    @ray.method(concurrency_group="control")
+    def abort(self, gen: int) -> None:
+        """A peer of generation ``gen`` failed: abandon its step between micro-batches.
+
+        The controller's call, run beside the step (the control concurrency group), so
+        no worker polls for it: nothing per step, nothing per second. A collective of that
+        generation in progress is interrupted: a survivor does not wait on the transport to
+        notice the dead peer."""
+        self.membership.abort(gen)
+        for follower in self.followers:  # no answer awaited: the replica's abandon together
+            follower.abort.remote(gen)
+
+    @ray.method(concurrency_group="control")
+    def probe_links(self, peers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+        """Beside the step: which of ``peers`` (name → probe address) answer, and this
+        process's TCP connections whose bytes go unacked (planaria.links)."""
+        return process.probe_peers(peers, timeout_s)
+
+    @ray.method(concurrency_group="control")
+    @fans_out()
+    def alive(self) -> bool:
+        """Answers at once, beside any step (a sharded replica's workers all answer): the
+        controller's question after a peer's death, and before an idle standby spare takes
+        a place."""
+        return True
+
+    @ray.method(concurrency_group="control")
+    def dump_stack(self) -> str:
+        """Every thread's Python stack (answers even while a step is running)."""
+        return process.thread_stacks()

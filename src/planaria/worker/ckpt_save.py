@@ -1,0 +1,196 @@
+"""The worker's side of a save: snapshot its share of the state, write it in the background.
+
+The controller's :class:`planaria.checkpointing.Checkpointer` calls these through
+Ray. :meth:`CheckpointSaver.start` copies this replica's share of the state into
+staging buffers kept from one save to the next (the only part that stalls
+training) and writes it from a background thread; :meth:`CheckpointSaver.poll`
+and :meth:`CheckpointSaver.wait` hand the shard's record to the controller,
+which commits the checkpoint once it holds every record. Every replica computes
+the same byte-balanced :func:`~planaria.checkpoint.plan_shards` plan from its own
+(identical) tensor layout, so no plan crosses the wire.
+
+A save may also be taken beside the steps, under a hold (before a preemption
+wave): :meth:`CheckpointSaver.start_beside` snapshots the committed state while
+the training thread may compute the next step (see :mod:`planaria.worker.commit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from planaria.checkpoint import AsyncShardWriter, plan_shards
+from planaria.checkpoint.plan import ShardPlan, plan_row_shards
+from planaria.checkpoint.storage import Storage
+from planaria.errors import PlanariaError
+from planaria.state import jsonable, shard_origins
+from planaria.worker.commit import Commits
+from planaria.worker.replica_state import ReplicaState
+from planaria.worker.vitals import Vitals
+
+__all__ = ["CheckpointSaver", "SaveOptions", "probe_storage"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """How a save is written: the controller's settings, passed on every ``ckpt_start``."""
+
+    root: str
+    """Where the checkpoints live (a path or a URL)."""
+    storage_options: Mapping[str, Any] | None
+    """The storage's options (fsspec's), e.g. an S3 endpoint."""
+    fsync: bool
+    """Files are synced to stable storage before the shard counts as written."""
+    attempts: int
+    """How often a write that fails with a storage error is tried."""
+    staging_budget_bytes: int | None
+    """At most this much host memory stages the snapshot (None: the whole share)."""
+    direct_io: bool
+    """Written with O_DIRECT where the file system allows it."""
+
+
+class CheckpointSaver:
+    """This worker's shard of each save, and the background writer that writes it."""
+
+    def __init__(self, name: str, state: ReplicaState, commits: Commits, vitals: Vitals) -> None:
+        self.name = name
+        self.state = state
+        self.commits = commits
+        self.vitals = vitals
+        self.writer: AsyncShardWriter | None = None
+        self.writer_key: tuple[str, str, bool] | None = None
+        self.save_id: str | None = None  # the save the writer writes
+
+    def start(self, step: int, index: int, num_shards: int, save_id: str, options: SaveOptions,
+              describe: dict[str, Any] | None) -> dict[str, Any]:
+        """Snapshots shard ``index`` of ``num_shards`` of the state after ``step`` steps and
+        starts writing it; returns once the snapshot is taken (``busy``, and nothing saved,
+        while the previous write still runs: the controller drops the save)."""
+        self.state.refuse_if_dirty(self.name, "be saved")
+        if self.writer is not None and self.writer.busy:
+            # Never block in an actor call on the writer: the controller drops this save.
+            return {"busy": True, "stall_s": None, "bytes": 0, "meta": None}
+        commits = self.commits
+        if commits.pending is not None or commits.steps_done != step:
+            raise PlanariaError(
+                f"{self.name} cannot snapshot step {step}: it has {commits.steps_done} steps "
+                "done" + (f" and step {commits.pending} pending"
+                          if commits.pending is not None else "")
+            )
+        self.vitals.set_phase("snapshot", step)
+        return self._snapshot(step, index, num_shards, save_id, options, describe,
+                              self.state.flatten())
+
+    def start_beside(self, step: int, index: int, num_shards: int, save_id: str,
+                     options: SaveOptions, describe: dict[str, Any] | None) -> dict[str, Any]:
+        """As :meth:`start`, but beside the steps, under a hold: the committed state of step
+        ``step`` is snapshotted while the training thread may be computing the next step
+        (its module buffers, in flux, are taken as committed: see BufferSync.committed)."""
+        state = self.state
+        state.refuse_if_dirty(self.name, "be saved")
+        with state.lock:
+            if self.writer is not None and self.writer.busy:
+                return {"busy": True, "stall_s": None, "bytes": 0, "meta": None}
+            if self.commits.steps_done != step:
+                raise PlanariaError(f"{self.name} cannot snapshot step {step} beside its steps: "
+                                    f"it has {self.commits.steps_done} steps done")
+            tensors, meta = state.flatten()
+            committed = state.buffer_sync.committed()
+            if committed:
+                tensors = {**tensors, **{f"model/{k}": v for k, v in committed.items()
+                                         if f"model/{k}" in tensors}}
+            return self._snapshot(step, index, num_shards, save_id, options, describe,
+                                  (tensors, meta), phase=False)
+
+    def _snapshot(
+        self, step: int, index: int, num_shards: int, save_id: str, options: SaveOptions,
+        describe: dict[str, Any] | None, state: tuple[dict[str, torch.Tensor], dict[str, Any]],
+        *, phase: bool = True,
+    ) -> dict[str, Any]:
+        """Copies this worker's share of ``state`` into the writer's staging and starts its
+        write (see :meth:`start`)."""
+        tensors, meta = state
+        plan = self._plan(tensors, index, num_shards)
+        writer = self._writer(options.root, options.storage_options, options.fsync)
+        writer.attempts = options.attempts
+        writer.staging_budget_bytes = options.staging_budget_bytes
+        writer.direct = options.direct_io
+        first = index == 0 and self.state.shape.shard_index == 0
+        meta = self.state.with_extra_state(meta) if first else meta
+        description = None
+        if describe is not None and first:
+            description = {**describe, "meta": {**jsonable(meta, "meta"), **describe["meta"]}}
+        stall = writer.start(step, tensors, plan, save_id=save_id, describe=description)
+        if stall is not None:
+            self.save_id = save_id
+        if phase:
+            self.vitals.set_phase("idle", step)
+        return {"stall_s": stall, "bytes": plan.nbytes, "meta": meta if first else None}
+
+    def _plan(self, tensors: Mapping[str, torch.Tensor], index: int, num_shards: int
+              ) -> ShardPlan:
+        """What this worker writes as writer ``index`` of ``num_shards`` replicas. A sharded
+        replica's worker i writes its share of shard i (file ``i * num_shards + index`` of
+        ``num_shards * k``), as rows of the whole tensors; the tensors every worker of a
+        replica holds whole (Adam's step) are written by shard 0's workers only."""
+        specs = {k: (t.shape, t.dtype) for k, t in tensors.items()}
+        k, shard_index = self.state.shape.k, self.state.shape.shard_index
+        if k == 1:
+            return plan_shards(specs, num_shards)[index]
+        origins = shard_origins(self.state.model, self.state.optimizer)
+        if shard_index:
+            specs = {n: v for n, v in specs.items() if n in origins}
+        return plan_row_shards(specs, origins, num_shards,
+                               first_index=shard_index * num_shards,
+                               num_files=num_shards * k)[index]
+
+    def _writing(self, save_id: str) -> AsyncShardWriter:
+        writer = self.writer
+        if writer is None or self.save_id != save_id:
+            raise PlanariaError(f"{self.name} is not writing save {save_id}")
+        return writer
+
+    def poll(self, save_id: str) -> dict[str, Any] | None:
+        """The shard record of save ``save_id`` once written (None while writing); raises
+        the write's error if it failed."""
+        writer = self._writing(save_id)
+        record = writer.poll()
+        if record is None:
+            return None
+        return {"record": record.to_dict(), "write_s": writer.last_write_s}
+
+    def wait(self, save_id: str, timeout_s: float) -> dict[str, Any]:
+        """Waits until this worker's shard of save ``save_id`` is written and read back, and
+        returns its record. Raises the write's error, or ``TimeoutError`` past
+        ``timeout_s``."""
+        writer = self._writing(save_id)
+        record = writer.result(timeout_s)
+        return {"record": record.to_dict(), "write_s": writer.last_write_s,
+                "written_t": writer.last_written_t}
+
+    def _writer(self, root: str, storage_options: Mapping[str, Any] | None, fsync: bool
+                ) -> AsyncShardWriter:
+        key = (root, repr(sorted((storage_options or {}).items())), fsync)
+        if self.writer is None or self.writer_key != key:
+            if self.writer is not None:
+                self.writer.close(timeout_s=300)
+            self.writer = AsyncShardWriter(root, fsync=fsync, storage_options=storage_options)
+            self.writer_key = key
+        return self.writer
+
+
+def probe_storage(root: str, name: str, storage_options: Mapping[str, Any] | None, size: int
+                  ) -> dict[str, Any]:
+    """Reads the file ``name`` the controller wrote under ``root``: ``ok``, or ``error`` (a
+    root this worker cannot reach, e.g. a local path on another node)."""
+    try:
+        st = Storage(root, storage_options)
+        got = len(st.read_bytes(st.path(name)))
+    except Exception as err:
+        return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    if got != size:
+        return {"ok": False, "error": f"read {got} bytes of {name}, the controller wrote {size}"}
+    return {"ok": True}

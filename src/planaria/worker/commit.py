@@ -1,0 +1,156 @@
+"""The replica's side of the commit protocol (invariant 1): a pending step is applied or
+dropped, never half.
+
+From the moment a step starts, the gradient counts as *pending*: a step that fails
+anywhere (a peer died mid-allreduce) is dropped by the next :meth:`Commits.settle`,
+never applied and never accumulated into the next one, and the module buffers its
+forward passes changed go back to their committed values. A step the controller
+(or the run) counts as done is applied. A *hold* (``ckpt_freeze``) keeps every step
+from a given one on pending, unapplied, so that a snapshot taken beside the
+training thread sees the same committed step on every replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+from planaria.errors import PlanariaError, StepAborted
+from planaria.faults import user_call
+from planaria.worker.membership import Membership
+from planaria.worker.replica_state import ReplicaState
+from planaria.worker.vitals import Vitals
+
+__all__ = ["Commits"]
+
+_log = logging.getLogger("planaria.worker")
+
+
+class Commits:
+    """Steps done, the pending step, and how a pending step is applied or dropped."""
+
+    def __init__(self, name: str, state: ReplicaState, membership: Membership,
+                 vitals: Vitals) -> None:
+        self.name = name
+        self.state = state
+        self.membership = membership
+        self.vitals = vitals
+        self.steps_done = 0
+        self.pending: int | None = None
+        self.reduced_step = -1  # the newest step whose reduction completed here
+        self.grad_norm = 0.0  # the pending step's reduced gradient's
+        self.hold = threading.Condition(state.lock)
+        self.hold_below: int | None = None  # while set, no step at or past it is applied
+
+    def reset(self) -> None:
+        """Back to no step done (the state was built again)."""
+        self.pending = None
+        self.steps_done = 0
+
+    def settle(self, steps_done: int, skipped: int = -1, *, allow_behind: bool = False) -> None:
+        """The controller (or the run) counts ``steps_done`` steps committed: the pending
+        step is applied if it is the last of them, dropped otherwise; ``skipped`` (a
+        non-finite step the controller dropped) counts as done without its update."""
+        if self.pending is not None:
+            if self.pending == steps_done - 1 and self.pending == skipped:
+                self.drop_pending()  # done, without its update
+                self.steps_done += 1
+            elif self.pending == steps_done - 1:
+                self.apply()
+            else:
+                self.drop_pending()
+        if self.steps_done != steps_done and not allow_behind:
+            raise PlanariaError(
+                f"{self.name} has {self.steps_done} steps done, the controller {steps_done}"
+            )
+
+    def wait_while_held(self) -> None:
+        """Under a hold, the pending step waits here, unapplied, until the hold lets it pass
+        (:meth:`advance`, :meth:`release`) or the generation is aborted (it is then
+        dropped)."""
+        with self.hold:
+            while (self.hold_below is not None and self.pending is not None
+                   and self.pending >= self.hold_below):
+                if self.membership.aborted:
+                    raise StepAborted(f"{self.name} dropped held step {self.pending}: the "
+                                      "generation was aborted")
+                self.vitals.set_phase("held", self.pending)
+                self.hold.wait(0.05)
+
+    def apply(self) -> None:
+        self.wait_while_held()
+        with self.state.lock:
+            self._apply_locked()
+
+    def _apply_locked(self) -> None:
+        state = self.state
+        self.vitals.set_phase("apply", self.pending if self.pending is not None else -1)
+        clip = state.spec.grad_clip_norm
+        if state.scaler is not None:
+            user_call("GradScaler.unscale_", state.scaler.unscale_, state.optimizer)
+        if clip is not None and math.isfinite(self.grad_norm):
+            # torch's clip_grad_norm_, with the norm computed after the reduce
+            coef = min(1.0, clip / (self.grad_norm + 1e-6))
+            if coef < 1.0:
+                for flat in state.reducer.gradients():
+                    flat.mul_(coef)
+        if state.scaler is not None:  # skips the update on an overflow, then backs off the scale
+            user_call("optimizer.step", state.scaler.step, state.optimizer)
+            state.scaler.update()
+        else:
+            user_call("optimizer.step", state.optimizer.step)
+        if state.scheduler is not None:
+            user_call("lr_scheduler.step", state.scheduler.step)
+        state.buffer_sync.commit()
+        self.drop_pending()
+        self.steps_done += 1
+
+    def drop_pending(self) -> None:
+        """The gradient goes, and the module buffers back to their committed values."""
+        self.state.reducer.zero()
+        with self.state.lock:
+            if self.pending is not None:
+                self.state.buffer_sync.rollback()
+            self.pending = None
+
+    def prebuild_optimizer_state(self) -> None:
+        """One optimizer step on zero gradients creates the state tensors (exp_avg, ...), so
+        that a state received or restored lands in memory already allocated and touched.
+
+        It may move the parameters (weight decay): no matter, they are all overwritten.
+        """
+        self.state.reducer.gradients()  # zeros: an optimizer skips parameters with no gradient
+        try:
+            self.state.optimizer.step()
+        except Exception:  # e.g. an optimizer that needs a closure: received into fresh memory
+            _log.debug("%s could not pre-build optimizer state", self.name, exc_info=True)
+        self.drop_pending()
+
+    # ---- a hold: a save beside the steps ------------------------------------------------------
+
+    def freeze(self) -> dict[str, Any]:
+        """No step from now on is applied until :meth:`advance` or :meth:`release`."""
+        with self.hold:
+            self.hold_below = self.steps_done
+            return {"steps_done": self.steps_done,
+                    "reduced": self.pending is not None and self.reduced_step >= self.pending}
+
+    def advance(self, to: int, timeout_s: float) -> dict[str, Any]:
+        """Lets the steps before ``to`` be applied and waits (bounded) until they are."""
+        end = time.monotonic() + timeout_s
+        with self.hold:
+            self.hold_below = to
+            self.hold.notify_all()
+            while self.steps_done < to and time.monotonic() < end:
+                if self.membership.aborted:
+                    break
+                self.hold.wait(0.02)
+            return {"steps_done": self.steps_done, "reduced": True}
+
+    def release(self) -> None:
+        with self.hold:
+            self.hold_below = None
+            self.hold.notify_all()

@@ -1,0 +1,289 @@
+"""One step of a replica: its share loaded, forward and backward over its micro-batches,
+the gradient reduced with its peers. Nothing is applied here (see
+:mod:`planaria.worker.commit`).
+
+Before micro-batch j of step s, torch (CPU and CUDA) is seeded from
+``(seed, s, j)``: what a micro-batch computes does not depend on the width or on
+the rank that runs it. The loss of a micro-batch of n samples is scaled by
+``n / global_batch`` so that the reduced gradient is the global batch's mean. A
+rank whose user code raised tells its peers to abandon the step (and closes its
+group, so that none waits on it in a collective) and raises with its traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from planaria.busy import current_thread_ids
+from planaria.collective import Collective
+from planaria.errors import Failure, PlanariaError, StepAborted, Work
+from planaria.faults import user_call
+from planaria.randomness import micro_batch_seed, seed_torch
+from planaria.replica import replica_failed
+from planaria.worker.commit import Commits
+from planaria.worker.loader import Loaded, SampleLoader, to_device
+from planaria.worker.membership import Membership
+from planaria.worker.replica_state import ReplicaState
+from planaria.worker.vitals import Vitals
+
+__all__ = ["FaultSeam", "StepEngine"]
+
+
+class FaultSeam:
+    """Where tests inject faults between a step's phases: ``hook(owner, step, phase)``, called
+    once a step's samples are loaded (``"loaded"``), once its gradient is computed
+    (``"computed"``, before the reduction) and, in a run, once it is reduced
+    (``"reduced"``, before it is applied) and applied (``"applied"``). ``owner`` is the
+    worker actor (the hook sees ``owner.name``)."""
+
+    __slots__ = ("hook", "owner")
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self.hook: Callable[[Any, int, str], None] | None = None
+
+
+class StepEngine:
+    """Computes and reduces a step's gradient (:meth:`step`)."""
+
+    def __init__(self, name: str, state: ReplicaState, commits: Commits, loader: SampleLoader,
+                 membership: Membership, vitals: Vitals, seam: FaultSeam) -> None:
+        self.name = name
+        self.spec = state.spec
+        self.state = state
+        self.commits = commits
+        self.loader = loader
+        self.membership = membership
+        self.vitals = vitals
+        self.seam = seam
+        self.sharded = state.shape.k > 1
+        self.last_attempt: dict[str, Any] | None = None  # what the last step was served
+        self._load_planned = loader.load_planned  # bound once: run while the reduce is in flight
+
+    def step(
+        self, gen: int, step: int, ids: np.ndarray, steps_done: int,
+        next_ids: np.ndarray | None, *, skipped: int, status: torch.Tensor,
+        metric_keys: tuple[str, ...], record_served: Callable[[int, dict[str, Any]], None] | None,
+    ) -> dict[str, Any]:
+        """Computes step ``step`` on ``ids`` and reduces the gradient; applies nothing yet.
+
+        ``steps_done`` is the run's count of committed steps: if this worker's pending
+        step is among them it is applied first, otherwise it is dropped; ``skipped`` is
+        the newest step whose update the controller dropped (a non-finite one): it counts
+        as done. ``status`` (see :mod:`planaria.worker.run_loop`) is summed over the ranks
+        in the gradient's own all-reduce, in place, the sums of ``metric_keys`` after its
+        fixed slots. ``next_ids`` (this rank's share of the next step) load on the loader
+        thread, or on this one while the reduction is in flight. ``record_served(step,
+        attempt)``, if given, is called once the share is loaded, before the reduction.
+        """
+        self.state.refuse_if_dirty(self.name, "step")
+        self.vitals.train_thread = current_thread_ids()
+        self.commits.settle(steps_done, skipped)
+        if step != self.commits.steps_done:
+            raise PlanariaError(
+                f"{self.name} asked for step {step} but has {self.commits.steps_done} done")
+        # From here the gradient holds this step's (maybe partial) gradient: if the step
+        # fails anywhere, the next settle drops it rather than apply or accumulate it.
+        self.commits.pending = step
+        comm = self.membership.comm
+        assert comm is not None, "step before join"
+        first, count, ids, rounds = self.loader.own_share(ids, comm)
+        t0 = time.perf_counter()
+        self.state.reducer.start_step()
+        try:
+            loaded = self._load(gen, step, ids, first, record_served)
+            data_wait_s = time.perf_counter() - t0
+            self._plan_ahead(next_ids, step, first, comm)
+            loss_sum, metric_sums = self._compute(step, loaded, first, rounds, comm)
+        except Failure as err:
+            self._fail(err, step)
+            raise
+        except StepAborted:
+            self.membership.abort_generation(step)
+            raise
+        hook = self.seam.hook
+        if hook is not None:
+            hook(self.seam.owner, step, "computed")  # a fault injected before the reduction
+        t1 = time.perf_counter()
+        self._reduce(step, loaded, first, count, comm, status, metric_keys, loss_sum,
+                     metric_sums)
+        return self._result(step, loaded, loss_sum, metric_sums, t0, t1, data_wait_s)
+
+    def warm_compile(self) -> None:
+        """Compiles now, off the critical path: one forward and backward of a micro-batch of
+        the dataset's first samples (the shape of every step's micro-batches), then the
+        model's state and the gradients put back as they were."""
+        loader, model = self.loader, self.state.model
+        n = user_call("len(dataset)", len, loader.dataset)
+        samples = [loader.fingerprint_sample(i % n) for i in range(self.spec.micro_batch_size)]
+        batch = to_device(user_call("collate", loader.collate, samples), self.state.device)
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.train()
+        torch.manual_seed(self.spec.seed)
+        out = user_call("the loss function", self.spec.loss, self.state.compiled, batch)
+        loss = out[0] if isinstance(out, tuple) else out
+        user_call("backward", loss.backward)
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(saved[k])
+        self.commits.drop_pending()
+
+    def _load(self, gen: int, step: int, ids: np.ndarray, first: int,
+              record_served: Callable[[int, dict[str, Any]], None] | None) -> Loaded:
+        """This rank's share, loaded (or taken from what was loaded ahead)."""
+        self.vitals.set_phase("loading", step)
+        reducer = self.state.reducer
+        try:
+            loaded = self.loader.take(ids, step, first)
+        except Failure as err:
+            if self.sharded:  # the replica's others learn it: all leave whole
+                reducer.agree_loaded(False)
+                err.replica_intact = True  # type: ignore[attr-defined]
+            raise
+        reducer.agree_loaded(True)
+        served = loaded.served
+        hook = self.seam.hook
+        if hook is not None:
+            hook(self.seam.owner, step, "loaded")  # a fault injected before the compute
+        self.last_attempt = {"gen": gen, "step": step, "ids": served.ids,
+                             "digests": served.digests}
+        if record_served is not None:  # the run's ledger, before the collective
+            record_served(step, self.last_attempt)
+        return loaded
+
+    def _plan_ahead(self, next_ids: np.ndarray | None, step: int, first: int,
+                    comm: Collective) -> None:
+        """The next step's share starts loading on the loader thread, or is planned to load
+        on this one during the reduction."""
+        ahead: np.ndarray | None = None
+        if next_ids is not None and len(next_ids):
+            ahead = self.loader.own_share(next_ids, comm)[2]
+            if self.loader.prefetch_on:
+                self.loader.prefetch(ahead, step + 1, first)
+                ahead = None
+        self.loader.plan_ahead(ahead, step + 1, first)
+
+    def _compute(self, step: int, loaded: Loaded, first: int, rounds: int, comm: Collective
+                 ) -> tuple[float, dict[str, float]]:
+        """Forward and backward over the share's micro-batches; returns the loss's sum and
+        the metrics' sums over its samples."""
+        self.vitals.set_phase("compute", step)
+        state, vitals, membership = self.state, self.vitals, self.membership
+        with state.lock:  # the committed buffers, kept as a snapshot beside reads them
+            state.buffer_sync.begin()  # buffers are pending: put back unless the step commits
+        state.model.train()
+        loss_sum = 0.0
+        metric_sums: dict[str, float] = {}
+        gbs = self.spec.global_batch_size
+        last = len(loaded.batches) - 1
+        # A sharded replica's workers run as many forwards as each other (FSDP's
+        # collectives pair them): one with fewer micro-batches pads with a weightless one.
+        real = [b for _, b in loaded.batches if b is not None]
+        padding = [(0, real[0] if real else None)] * (rounds - len(loaded.batches))
+        for j, (n, batch) in enumerate(loaded.batches + padding):
+            membership.raise_if_aborted(step)
+            if j == last:
+                state.reducer.before_last_backward(comm)
+            if batch is None:  # every sample of it skipped (a work fault): no forward,
+                if not self.sharded or not real:  # or (FSDP pairs the replica's
+                    vitals.progress += 1  # forwards) a weightless one
+                    continue
+                batch = real[0]
+            vitals.work = f"m{first + j}"
+            # The micro-batch's own random stream: the same at any width, on any rank.
+            seed_torch(micro_batch_seed(self.spec.seed, step, first + j))
+            try:
+                with self._autocast():
+                    out = user_call("the loss function", self.spec.loss, state.compiled, batch)
+                loss, metrics = out if isinstance(out, tuple) else (out, {})
+                scaled = loss * (n / gbs)
+                if state.scaler is not None:
+                    scaled = state.scaler.scale(scaled)
+                user_call("backward", scaled.backward)
+            except Failure as err:
+                err.work = Work(step=step, micro_batch=first + j)
+                raise
+            if n:
+                loss_sum += float(loss.detach()) * n
+                for key, value in metrics.items():
+                    metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * n
+            vitals.progress += 1
+        membership.raise_if_aborted(step)
+        return loss_sum, metric_sums
+
+    def _autocast(self) -> Any:
+        """The forward's mixed precision (``spec.precision``); a no-op in full precision."""
+        if self.spec.precision is None:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.spec.precision == "bf16" else torch.float16
+        return torch.autocast(self.state.device.type, dtype=dtype)
+
+    def _fail(self, err: Failure, step: int) -> None:
+        """This step is lost whatever happens: the peers abandon it now (they look between
+        micro-batches) and the group closes, so that none waits in a collective."""
+        self.membership.abort_generation(step)
+        err.workers, err.step = (self.name,), step
+        if err.work is None:
+            err.work = Work(step=step)
+        shape = self.state.shape
+        if shape.shard_index and not getattr(err, "replica_intact", False):
+            replica_failed(self.state.store, shape.replica_key, shape.shard_index, err)
+
+    def _reduce(self, step: int, loaded: Loaded, first: int, count: int, comm: Collective,
+                status: torch.Tensor, metric_keys: tuple[str, ...], loss_sum: float,
+                metric_sums: dict[str, float]) -> None:
+        """Sums the gradient, the module buffers' contributions and the status over the
+        ranks; the next step's share loads meanwhile."""
+        self.vitals.set_phase("reduce", step)
+        spec, state = self.spec, self.state
+        extra = state.buffer_sync.contributions(
+            rank=comm.rank, width=comm.world_size, first=first, count=count,
+            total=spec.global_batch_size // spec.micro_batch_size,
+        )
+        # The step's totals, known to every rank after the reduction.
+        status[2] = max(float(status[2]), float(self.vitals.preempting))  # a notice mid-step
+        status[0] += loss_sum
+        status[1] += sum(n for n, _ in loaded.batches)
+        for i, key in enumerate(metric_keys):
+            status[4 + i] += metric_sums.get(key, 0.0)
+        try:
+            norm = state.reducer.reduce(comm, status, extra, self._load_planned)
+        except BaseException:
+            self.membership.abort_generation(step)  # no peer waits on this rank next
+            raise
+        if not self.sharded:  # a sharded replica's workers leave it: their hold (ckpt_freeze)
+            self.commits.reduced_step = step  # answers "not reduced"
+        state.buffer_sync.reduced(extra)
+        self.commits.grad_norm = norm
+
+    def _result(self, step: int, loaded: Loaded, loss_sum: float, metric_sums: dict[str, float],
+                t0: float, t1: float, data_wait_s: float) -> dict[str, Any]:
+        """The step's record; an fp16 step's norm unscaled, and whether it overflowed."""
+        overflow = False
+        scaler = self.state.scaler
+        if scaler is not None:  # the buffers hold scaled gradients
+            self.commits.grad_norm /= scaler.get_scale()
+            # The same on every replica (the gradient is reduced): all skip it alike at apply.
+            overflow = not math.isfinite(self.commits.grad_norm)
+        t2 = time.perf_counter()
+        self.vitals.set_phase("idle", step)
+        return {
+            "grad_norm": self.commits.grad_norm,
+            "overflow": overflow,
+            "loss_sum": loss_sum,
+            "n": int(sum(n for n, _ in loaded.batches)),
+            "metric_sums": metric_sums,
+            "ids": loaded.served.ids,  # what dataset[i] was called with, not an echo of ids
+            "digests": loaded.served.digests,
+            "data_wait_s": data_wait_s,
+            "compute_s": t1 - t0 - data_wait_s,
+            "reduce_s": t2 - t1,
+            "preempting": self.vitals.preempting,
+        }

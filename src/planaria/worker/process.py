@@ -1,0 +1,85 @@
+"""What a worker knows of its process and its machine: Ray's ids, its address, its threads."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import threading
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+
+from planaria.links import local_endpoints, probe, stalled_connections
+from planaria.network import interface_address
+
+__all__ = [
+    "gcs_address",
+    "group_address",
+    "nccl_survives_errors",
+    "probe_peers",
+    "ray_node_id",
+    "thread_stacks",
+]
+
+
+def nccl_survives_errors() -> None:
+    """torch's default NCCL error handling tears the process down when a collective times
+    out or a communicator fails: here a survivor must live on, its group aborted, and
+    rejoin the next generation. Set before the first NCCL group is built; a user's own
+    setting wins."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort comms, keep process
+    os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")  # no kill from the heartbeat
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+
+
+def group_address() -> str:
+    """The address this worker's process groups use: the interface gloo is told to use, or
+    what the host name resolves to (as gloo does)."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    if name:
+        with contextlib.suppress(Exception):
+            return interface_address(name.split(",")[0])
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def ray_node_id() -> str | None:
+    try:
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # not in a Ray worker (a test calling the class directly)
+        return None
+
+
+def gcs_address() -> str | None:
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:
+        return None
+
+
+def probe_peers(peers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    """Which of ``peers`` (name → probe address) answer, and this process's TCP connections
+    whose bytes go unacked (planaria.links)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(peers))) as pool:
+        reached = dict(zip(peers, pool.map(lambda a: probe(a, timeout_s), peers.values()),
+                           strict=True))
+    return {"reached": reached, "stalled": stalled_connections(),
+            "endpoints": local_endpoints()}
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack."""
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in frames.items():
+        parts.append(
+            f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+        )
+    return "\n".join(parts)

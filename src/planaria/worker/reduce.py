@@ -1,0 +1,207 @@
+"""How a replica's gradient is summed over the replicas: one interface, three ways.
+
+A step's reduction sums, over every replica, the gradient (already scaled by
+``n_microbatch / global_batch``, so the sum is the global batch's mean) together
+with the step's other sums: the module buffers' contributions
+(:class:`planaria.buffers.BufferSync`) and the run's status vector (the step's
+loss, sample counts and flags, :data:`planaria.worker.run_loop.STATUS`). The
+:class:`Reducer` is that seam; :func:`make_reducer` picks one of
+
+- :class:`FlatReducer`: one all-reduce of the flat gradient buffers after the
+  last backward, the status in a tail of the first fp32/fp64 buffer;
+- :class:`planaria.worker.reduce_overlapped.OverlappedReducer`: buckets of the
+  same buffers reduced while the last backward runs, as DDP does;
+- :class:`planaria.worker.reduce_sharded.ShardedReducer`: a sharded replica's
+  (FSDP2 inside it), shard by shard across the replicas.
+
+The transport below them is :class:`planaria.collective.Collective`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from planaria.collective import Collective
+
+__all__ = [
+    "FP32_EXACT_COUNT",
+    "STATUS_TAIL",
+    "FlatGradients",
+    "FlatReducer",
+    "Reducer",
+    "global_norm",
+    "status_in_tail",
+]
+
+STATUS_TAIL = 32
+"""Slots after the first fp32/fp64 gradient buffer that carry the run's status
+(:data:`planaria.worker.run_loop.STATUS` and the metrics' sums) in the gradient's
+all-reduce; a longer status, or a model with no such buffer, is reduced on its own, in
+fp64 (see :func:`status_in_tail`)."""
+_TAIL_DTYPES = (torch.float32, torch.float64)
+FP32_EXACT_COUNT = 2**24
+"""fp32 holds every integer up to 2**24 exactly, and not 2**24 + 1."""
+
+
+class Reducer(Protocol):
+    """A replica's gradient reduction across the replicas of a generation.
+
+    Contract: every rank of the generation calls the same methods in the same order
+    with the same ``extra`` and ``status`` lengths, so that every rank issues the same
+    collectives. :meth:`reduce` raises as the collective does (a peer died, the group
+    was interrupted); the gradient is then to be dropped (:meth:`zero`), and the next
+    :meth:`start_step` disarms whatever the failed step left armed. After it returns,
+    :meth:`gradients` hold the sum over the replicas, ``status`` (in place) and
+    ``extra`` the sums over the ranks, and the returned norm is the same on every rank.
+    """
+
+    def gradients(self) -> list[torch.Tensor]:
+        """This worker's gradient tensors (its shards in a sharded replica), made zero where
+        a parameter has none: what clipping scales and what an optimizer step reads."""
+        ...
+
+    def zero(self) -> None:
+        """Drops the gradient accumulated so far (a pending step that does not commit)."""
+        ...
+
+    def start_step(self) -> None:
+        """A step starts: nothing armed by a step that failed part-way stays armed."""
+        ...
+
+    def before_last_backward(self, comm: Collective) -> None:
+        """The step's last micro-batch's backward comes next (it may reduce as it goes)."""
+        ...
+
+    def agree_loaded(self, ok: bool) -> None:
+        """After a step's load: the workers of a replica agree that each loaded its share
+        (raises ``StepAborted`` on those that did when one did not). One worker: nothing."""
+        ...
+
+    def reduce(
+        self, comm: Collective, status: torch.Tensor | None, extra: list[torch.Tensor],
+        meanwhile: Callable[[], None],
+    ) -> float:
+        """Sums the gradient, ``extra`` and ``status`` over the ranks (in place) and returns
+        the reduced gradient's global L2 norm (NaN or inf if any element is). ``meanwhile``
+        runs while the collective is in flight, if the reducer waits on one. A status that
+        does not travel inside the gradient's own buffers is appended to ``extra``."""
+        ...
+
+    def close(self) -> None:
+        """Removes what the reducer installed on the model (hooks)."""
+        ...
+
+
+def status_in_tail(tail: torch.Tensor | None, status_len: int, global_batch_size: int) -> bool:
+    """Whether a step's status may ride in the gradient buffer's ``tail`` (its dtype: the
+    gradient's): it must fit, and its sample count must stay exact. Every partial sum of
+    the ranks' counts is at most the global batch, so an fp32 tail is exact for a global
+    batch below 2**24; a larger one sends the status beside the gradient, in fp64 (exact
+    to 2**53). Loss and metric sums in an fp32 tail are good to ~1e-7 relative."""
+    if tail is None or status_len > len(tail):
+        return False
+    return tail.dtype == torch.float64 or global_batch_size < FP32_EXACT_COUNT
+
+
+def global_norm(buffers: list[torch.Tensor]) -> float:
+    """The L2 norm of all the buffers together (NaN or inf if any element is). A float32
+    or float64 buffer's square sum is its dot product with itself, a third of
+    ``vector_norm``'s time on a CPU (BLAS); a half-precision one is summed in float32."""
+    if not buffers:
+        return 0.0
+    squares = [
+        b.dot(b).double() if b.dtype in (torch.float32, torch.float64)
+        else torch.linalg.vector_norm(b.float()).double().square()
+        for b in buffers
+    ]
+    return float(torch.stack(squares).sum().sqrt())
+
+
+class FlatGradients:
+    """Every parameter's ``.grad`` a view into one flat buffer per dtype.
+
+    Backward accumulates straight into the buffers, which are then reduced whole: no
+    copy in or out (what DDP calls gradient_as_bucket_view). The first fp32/fp64 buffer
+    has :data:`STATUS_TAIL` more slots, where the run's status rides.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.layout = list(by_dtype.values())  # the parameters of each buffer, in order
+        self.buffers: list[torch.Tensor] = []  # the gradients, one flat view per dtype
+        self.reduced: list[torch.Tensor] = []  # what the all-reduce sums: those and the tail
+        self.tail: torch.Tensor | None = None
+        for dtype, group in by_dtype.items():
+            numel = sum(p.numel() for p in group)
+            # The run's status rides on the gradient's own all-reduce in a tail of the
+            # first fp32/fp64 buffer: one collective a step, not two.
+            tail = STATUS_TAIL if self.tail is None and dtype in _TAIL_DTYPES else 0
+            flat = torch.zeros(numel + tail, dtype=dtype, device=device)
+            offset = 0
+            for p in group:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.buffers.append(flat[:numel])
+            self.reduced.append(flat)
+            if tail:
+                self.tail = flat[numel:]
+
+    def zero(self) -> None:
+        for flat in self.buffers:
+            flat.zero_()
+
+
+class FlatReducer:
+    """The whole flat buffers in one all-reduce after the last backward (see the module doc);
+    the step's status in the first fp32/fp64 buffer's tail when it fits exactly."""
+
+    def __init__(self, grads: FlatGradients, global_batch_size: int) -> None:
+        self.grads = grads
+        self.global_batch_size = global_batch_size
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.grads.buffers
+
+    def zero(self) -> None:
+        self.grads.zero()
+
+    def start_step(self) -> None:
+        pass
+
+    def before_last_backward(self, comm: Collective) -> None:
+        pass
+
+    def agree_loaded(self, ok: bool) -> None:
+        pass
+
+    def reduce(
+        self, comm: Collective, status: torch.Tensor | None, extra: list[torch.Tensor],
+        meanwhile: Callable[[], None],
+    ) -> float:
+        tail = self.grads.tail
+        if tail is not None:
+            tail.zero_()  # reduced with the gradient every step: last step's sums must go
+        in_tail = status is not None and status_in_tail(tail, len(status),
+                                                        self.global_batch_size)
+        if in_tail:
+            assert status is not None and tail is not None
+            tail[: len(status)].copy_(status)
+        elif status is not None:
+            extra.append(status)
+        works = comm.allreduce_start(self.grads.reduced + extra)
+        meanwhile()
+        comm.wait_all(works)
+        if in_tail:
+            assert status is not None and tail is not None
+            status.copy_(tail[: len(status)])
+        # The reduced gradient is the same on every rank: its norm tells every rank (and
+        # the controller) whether the update is finite, and serves the clipping at apply.
+        return global_norm(self.grads.buffers)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,175 @@
+"""A replica's training state: model, optimizer, scheduler, module buffers, loss scaler.
+
+Built from the spec's factories, each run with every global generator seeded from
+(spec seed, factory), so every replica builds the same state (invariant 8). In a
+sharded replica (``workers_per_replica`` > 1) the model is sharded over the
+replica's workers with FSDP2 (:mod:`planaria.sharded`). The gradient's reducer
+(:mod:`planaria.worker.reduce`) is built with the model: it owns the gradients.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from planaria.buffers import BufferSync
+from planaria.config import TrainSpec
+from planaria.errors import PlanariaError, UserCodeError
+from planaria.faults import user_call
+from planaria.randomness import factory_seed, seed_globals
+from planaria.sharded import init_replica_group, shard_model
+from planaria.state import flatten_state, jsonable, model_checksum
+from planaria.worker.reduce import FlatGradients, FlatReducer, Reducer
+from planaria.worker.reduce_overlapped import OverlappedReducer
+from planaria.worker.reduce_sharded import ShardedReducer
+
+__all__ = ["ReplicaShape", "ReplicaState", "run_factory"]
+
+T = TypeVar("T")
+
+
+def run_factory(what: str, seed: int, fn: Callable[..., T], *args: Any) -> T:
+    """A user factory, run with every global generator seeded from (spec seed, factory)."""
+    seed_globals(factory_seed(seed, what))
+    return user_call(f"the {what} factory", fn, *args)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaShape:
+    """Where this worker sits in its replica and how its gradient is reduced."""
+
+    k: int
+    """The replica's workers (more than one: a sharded replica)."""
+    shard_index: int
+    """This worker's place among them."""
+    replica_key: str
+    """The replica's name in the store (its inner group's prefix)."""
+    backend: str
+    """The process groups' backend (gloo, nccl)."""
+    timeout_s: float
+    """The replica's inner group's collective timeout."""
+    overlap_reduction: bool
+    """The gradient is reduced during the last backward (OverlappedReducer)."""
+
+
+class ReplicaState:
+    """This worker's part of a replica's state; :meth:`build` makes it (again)."""
+
+    def __init__(self, spec: TrainSpec, device: torch.device, shape: ReplicaShape,
+                 store: Any) -> None:
+        self.spec = spec
+        self.device = device
+        self.shape = shape
+        self.store = store
+        self.model: torch.nn.Module
+        self.compiled: Any  # the model, or torch.compile's of it (spec.compile)
+        self.optimizer: Any
+        self.scheduler: Any = None
+        self.buffer_sync: BufferSync
+        self.scaler: torch.amp.GradScaler | None = None  # fp16's loss scaler
+        self.reducer: Reducer  # owns the gradients; built with the model
+        self.built = False
+        # Guards the committed state against a snapshot taken beside the training thread
+        # (planaria.worker.ckpt_save's ckpt_start_beside).
+        self.lock = threading.RLock()
+        self.dirty = False
+        """A restore wrote into the live state and did not finish: it is not to be used."""
+
+    def build(self) -> None:
+        """Model, optimizer and scheduler in their initial state (seeded from the spec)."""
+        spec = self.spec
+        self.model = run_factory("model", spec.seed, spec.model).to(self.device)
+        if self.shape.k > 1:
+            self._shard()
+        self.optimizer = run_factory("optimizer", spec.seed, spec.optimizer,
+                                     self.model.parameters())
+        self.scheduler = (
+            run_factory("lr_scheduler", spec.seed, spec.lr_scheduler, self.optimizer)
+            if spec.lr_scheduler
+            else None
+        )
+        self.buffer_sync = BufferSync(self.model)
+        self.scaler = (torch.amp.GradScaler(self.device.type)
+                       if spec.precision == "fp16" else None)
+        if self.built:
+            self.reducer.close()
+        self.reducer = self._make_reducer()
+        self.built = True
+        self.compiled = (torch.compile(self.model, dynamic=False, **(spec.compile_options or {}))
+                         if spec.compile else self.model)
+
+    def _make_reducer(self) -> Reducer:
+        gbs = self.spec.global_batch_size
+        if self.shape.k > 1:  # FSDP2 owns the gradients (sharded DTensors): no flat buffers
+            return ShardedReducer(list(self.model.parameters()), self.device)
+        grads = FlatGradients([p for p in self.model.parameters() if p.requires_grad],
+                              self.device)
+        if self.shape.overlap_reduction:
+            return OverlappedReducer(grads, gbs)
+        return FlatReducer(grads, gbs)
+
+    def _shard(self) -> None:
+        """Shards the model over the replica's workers (planaria.sharded)."""
+        params = {name for name, _ in self.model.named_parameters()}
+        if any(name not in params for name in self.model.state_dict()):  # persistent buffers
+            raise UserCodeError(
+                "the model has buffers (BatchNorm running statistics, ...): sharded replicas "
+                "(workers_per_replica > 1) do not keep buffers in step yet; use "
+                "workers_per_replica=1, or a model without buffers (LayerNorm has none)"
+            )
+        shape = self.shape
+        init_replica_group(self.store, shape.replica_key, shape.shard_index, shape.k,
+                           shape.backend, shape.timeout_s)
+        self.model = shard_model(self.model, shape.k, self.device, self.spec.shard)
+
+    def flatten(self, *, whole: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The state's tensors by name and its JSON metadata (planaria.state.flatten_state)."""
+        return flatten_state(self.model, self.optimizer, self.scheduler, whole=whole)
+
+    def checksum(self) -> int:
+        return model_checksum(self.model)
+
+    def nbytes(self) -> int:
+        tensors, _ = self.flatten()
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def copies(self, steps_done: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Host copies of the whole state and its metadata; a sharded replica's workers
+        gather the whole tensors, and only shard 0's copy is returned (the others: empty)."""
+        tensors, meta = self.flatten(whole=self.shape.k > 1)
+        if self.shape.shard_index:
+            return {}, {}  # gathered by the leader: only its copy leaves the replica
+        return {k: v.detach().cpu().clone() for k, v in tensors.items()}, {
+            **meta,
+            "steps_done": steps_done,
+        }
+
+    def with_extra_state(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """``meta`` with the spec's extra state added (``extra_state``), if it has one, and
+        fp16's loss scale and its growth tracker."""
+        hook = self.spec.extra_state
+        if hook is not None:
+            meta["extra_state"] = jsonable(user_call("extra_state get", hook[0], self.model,
+                                                     self.optimizer), "extra_state")
+        if self.scaler is not None:
+            meta["grad_scaler"] = self.scaler.state_dict()
+        return meta
+
+    def set_extra_state(self, meta: Mapping[str, Any]) -> None:
+        """Hands the extra state in ``meta`` (if any) to the spec's setter, and the loss
+        scale to the scaler."""
+        hook = self.spec.extra_state
+        if hook is not None and isinstance(meta.get("extra_state"), dict):
+            user_call("extra_state set", hook[1], self.model, self.optimizer, meta["extra_state"])
+        if self.scaler is not None and isinstance(meta.get("grad_scaler"), dict):
+            self.scaler.load_state_dict(meta["grad_scaler"])
+
+    def refuse_if_dirty(self, name: str, what: str) -> None:
+        """Raises if a restore left this replica's state half written."""
+        if self.dirty:
+            raise PlanariaError(f"{name} cannot {what}: a restore into it did not finish, "
+                                "its state is partly overwritten")
