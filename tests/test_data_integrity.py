@@ -7,6 +7,7 @@ ledger's record of what the datasets served, and the replica checksum check.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from planaria.buffers import BufferSync
 from planaria.data_plan import Ledger, micro_batch_range, split_micro_batches
 from planaria.errors import ConfigError
 from planaria.examples import bn_mlp, mlp
+from planaria.examples.mlp import mse
 from planaria.integrity import (
     dataset_fingerprint,
     describe_mismatch,
@@ -29,6 +31,7 @@ from planaria.integrity import (
     sample_digest,
 )
 from planaria.randomness import micro_batch_seed, sample_scope, sample_seed
+from planaria.worker.reduce import STATUS_TAIL
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -214,6 +217,25 @@ def test_dropout_and_batchnorm_are_width_invariant(tmp_path, bn_reference, repli
     assert int(state["1.num_batches_tracked"]) == STEPS * G // 8
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS,
                         dataset=mlp.Regression(n=N))
+
+
+def _mse_with_many_metrics(model, batch):
+    """The BatchNorm model's loss with more metrics than the gradient buffer's status tail
+    holds: the step's status travels beside the gradient."""
+    loss = mse(model, batch)
+    return loss, {f"m{i:02d}": float(i) for i in range(STATUS_TAIL)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_status_beside_the_gradient_leaves_the_buffers_alone_at_width_one(tmp_path,
+                                                                           bn_reference):
+    # One replica sums no buffer contributions; the status sent beside the gradient once
+    # reached the buffers' update as if it were their sums.
+    spec = dataclasses.replace(BN_SPEC, loss=_mse_with_many_metrics)
+    state, _ = train(spec, tmp_path, replicas=1)
+    assert_same_state(bn_reference, state, atol=1e-5, rtol=1e-4)
+    assert int(state["1.num_batches_tracked"]) == STEPS * G // 8
 
 
 @pytest.mark.multiprocess
