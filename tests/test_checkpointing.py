@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from planaria.checkpoint.manifest import parse_marker
 from planaria.checkpointing import CheckpointConfig
 from planaria.errors import CheckpointError, ConfigError
 from planaria.examples import mlp
-from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import assert_exactly_once, assert_same_state, events, of, run_to
 
 # The workers unpickle this module's helpers by value: they cannot import the tests package.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -150,76 +149,95 @@ def test_flipped_bit_falls_back_to_previous(saved3: Path, tmp_path: Path, caplog
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_all_replicas_lost_restores_in_process(tmp_path: Path, reference) -> None:
-    result = fit(mlp.make_spec(n=N), steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True,
-                 chaos="kill:w0@step10,kill:w1@step10,kill:w2@step10",
-                 checkpoint=CheckpointConfig(every=4))
-    assert result.final_step == STEPS
-    assert_same_state(reference, result.state_dict)
+    spec = mlp.make_spec(n=N)
+    cfg = RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True)
+    chaos = planaria.ChaosPlan.parse("kill:w0@step10,kill:w1@step10,kill:w2@step10",
+                                     seed=spec.seed)
+    with Job(spec, cfg, chaos=chaos, checkpoint=CheckpointConfig(every=4)) as job:
+        run_to(job, 10)
+        job.checkpointer.finish_inflight()  # step 8's background save commits before the kill
+        assert job.checkpointer.last_committed == 8
+        run_to(job, STEPS)
+        job.checkpointer.save_final()
+        state = job.model_state_dict()
+    assert job.steps_done == STEPS
+    assert_same_state(reference, state)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(tmp_path)
     (restore,) = of(evs, "restore")
-    # The newest committed checkpoint: step 8's, or step 4's when step 8's background save
-    # was still in flight at the kill (a loaded machine).
     committed = [c["step"] for c in of(evs, "checkpoint_saved") if c["t"] <= restore["t"]]
-    assert committed and committed[-1] in (4, 8) and restore["step"] == committed[-1]
-    assert restore["lost_steps"] == 10 - restore["step"] and restore["restore_s"] > 0
+    assert committed == [4, 8] and restore["step"] == 8  # the newest committed checkpoint
+    assert restore["lost_steps"] == 2 and restore["restore_s"] > 0
     assert "restore" in [e["action"] for e in of(evs, "action")]
     assert of(evs, "checkpoint_saved")[-1]["step"] == STEPS
 
 
-def slow_writes_model():
-    """The MLP, in a worker whose checkpoint writes take ~0.6 s (so a kill lands mid-write)."""
-    import planaria.checkpoint.async_writer as aw
+class DiesWritingStep:
+    """The MLP, in workers where the first writer of step ``step`` to claim ``marker`` (an
+    atomic rename) is killed part-way through its shard: the file half written, the process
+    SIGKILLed before its record is (a writer killed mid-save, at a point the test names)."""
 
-    if not getattr(aw, "_slowed", False):
-        original = aw.write_image
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker = step, marker
 
-        def slow(*args, **kwargs):
-            time.sleep(0.3)
-            record = original(*args, **kwargs)
-            time.sleep(0.3)
-            return record
+    def __call__(self) -> torch.nn.Module:
+        import planaria.checkpoint.async_writer as aw
 
-        aw.write_image = slow
-        aw._slowed = True
-    return mlp.make_model()
+        if not getattr(aw, "_dies_writing", False):
+            original = aw.write_image
+            step, marker = self.step, self.marker
+
+            def write_or_die(root, at, index, *args, **kwargs):
+                record = original(root, at, index, *args, **kwargs)
+                if at != step:
+                    return record
+                try:
+                    os.rename(marker, marker + ".claimed")
+                except FileNotFoundError:
+                    return record  # another writer died: this one writes its shard
+                for shard in Path(root).glob(f"step_{at:09d}.tmp-*/shard-{index + 1:05d}-of-*"):
+                    with open(shard, "r+b") as f:
+                        f.truncate(shard.stat().st_size // 2)
+                os.kill(os.getpid(), signal.SIGKILL)
+                return record
+
+            aw.write_image = write_or_die
+            aw._dies_writing = True
+        return mlp.make_model()
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_writer_killed_mid_save_leaves_it_uncommitted(tmp_path: Path, reference) -> None:
-    spec = dataclasses.replace(mlp.make_spec(n=N), model=slow_writes_model)
-    cfg = RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True)
-    killed_step = None
+    marker = tmp_path / "die-writing"
+    marker.touch()
+    spec = dataclasses.replace(mlp.make_spec(n=N), model=DiesWritingStep(6, str(marker)))
+    run_dir = tmp_path / "run"
+    cfg = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
     with Job(spec, cfg, checkpoint=CheckpointConfig(every=3)) as job:
-        while job.steps_done < STEPS:
-            try:
-                job.train_step()
-            except planaria.Failure as failure:
-                job.recovery.handle(failure)
-                continue
-            inflight = job.checkpointer._inflight
-            if killed_step is None and inflight is not None and inflight.step == 6:
-                victim = job.members[1]
-                threading.Timer(random.Random(0).uniform(0.05, 0.5),
-                                os.kill, (victim.pid, signal.SIGKILL)).start()
-                killed_step = inflight.step
+        run_to(job, STEPS)
         job.checkpointer.save_final()
         state = job.model_state_dict()
-    assert killed_step == 6
+    assert not marker.exists()  # a writer of step 6 died mid-save
     assert_same_state(reference, state)
-    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
-    evs = events(tmp_path)
-    assert [e["step"] for e in of(evs, "checkpoint_failed")] == [6]
+    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(run_dir)
+    (failed,) = of(evs, "checkpoint_failed")
+    (fault,) = of(evs, "fault")
+    assert failed["step"] == 6 and f"writer {fault['worker']} failed" in failed["error"]
+    assert fault["kind"] == "worker_lost"
     saved = [e["step"] for e in of(evs, "checkpoint_saved")]
     assert 6 not in saved and saved[-1] == STEPS and saved[0] == 3
-    root = tmp_path / "checkpoints"
+    root = run_dir / "checkpoints"
     assert not (root / "step_000000006").exists()
     for info in list_checkpoints(str(root)):
         assert info.committed and verify_checkpoint(info.path).ok
-    time.sleep(1.0)  # the surviving writers' leftovers go once they finish
-    assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+    end = time.monotonic() + 60  # the surviving writers' leftovers go once they finish
+    while (left := [p.name for p in root.iterdir() if ".tmp-" in p.name]) and \
+            time.monotonic() < end:
+        time.sleep(0.1)
+    assert not left, left
 
 
 # ---- whole-job crashes -----------------------------------------------------------------------

@@ -231,12 +231,19 @@ def test_a_death_during_a_restore_restores_again(tmp_path, reference):
     job = Job(
         mlp.make_spec(n=N),
         planaria.RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True),
+        # The restore waits for all three replacements: one reader dies, two survive it.
+        policy=RecoveryPolicy(min_replicas=3),
         chaos=planaria.ChaosPlan.parse("kill:w0@step8,kill:w1@step8,kill:w2@step8"),
         checkpoint=CheckpointConfig(every=3, fsync=False),
     )
     job.hooks.append(kill_one_reader)
+    waited = False
     with job:
         while job.steps_done < STEPS:
+            if job.steps_done == 8 and not waited:  # step 6's background save commits first
+                job.checkpointer.finish_inflight()
+                assert job.checkpointer.last_committed == 6
+                waited = True
             try:
                 job.train_step()
             except planaria.Failure as failure:
@@ -247,16 +254,15 @@ def test_a_death_during_a_restore_restores_again(tmp_path, reference):
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(tmp_path)
     faults = of(evs, "fault")
-    assert faults[0]["kind"] == "all_replicas_lost" and len(faults) == 2
-    assert faults[1]["worker"] == killed[0]  # lost, or all lost if it was the only reader
+    assert [f["kind"] for f in faults] == ["all_replicas_lost", "worker_lost"]
+    assert faults[1]["worker"] == killed[0]
     # The second fault interrupted the reads, leaving the others' tensors half overwritten:
     # the state was restored again, never resized onto them.
     assert [a["action"] for a in of(evs, "action")] == ["restore", "restore"]
-    # Restored from the newest committed checkpoint (step 6, or step 3 when step 6's background
-    # save was still in flight at the kill on a slow machine).
+    # Restored from the newest committed checkpoint, at the full width.
     (restore,) = of(evs, "restore")
     committed = [c["step"] for c in of(evs, "checkpoint_saved") if c["t"] <= restore["t"]]
-    assert committed and committed[-1] in (3, 6) and restore["step"] == committed[-1]
+    assert committed == [3, 6] and restore["step"] == 6 and restore["width"] == 3
 
 
 class _NanOnceOnSample:
@@ -278,22 +284,36 @@ class _NanOnceOnSample:
         return loss * float("nan")
 
 
-def slow_saves_model():
-    """The MLP, in a worker whose checkpoint writes take 3 s longer: a save stays in flight."""
-    import time
+class SavesAfterTheRollback:
+    """The MLP, in workers whose checkpoint writes wait (bounded) until the run's event log
+    records the rollback: the save before the non-finite step is in flight at the rollback."""
 
-    import planaria.checkpoint.async_writer as aw
+    def __init__(self, events_path: str) -> None:
+        self.events_path = events_path
 
-    if not getattr(aw, "_slow", False):
-        write = aw.write_image
+    def __call__(self) -> torch.nn.Module:
+        import json
+        import time
 
-        def slow(*args, **kwargs):
-            time.sleep(3.0)
-            return write(*args, **kwargs)
+        import planaria.checkpoint.async_writer as aw
 
-        aw.write_image = slow
-        aw._slow = True
-    return mlp.make_model()
+        if not getattr(aw, "_after_the_rollback", False):
+            write, path = aw.write_image, self.events_path
+
+            def rolled_back() -> bool:
+                with open(path) as f:
+                    lines = [line for line in f if line.strip().endswith("}")]
+                return any(json.loads(line).get("action") == "rollback" for line in lines)
+
+            def after_the_rollback(*args, **kwargs):
+                end = time.monotonic() + 60
+                while not rolled_back() and time.monotonic() < end:
+                    time.sleep(0.01)
+                return write(*args, **kwargs)
+
+            aw.write_image = after_the_rollback
+            aw._after_the_rollback = True
+        return mlp.make_model()
 
 
 def test_a_rollback_waits_for_the_save_in_flight_and_restores_it(tmp_path, reference):
@@ -310,7 +330,8 @@ def test_a_rollback_waits_for_the_save_in_flight_and_restores_it(tmp_path, refer
     step = next(s for s in range(2, STEPS) if 11 in set(plan.batch(s).tolist()))
     marker = tmp_path / "nan-once"
     marker.touch()
-    spec = dataclasses.replace(spec, model=slow_saves_model,
+    events_path = str(tmp_path / "run" / "events.jsonl")
+    spec = dataclasses.replace(spec, model=SavesAfterTheRollback(events_path),
                                loss=_NanOnceOnSample(11, str(marker)))
     result = fit(spec, steps=STEPS, replicas=2, run_dir=tmp_path / "run", ledger=True,
                  policy=RecoveryPolicy(on_nonfinite="rollback"),
@@ -323,3 +344,6 @@ def test_a_rollback_waits_for_the_save_in_flight_and_restores_it(tmp_path, refer
     (restore,) = of(evs, "restore")
     assert (restore["step"], restore["lost_steps"]) == (step - 1, 1)
     assert not [e for e in of(evs, "checkpoint_failed") if e["step"] == step - 1]
+    (rollback,) = [a for a in of(evs, "action") if a["action"] == "rollback"]
+    saved = next(e for e in of(evs, "checkpoint_saved") if e["step"] == step - 1)
+    assert rollback["t"] < saved["t"] < restore["t"]  # in flight at the rollback, waited for

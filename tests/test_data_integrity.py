@@ -32,7 +32,7 @@ from planaria.integrity import (
 )
 from planaria.randomness import micro_batch_seed, sample_scope, sample_seed
 from planaria.worker.reduce import STATUS_TAIL
-from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import assert_exactly_once, assert_same_state, events, of, run_to
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -241,10 +241,17 @@ def test_a_status_beside_the_gradient_leaves_the_buffers_alone_at_width_one(tmp_
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_kill_changes_nothing_with_dropout_and_batchnorm(tmp_path, bn_reference):
-    result = fit(BN_SPEC, steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True,
-                 chaos="kill:w1@step5")
-    assert result.final_step == STEPS
-    assert_same_state(bn_reference, result.state_dict, atol=1e-5, rtol=1e-4)
+    import signal
+
+    from tests.loop_faults import SignalSelfAt, install
+
+    with Job(BN_SPEC, RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True)) as job:
+        # w1 dies in step 5 once its samples are served and recorded, before the reduction.
+        install(job, "w1", SignalSelfAt(5, "computed", signal.SIGKILL, str(tmp_path / "killed")))
+        state = run_to(job, STEPS)
+        assert job.steps_done == STEPS
+    assert (tmp_path / "killed").read_text() == "w1"
+    assert_same_state(bn_reference, state, atol=1e-5, rtol=1e-4)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS,
                         dataset=mlp.Regression(n=N))
     evs = events(tmp_path)
@@ -257,10 +264,10 @@ def test_a_kill_changes_nothing_with_dropout_and_batchnorm(tmp_path, bn_referenc
     counted = [r for r in served if (r["gen"], r["step"]) in committing]
     assert len(counted) == sum(e["width"] for e in of(evs, "step_committed"))
     # Every record is kept: the survivors' records of the attempt the kill broke too, and
-    # the dead worker's if it was served before the kill (the autonomous loop keeps it in
-    # the store before the step's collective).
+    # the dead worker's, served before the kill (the autonomous loop keeps it in the store
+    # before the step's collective).
     failed = {(r["step"], r["worker"]) for r in served if (r["gen"], r["step"]) not in committing}
-    assert {(5, "w0"), (5, "w2")} <= failed <= {(5, "w0"), (5, "w1"), (5, "w2")}
+    assert failed == {(5, "w0"), (5, "w1"), (5, "w2")}
 
 
 class NumpyGlobalData(torch.utils.data.Dataset):
@@ -419,6 +426,8 @@ def test_divergence_without_a_majority_restores_the_checkpoint(tmp_path, bn_refe
     with Job(BN_SPEC, cfg, checkpoint=CheckpointConfig(every=2)) as job:
         while job.steps_done < STEPS:
             if job.steps_done == 6 and not nudged:
+                job.checkpointer.finish_inflight()  # step 4's background save commits first
+                assert job.checkpointer.last_committed == 4
                 job.commit_all()
                 ray.get(job.members[1].actor.__ray_call__.remote(_nudge), timeout=30)
                 nudged = True
@@ -431,8 +440,8 @@ def test_divergence_without_a_majority_restores_the_checkpoint(tmp_path, bn_refe
     evs = events(tmp_path)
     (fault,) = of(evs, "fault")
     assert fault["kind"] == "replica_divergence" and fault["worker"] == "w0,w1"
-    # The boundary checks before it saves: the diverged state of step 6 was never saved
-    # (the save of step 4 may still have been in flight: then step 2's is restored).
+    # The boundary checks before it saves: the diverged state of step 6 was never saved,
+    # and step 4's (committed before the nudge) is restored.
     (restore,) = of(evs, "restore")
-    assert restore["step"] in (2, 4) and restore["lost_steps"] == 6 - restore["step"]
+    assert restore["step"] == 4 and restore["lost_steps"] == 2
     assert 6 not in [e["step"] for e in of(evs, "checkpoint_saved") if e["t"] < restore["t"]]

@@ -183,8 +183,9 @@ def test_a_run_dir_that_fills_leaves_the_run_going_and_no_process_behind(tmp_pat
         outcome = json.loads(line.removeprefix("OUTCOME "))
         assert outcome.get("final_step") == steps, outcome
         assert outcome["left"] == [], outcome["left"]
-        assert "cannot write the ledger" in done.stderr or "cannot write the event log" in \
-            done.stderr, done.stderr[-3000:]
+        # The ledger alone (three served records of ~320 bytes a step) outgrows the disk: it
+        # fails, whatever else (the event log, ray.log) fills it first.
+        assert "cannot write the ledger" in done.stderr, done.stderr[-3000:]
         for text in (run_dir / "events.jsonl").read_text().splitlines():
             json.loads(text)  # whole lines only, although writes failed part-way
         assert shutil.disk_usage(run_dir).free < 8192  # it did fill
