@@ -115,7 +115,7 @@ def _finish(job: Any) -> dict[str, dict[str, Any]]:
 def run_job(cfg: dict[str, Any]) -> None:
     from planaria.campaign.inject import Injector
     from planaria.campaign.mix import PlannedRun
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
     from planaria.config import RunConfig
     from planaria.controller import Job
     from planaria.errors import Failure
