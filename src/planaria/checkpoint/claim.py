@@ -24,10 +24,10 @@ __all__ = ["claim_root", "probe_root"]
 _log = logging.getLogger("planaria.checkpoint")
 
 
-def claim_root(root: CheckpointRoot, members: Sequence[Member], log: EventSink) -> str:
-    """Takes the lease on the root, settles this run's lineage, removes leftovers of crashed
-    saves and probes the root from every member; logs ``checkpoint_lineage``. Returns the
-    mode (``resume`` or ``on_other_run``'s). On any error the lease is released again."""
+def claim_root(root: CheckpointRoot, members: Sequence[Member], log: EventSink) -> None:
+    """Takes the lease on the root, settles this run's lineage (``root.lineage``), removes
+    leftovers of crashed saves and probes the root from every member; logs
+    ``checkpoint_lineage``. On any error the lease is released again."""
     config = root.config
     prev = root.call(root.lease.acquire, "taking the lease on the root")
     try:
@@ -64,7 +64,6 @@ def claim_root(root: CheckpointRoot, members: Sequence[Member], log: EventSink) 
              mode=mode, root=root.root,
              other_runs=sorted({str(r) for r in runs.values()} - set(map(str, parent)))
              if mode == "branch" else [])
-    return mode
 
 
 def probe_root(root: CheckpointRoot, members: Sequence[Member]) -> None:

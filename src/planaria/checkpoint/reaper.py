@@ -14,9 +14,10 @@ from planaria.checkpoint.layout import tmp_dir_name
 from planaria.checkpoint.retention import remove_uncommitted_save
 from planaria.checkpoint.root import CheckpointRoot
 
-__all__ = ["AbandonedSave", "AbandonedSaves"]
+__all__ = ["POLL_S", "AbandonedSave", "AbandonedSaves"]
 
-POLL_S = 0.02  # a writer's poll answers at once while its write goes on
+POLL_S = 0.02
+"""How often a wait on writers looks again (a poll answers at once while a write goes on)."""
 
 
 class AbandonedSave(Protocol):

@@ -29,16 +29,15 @@ from planaria.checkpoint.failures import SaveFailures
 from planaria.checkpoint.host import CheckpointHost
 from planaria.checkpoint.interval import CheckpointInterval
 from planaria.checkpoint.layout import new_save_id
-from planaria.checkpoint.reaper import AbandonedSaves
+from planaria.checkpoint.reaper import POLL_S, AbandonedSaves
 from planaria.checkpoint.root import CheckpointRoot
 from planaria.checkpoint.upkeep import RootUpkeep
 from planaria.checkpoint.writer import ShardRecord
 from planaria.errors import Failure, root_cause
 
-__all__ = ["POLL_S", "Save", "SavePipeline"]
+__all__ = ["Save", "SavePipeline"]
 
 _log = logging.getLogger("planaria.checkpoint")
-POLL_S = 0.02  # while a blocking save waits for its writers
 
 
 @dataclass
