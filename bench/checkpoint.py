@@ -47,7 +47,7 @@ from torch import nn  # noqa: E402
 
 from bench.checkpoint_io import drop_cache, raw_read  # noqa: E402
 from planaria import Job, RunConfig, TrainSpec  # noqa: E402
-from planaria.checkpointing import CheckpointConfig  # noqa: E402
+from planaria.checkpoint.config import CheckpointConfig  # noqa: E402
 
 DIM, CLASSES = 256, 16
 
@@ -116,8 +116,8 @@ def window_steps(job: Job, quick: bool) -> int:
     step_s = steps(job, 3) / 3
     job.commit_all()
     t0 = time.perf_counter()
-    ck._start(reason="bench")
-    ck._finish(600)
+    ck.saves.start(reason="bench")
+    ck.saves.finish_within(600)
     save_s = time.perf_counter() - t0
     k = max(3, int(2 * save_s / max(step_s, 1e-3)) + 1)
     return min(k, 8 if quick else 200)
@@ -131,11 +131,11 @@ def planaria_extra(job: Job, k: int, repeat: int) -> dict[str, float]:
         base = steps(job, k)
         step = job.steps_done
         t0 = time.perf_counter()
-        ck._start(reason="bench")  # what a step boundary does when a save is due
+        ck.saves.start(reason="bench")  # what a step boundary does when a save is due
         stalls.append(time.perf_counter() - t0)
         for _ in range(k):
             job.train_step()  # each boundary collects the save's progress, never waiting
-        ck._finish(600)  # a save still running at the window's end blocks here
+        ck.saves.finish_within(600)  # a save still running at the window's end blocks here
         job.commit_all()
         extras.append(time.perf_counter() - t0 - base)
         assert ck.last_committed == step, (ck.last_committed, step)

@@ -93,7 +93,6 @@ MAX_JOB_LINES = 300
 # Modules still over the limit while the redesign is under way, with the most lines each may
 # have: the list only shrinks (a module that shrank under the limit must leave it).
 OVERSIZE: dict[str, int] = {
-    "planaria.checkpointing": 1056,
     "planaria.controller": 1355,
     "planaria.recovery": 577,
 }
@@ -103,8 +102,6 @@ JOB_LINES_NOW = 1185  # the Job class today, while it is taken apart: only shrin
 # another module of planaria, not in the reader's): only shrinks.
 FOREIGN_PRIVATES: set[tuple[str, str]] = {
     ("planaria.campaign.job", "_gather"),
-    ("planaria.checkpointing", "_gather"),
-    ("planaria.checkpointing", "_hook"),
     ("planaria.recovery", "_wait_ready"),
     ("planaria.recovery", "_gather"),
     ("planaria.recovery", "_draining"),

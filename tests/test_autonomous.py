@@ -26,7 +26,7 @@ import ray
 
 import planaria
 from planaria import Job, RunConfig, fit
-from planaria.checkpointing import CheckpointConfig
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.data_plan import DataPlan
 from planaria.errors import StepAborted, UserCodeError
 from planaria.examples import bn_mlp

@@ -59,10 +59,10 @@ def test_flipped_bit_is_detected_and_latest_viable_falls_back(tmp_path) -> None:
         load_checkpoint(new)
     load_checkpoint(new, verify=False)  # the caller may opt out
 
-    path, warnings = latest_viable(root)
+    path, warnings = latest_viable(root, lineage=[None])
     assert path == old
     assert len(warnings) == 1 and entry.file in warnings[0] and "model/big.weight" in warnings[0]
-    restored, warnings2 = load_latest(root)
+    restored, warnings2 = load_latest(root, lineage=[None])
     assert restored is not None and restored.path == old and restored.step == 10
     assert_same(restored.tensors, make_state(0))
     assert entry.file in warnings2[0]
@@ -87,7 +87,7 @@ def test_truncated_or_missing_shard(tmp_path) -> None:
     os.remove(shard)
     with pytest.raises(IncompleteCheckpoint, match="missing"):
         load_checkpoint(new)
-    path, warnings = latest_viable(root)
+    path, warnings = latest_viable(root, lineage=[None])
     assert path == old and "shard-00001-of-00002.safetensors" in warnings[0]
 
 
@@ -110,7 +110,7 @@ def test_torn_saves_are_never_returned(tmp_path) -> None:
     root = str(tmp_path)
     good = save(root, 20, make_state(), 2)
     torn_saves(root)
-    path, warnings = latest_viable(root)
+    path, warnings = latest_viable(root, lineage=[None])
     assert path == good
     assert any("step 40" in w and "not committed" in w for w in warnings)
     assert any("step 50" in w and "shard-00002-of-00002" in w for w in warnings)
@@ -124,12 +124,12 @@ def test_torn_saves_are_never_returned(tmp_path) -> None:
 
 
 def test_nothing_viable(tmp_path) -> None:
-    assert latest_viable(str(tmp_path)) == (None, [])
-    assert latest_viable(str(tmp_path / "missing")) == (None, [])
+    assert latest_viable(str(tmp_path), lineage=[None]) == (None, [])
+    assert latest_viable(str(tmp_path / "missing"), lineage=[None]) == (None, [])
     torn_saves(str(tmp_path))
-    path, warnings = latest_viable(str(tmp_path))
+    path, warnings = latest_viable(str(tmp_path), lineage=[None])
     assert path is None and len(warnings) == 2
-    assert load_latest(str(tmp_path))[0] is None
+    assert load_latest(str(tmp_path), lineage=[None])[0] is None
 
 
 def rewrite_manifest(path: str, edit) -> None:  # type: ignore[no-untyped-def]
@@ -168,7 +168,7 @@ def test_bad_manifests_are_rejected(tmp_path, what: str) -> None:
     with pytest.raises(ManifestError):
         load_checkpoint(path)
     assert not verify_checkpoint(path).ok
-    assert latest_viable(str(tmp_path))[0] is None
+    assert latest_viable(str(tmp_path), lineage=[None])[0] is None
 
 
 def test_manifest_file_size_disagrees_with_disk(tmp_path) -> None:
@@ -256,7 +256,7 @@ def test_crash_between_the_two_renames_keeps_the_step(tmp_path) -> None:
     new = save(str(tmp_path / "other"), 2, make_state(1), 2)
     shutil.move(new, os.path.join(root, "step_000000002.tmp-abc"))
     os.rename(final, os.path.join(root, "step_000000002.trash-def"))
-    assert latest_viable(root)[0] is None
+    assert latest_viable(root, lineage=[None])[0] is None
     clean_leftovers(root)
     assert sorted(os.listdir(root)) == ["step_000000002"]
     assert_same(load_checkpoint(final)[0], make_state(1))

@@ -73,7 +73,7 @@ def test_sigkill_at_random_points(tmp_path) -> None:
         proc.join(10)
         assert proc.exitcode == -signal.SIGKILL, "the saver must die mid-way, not finish"
 
-        path, _ = latest_viable(root)
+        path, _ = latest_viable(root, lineage=[None])
         assert path is not None
         tensors, meta = load_checkpoint(path)
         step = meta["step"]

@@ -20,11 +20,11 @@ from planaria.checkpoint import (
     write_shard,
 )
 from planaria.checkpoint.compat import compare_data_plans, compare_layouts
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.checkpoint.errors import LeaseHeld
 from planaria.checkpoint.lease import ProcessIdentity, RootLease
 from planaria.checkpoint.restore import read_run_id
 from planaria.checkpoint.storage import Storage
-from planaria.checkpointing import CheckpointConfig
 from planaria.errors import ConfigError
 
 
@@ -202,19 +202,16 @@ def test_scheduler_state_is_loaded_only_into_its_own_keys() -> None:
 
 
 def test_strategy_follows_the_replicas_topology(tmp_path: Path) -> None:
-    from types import SimpleNamespace
-
-    from planaria.checkpointing import Checkpointer
+    from planaria.checkpoint.coordinator import Checkpointer
+    from tests.checkpoint_host import FakeHost, as_host
 
     def strategy(nodes: list[str], **cfg: object) -> str:
-        job = SimpleNamespace(run_dir=str(tmp_path), config=SimpleNamespace(workers_per_replica=1),
-                              members=[SimpleNamespace(info={"node": n}) for n in nodes])
-        ck = Checkpointer(job, CheckpointConfig(**cfg))  # type: ignore[arg-type]
+        host = FakeHost(tmp_path, tuple(f"w{i}" for i in range(len(nodes))), nodes=tuple(nodes))
+        ck = Checkpointer(as_host(host), CheckpointConfig(**cfg))  # type: ignore[arg-type]
         try:
-            return ck._strategy()
+            return ck.restorer.strategy()
         finally:
-            ck._committer.shutdown()
-            ck._retainer.shutdown()
+            ck.close()
 
     assert strategy(["a", "a", "a"]) == "read_all"
     assert strategy(["a", "b", "a"]) == "share"
@@ -223,15 +220,13 @@ def test_strategy_follows_the_replicas_topology(tmp_path: Path) -> None:
 
 
 def test_relative_root_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from types import SimpleNamespace
-
-    from planaria.checkpointing import Checkpointer
+    from planaria.checkpoint.coordinator import Checkpointer
+    from tests.checkpoint_host import FakeHost, as_host
 
     monkeypatch.chdir(tmp_path)
-    ck = Checkpointer(SimpleNamespace(run_dir="x"), CheckpointConfig(root="ckpts"))  # type: ignore[arg-type]
+    ck = Checkpointer(as_host(FakeHost("x")), CheckpointConfig(root="ckpts"))
     assert ck.root == str(tmp_path / "ckpts")
-    ck._committer.shutdown()
-    ck._retainer.shutdown()
+    ck.close()
 
 
 def test_a_lease_renewal_on_a_full_disk_leaves_the_lease_as_it_was(tmp_path):
@@ -265,7 +260,7 @@ def test_an_uncommitted_saves_files_on_an_object_store_are_removed_and_a_committ
     step's prefix on an object store: they are removed in the run; the save the step's
     marker commits is never touched."""
     import planaria.campaign.storage_faults  # noqa: F401 (registers faulty://)
-    from planaria.checkpoint.restore import latest_viable
+    from planaria.checkpoint.newest import latest_viable
     from planaria.checkpoint.retention import remove_uncommitted_save
     from tests.test_checkpoint_roundtrip import make_state, save
 
@@ -283,5 +278,5 @@ def test_an_uncommitted_saves_files_on_an_object_store_are_removed_and_a_committ
     assert not remove_uncommitted_save(st, 4, committed[0].removeprefix("save-"))
     assert remove_uncommitted_save(st, 4, "0123456789ab")
     assert not failed.exists()
-    path, _ = latest_viable(root, storage_options=options)
+    path, _ = latest_viable(root, lineage=[None], storage_options=options)
     assert path is not None and path.endswith("step_000000004")

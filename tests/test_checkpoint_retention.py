@@ -53,7 +53,7 @@ def test_newest_viable_is_never_deleted(tmp_path) -> None:
         f.write(b"\xff")
     apply_retention(root, keep_last=1)
     assert steps(root) == [2, 3]
-    assert latest_viable(root)[0] == os.path.join(root, "step_000000002")
+    assert latest_viable(root, lineage=[None])[0] == os.path.join(root, "step_000000002")
 
 
 def test_uncommitted_are_left_alone(tmp_path) -> None:

@@ -82,9 +82,9 @@ def test_s3_round_trip(s3_options: dict[str, Any]) -> None:
     data = bytearray(fs.cat_file(obj))
     data[entry.offsets[0]] ^= 0x01
     fs.pipe_file(obj, bytes(data))
-    best, warnings = latest_viable(root, storage_options=s3_options)
+    best, warnings = latest_viable(root, lineage=[None], storage_options=s3_options)
     assert best == first and entry.file in warnings[0]
-    restored, _ = load_latest(root, storage_options=s3_options)
+    restored, _ = load_latest(root, lineage=[None], storage_options=s3_options)
     assert restored is not None and restored.step == 1
 
 
@@ -96,7 +96,7 @@ def test_s3_uncommitted_is_invisible_then_cleaned(s3_options: dict[str, Any]) ->
     write_shard(root, 5, 0, 2, take_share(state, plans[0]), storage_options=s3_options)
     infos = list_checkpoints(root, storage_options=s3_options)
     assert [(c.step, c.committed) for c in infos] == [(1, True), (5, False)]
-    best, warnings = latest_viable(root, storage_options=s3_options)
+    best, warnings = latest_viable(root, lineage=[None], storage_options=s3_options)
     assert best == "s3://ckpt-bucket/run2/step_000000001"
     assert "step 5" in warnings[0]
     assert clean_leftovers(root, storage_options=s3_options) == ["step_000000005"]

@@ -25,14 +25,15 @@ def test_read_error_is_retried_then_the_previous_checkpoint_is_used(tmp_path: Pa
     save(root_of(tmp_path), 2, make_state(1), 2, storage_options=clean)
     # One failed read of step 2: retried, step 2 loads.
     once = counted_failures(secrets.token_hex(4), ("read",), (3,))
-    restored, warnings = load_latest(root_of(tmp_path), storage_options=once, backoff_s=0.01)
+    restored, warnings = load_latest(root_of(tmp_path), lineage=[None], storage_options=once,
+                                     backoff_s=0.01)
     assert restored is not None and restored.step == 2 and warnings == []
     assert_same(restored.tensors, make_state(1))
     # Every read of step 2 fails: step 1 is used, and said so.
     always = counted_failures(secrets.token_hex(4), ("read",), tuple(range(1, 99)),
                            match="step_000000002")
-    restored, warnings = load_latest(root_of(tmp_path), storage_options=always, attempts=2,
-                                     backoff_s=0.01)
+    restored, warnings = load_latest(root_of(tmp_path), lineage=[None], storage_options=always,
+                                     attempts=2, backoff_s=0.01)
     assert restored is not None and restored.step == 1
     assert_same(restored.tensors, make_state(0))
     assert "step 2" in warnings[0] and "injected I/O error" in warnings[0]
@@ -80,20 +81,17 @@ def test_a_marker_read_error_neither_hides_a_checkpoint_nor_starts_over(tmp_path
     from planaria.checkpoint import list_checkpoints
     from planaria.checkpoint.errors import NoViableCheckpoint
     from planaria.checkpoint.layout import MARKER
+    from planaria.checkpoint.newest import lineage_checkpoints
     from planaria.checkpoint.restore import read_run_id
-    from planaria.checkpointing import CheckpointConfig, Checkpointer
 
     clean = counted_failures("marker-setup", (), ())
     save(root_of(tmp_path), 3, make_state(0), 2, storage_options=clean)
     (info,) = list_checkpoints(root_of(tmp_path), storage_options=clean)
-    checkpointer = Checkpointer.__new__(Checkpointer)  # only the controller's storage side
-    checkpointer.root = root_of(tmp_path)
-    checkpointer.config = CheckpointConfig(storage_attempts=3)
-    checkpointer.lineage = (read_run_id(info.path, storage_options=clean),)
-    checkpointer.options = counted_failures(secrets.token_hex(4), ("read",), (1,), match=MARKER)
-    assert [c.step for c in checkpointer._restore_candidates()] == [3]
-    checkpointer.options = counted_failures(secrets.token_hex(4), ("read",), tuple(range(1, 99)),
-                                         match=MARKER)
+    lineage = (read_run_id(info.path, storage_options=clean),)
+    options = counted_failures(secrets.token_hex(4), ("read",), (1,), match=MARKER)
+    found = lineage_checkpoints(root_of(tmp_path), lineage, storage_options=options, attempts=3)
+    assert [c.step for c in found.candidates] == [3]
+    options = counted_failures(secrets.token_hex(4), ("read",), tuple(range(1, 99)), match=MARKER)
     with pytest.raises(NoViableCheckpoint, match=r"markers of 1 committed checkpoints .* could "
                                                  r"not be read"):
-        checkpointer._restore_candidates()
+        lineage_checkpoints(root_of(tmp_path), lineage, storage_options=options, attempts=3)

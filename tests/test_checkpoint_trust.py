@@ -19,13 +19,13 @@ from torch import nn
 
 from planaria import Job, RecoveryPolicy, RunConfig, fit
 from planaria.checkpoint import list_checkpoints, read_manifest
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatch,
     NoViableCheckpoint,
     OtherRunCheckpoints,
 )
-from planaria.checkpointing import CheckpointConfig
 from planaria.examples import mlp
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 

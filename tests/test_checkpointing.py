@@ -33,8 +33,8 @@ from planaria.checkpoint import (
     verify_checkpoint,
     write_shard,
 )
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.checkpoint.manifest import parse_marker
-from planaria.checkpointing import CheckpointConfig
 from planaria.errors import CheckpointError, ConfigError
 from planaria.examples import mlp
 from tests.assertions import assert_exactly_once, assert_same_state, events, of, run_to
@@ -246,7 +246,8 @@ CRASH_STEPS = 70
 CHILD = r"""
 import os, random, signal, sys, threading, time
 from pathlib import Path
-import planaria.checkpointing as cp
+import planaria.checkpoint.saving as saving
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.checkpoint.storage import Storage
 from planaria import fit
 from planaria.examples import mlp
@@ -259,13 +260,13 @@ def die():
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 saves = [0]
-original_start = cp.Checkpointer._start
-def start(self, *, reason):
+original_start = saving.SavePipeline.start
+def start(self, *, reason, beside=None):
     saves[0] += 1
-    original_start(self, reason=reason)
+    original_start(self, reason=reason, beside=beside)
     if saves[0] == kill_at and mode == "timer":
         threading.Timer(rng.uniform(0.0, 0.08), die).start()
-cp.Checkpointer._start = start
+saving.SavePipeline.start = start
 
 def after(name, method):
     original = getattr(Storage, method)
@@ -283,15 +284,15 @@ elif mode == "marker":
 elif mode == "rename":
     after(None, "rename")
 elif mode == "commit":
-    original_commit = cp.commit_checkpoint
+    original_commit = saving.commit_checkpoint
     def commit(*a, **k):
         if saves[0] == kill_at:
             die()
         return original_commit(*a, **k)
-    cp.commit_checkpoint = commit
+    saving.commit_checkpoint = commit
 
 fit(mlp.make_spec(n=512), steps=int(steps), replicas=int(replicas), run_dir=Path(run_dir),
-    address=address, ledger=True, checkpoint=cp.CheckpointConfig(every=2, keep_last=2))
+    address=address, ledger=True, checkpoint=CheckpointConfig(every=2, keep_last=2))
 """
 
 

@@ -218,7 +218,7 @@ def test_a_death_during_a_new_generations_rendezvous_does_not_stall_it(
 
 
 def test_a_death_during_a_restore_restores_again(tmp_path, reference):
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
 
     killed: list[str] = []
 
@@ -322,7 +322,7 @@ def test_a_rollback_waits_for_the_save_in_flight_and_restores_it(tmp_path, refer
     dropping it for an older checkpoint (or, with none, giving up)."""
     import dataclasses
 
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
     from planaria.data_plan import DataPlan
 
     spec = mlp.make_spec(n=N)

@@ -419,7 +419,7 @@ def test_a_diverged_replica_is_detected_and_replaced(tmp_path, bn_reference):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_divergence_without_a_majority_restores_the_checkpoint(tmp_path, bn_reference):
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
 
     cfg = RunConfig(steps=STEPS, replicas=2, run_dir=tmp_path, verify_every=2)
     nudged = False

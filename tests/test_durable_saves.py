@@ -29,11 +29,11 @@ import torch
 import planaria
 from planaria import Job, RunConfig
 from planaria.checkpoint import AsyncShardWriter, plan_shards
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.checkpoint.finished import commit_finished_saves
 from planaria.checkpoint.restore import list_checkpoints
 from planaria.checkpoint.storage import Storage
 from planaria.checkpoint.writer import SAVE_FILE, shard_dir
-from planaria.checkpointing import CheckpointConfig
 from planaria.examples import mlp
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 from tests.assertions import run_to as drive
@@ -216,7 +216,7 @@ def test_close_finishes_the_save_in_flight(tmp_path):
         (gate / "open").unlink()
         drive(job, 4)
         job.boundary()  # the save of step 4 starts, held at the gate ...
-        assert job.checkpointer._inflight is not None
+        assert job.checkpointer.inflight_step is not None
         threading.Timer(1.0, lambda: (gate / "open").write_text("1")).start()
     # ... and close() waited for it rather than abandoning it.
     evs = events(tmp_path / "run")
@@ -231,7 +231,7 @@ SCRIPT = textwrap.dedent("""
     sys.path[:0] = [{repo!r}, {src!r}]
     import planaria
     from planaria import Job, RunConfig
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
     from tests.test_durable_saves import spec, drive
 
     cfg = json.loads(sys.argv[1])

@@ -22,7 +22,7 @@ import ray
 
 import planaria
 from planaria import Job, RunConfig
-from planaria.checkpointing import CheckpointConfig
+from planaria.checkpoint.config import CheckpointConfig
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 from tests.assertions import drive as drive_steps
 from tests.loop_faults import install

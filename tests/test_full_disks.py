@@ -24,7 +24,7 @@ import torch
 
 from planaria import CheckpointError, FinalSaveFailed, fit
 from planaria.checkpoint import list_checkpoints, load_checkpoint
-from planaria.checkpointing import CheckpointConfig
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.data_plan import Ledger
 from planaria.events import EventLog, read_events
 from planaria.examples import mlp

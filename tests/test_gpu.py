@@ -24,7 +24,7 @@ import torch
 
 import planaria
 from planaria import HangConfig, Job, RunConfig, fit, store_keys
-from planaria.checkpointing import CheckpointConfig
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.examples import mlp
 from planaria.liveness import Heartbeat
 from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of

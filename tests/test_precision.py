@@ -12,7 +12,7 @@ import torch
 
 import planaria
 from planaria import fit
-from planaria.checkpointing import CheckpointConfig
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.examples import mlp
 from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
 

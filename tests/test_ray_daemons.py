@@ -40,7 +40,7 @@ REAP_BOUND_S = 10.0
 CHILD = r"""
 import dataclasses, os, sys, time
 from planaria import fit
-from planaria.checkpointing import CheckpointConfig
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.examples import mlp
 
 run_dir, steps = sys.argv[1], int(sys.argv[2])

@@ -268,7 +268,7 @@ def test_elastic_retry_saves_what_is_safe_before_a_user_error_stops_it(tmp_path)
     the root holds a committed checkpoint of the last committed step, which a new job
     resumes from."""
     from planaria.checkpoint import list_checkpoints, load_checkpoint
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
     from planaria.data_plan import DataPlan
 
     plan = DataPlan(N, G, seed=0)
@@ -304,7 +304,7 @@ def test_elastic_retry_saves_before_the_function_s_own_error(tmp_path):
     """An exception raised by the wrapped function itself (between the job's calls) is the
     user's code too: saved first, then raised as it is."""
     from planaria.checkpoint import list_checkpoints
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
 
     root = str(tmp_path / "ckpt")
     job = Job(mlp.make_spec(n=N), RunConfig(steps=STEPS, replicas=2, run_dir=tmp_path / "run"),

@@ -147,7 +147,7 @@ SAVED = 6  # the 2 x 2 job's checkpoint: every 3 steps, the last at step 6
 @pytest.fixture(scope="module")
 def sharded_checkpoint(tmp_path_factory, ray_cluster):
     """A 2 x 2 job's checkpoints (steps 3 and 6) and its final weights (gathered whole)."""
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
 
     run_dir = tmp_path_factory.mktemp("saved")
     result = fit(spec(), steps=SAVED, replicas=2, workers_per_replica=2, run_dir=run_dir,
@@ -190,7 +190,7 @@ def test_a_sharded_checkpoint_restores_at_another_k(tmp_path, reference, sharded
     to step 10 and ends with the fault-free weights."""
     import shutil
 
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
 
     root, _ = sharded_checkpoint
     shutil.copytree(root, tmp_path / "checkpoints")
@@ -209,7 +209,7 @@ def test_a_lone_sharded_replica_lost_is_restored_from_its_checkpoint(tmp_path, r
     at step 7 leaves no replica holding the state; a new replica of two workers restores
     the newest committed checkpoint in the same process (each worker its shards), re-runs
     the lost steps, and ends with the fault-free weights, every sample served once."""
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
 
     marker = str(tmp_path / "fired")
     run_dir = tmp_path / "run"
@@ -258,7 +258,7 @@ def test_a_worker_killed_during_a_sharded_save(tmp_path, reference):
     again alone, a replacement joins, the next saves commit (each verifies), and the
     weights are the fault-free ones."""
     from planaria.checkpoint import list_checkpoints, verify_checkpoint
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
 
     run_dir = tmp_path / "run"
     config = RunConfig(steps=STEPS, replicas=2, workers_per_replica=2, run_dir=run_dir,

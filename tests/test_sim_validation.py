@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from planaria import RecoveryPolicy, fit
-from planaria.checkpointing import CheckpointConfig
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.examples import mlp
 from planaria.sim import simulate
 from planaria.sim.calibrate import calibrate

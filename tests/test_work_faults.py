@@ -21,7 +21,7 @@ import torch
 
 import planaria
 from planaria import HangConfig, Job, RecoveryPolicy, RunConfig
-from planaria.checkpointing import CheckpointConfig
+from planaria.checkpoint.config import CheckpointConfig
 from planaria.data_plan import DataPlan
 from planaria.examples import mlp
 from planaria.integrity import dataset_fingerprint

@@ -202,7 +202,7 @@ def _storage_options(pairs: list[str]) -> dict[str, Any]:
 def _checkpoint_config(args: argparse.Namespace) -> Any:
     """The checkpoint options as a CheckpointConfig; None when there is nothing to save or
     resume (``--checkpoint-every none --no-resume``)."""
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
 
     every = args.checkpoint_every
     if every is not None and str(every).strip().lower() in ("none", "off", "never"):

@@ -293,7 +293,7 @@ class Job:
         self.members = ready
         self.started = True
         if self.checkpoint_config is not None:
-            from planaria.checkpointing import Checkpointer
+            from planaria.checkpoint.coordinator import Checkpointer
 
             self.checkpointer = Checkpointer(self, self.checkpoint_config)
             self.checkpointer.on_start()
@@ -737,6 +737,10 @@ class Job:
         if self.ledger is not None:
             self.ledger.commit(step, gen=self.gen, skipped=True)
 
+    def gather(self, refs: dict[str, Any], *, deadline_s: float, step: int | None,
+               poll: Callable[[], None] | None = None) -> dict[str, Any]:  # public name
+        return self._gather(refs, deadline_s=deadline_s, step=step, poll=poll)
+
     def _gather(
         self, refs: dict[str, Any], *, deadline_s: float, step: int | None,
         poll: Callable[[], None] | None = None,
@@ -1149,6 +1153,9 @@ class Job:
                 break  # none is coming (their starts failed)
         return len(self.pool.standby)
 
+    def hook(self, phase: str, **info: Any) -> None:  # the checkpoint coordinator's name
+        self._hook(phase, **info)
+
     def _hook(self, phase: str, **info: Any) -> None:
         """Calls the hooks at a named phase: ``boundary`` (a step boundary begins), ``join``
         (state transfer to joiners in flight), ``save`` (checkpoint writers started),
@@ -1238,7 +1245,7 @@ class Job:
                     "root=None is not valid: this job has no checkpoint root (checkpoint="
                     "None); give Job.save a root, or the job CheckpointConfig(...)"
                 )
-            from planaria.checkpointing import save_under
+            from planaria.checkpoint.coordinator import save_under
 
             return save_under(self, root, storage_options)
         if root is None or self.checkpointer.root == (

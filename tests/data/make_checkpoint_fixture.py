@@ -24,7 +24,7 @@ EVERY steps and the final one."""
 
 def main() -> None:
     import planaria
-    from planaria.checkpointing import CheckpointConfig  # where every version has it
+    from planaria import CheckpointConfig  # exported since this fixture's version
     from planaria.examples import mlp
 
     out = HERE / "checkpoint_v1"

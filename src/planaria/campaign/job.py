@@ -116,7 +116,7 @@ def run_job(cfg: dict[str, Any]) -> None:
     from planaria.campaign.inject import Injector
     from planaria.campaign.injected_job import InjectedJob
     from planaria.campaign.mix import PlannedRun
-    from planaria.checkpointing import CheckpointConfig
+    from planaria.checkpoint.config import CheckpointConfig
     from planaria.config import RunConfig
     from planaria.controller import Job
     from planaria.errors import Failure

@@ -12,8 +12,9 @@ then once, with every writer's record::
     commit_checkpoint(root, step, records, meta, world_size=n)
 
 Restoring: :func:`load_latest` (or :func:`latest_viable` + :func:`load_checkpoint`)
-returns the newest committed checkpoint whose checksums verify, with warnings for
-each newer one skipped. Errors are :class:`planaria.errors.CheckpointError`.
+returns the newest committed checkpoint of a lineage (the runs whose checkpoints count)
+whose checksums verify, with warnings for each newer one skipped. Errors are
+:class:`planaria.errors.CheckpointError`.
 """
 
 from planaria.checkpoint.async_writer import AsyncShardWriter
@@ -27,15 +28,14 @@ from planaria.checkpoint.errors import (
 from planaria.checkpoint.interval import CheckpointInterval, young_daly_interval
 from planaria.checkpoint.layout import new_save_id
 from planaria.checkpoint.manifest import Manifest, parse_manifest
+from planaria.checkpoint.newest import latest_viable, load_latest
 from planaria.checkpoint.plan import ShardPlan, SliceSpec, plan_row_shards, plan_shards
 from planaria.checkpoint.restore import (
     CheckpointInfo,
     Restored,
     VerifyReport,
-    latest_viable,
     list_checkpoints,
     load_checkpoint,
-    load_latest,
     read_manifest,
     verify_checkpoint,
 )

@@ -1,6 +1,6 @@
 """What a job's checkpoints are: where, how often, what is kept, how a restore behaves
 (:class:`CheckpointConfig`, given to ``fit`` or ``Job``; the controller's
-:class:`planaria.checkpointing.Checkpointer` carries it out)."""
+:class:`planaria.checkpoint.coordinator.Checkpointer` carries it out)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ are checked chunk by chunk while the next chunk is being read.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,6 @@ from typing import Any
 
 import torch
 
-from planaria.checkpoint.backoff import with_retries
 from planaria.checkpoint.checksum import Segment, byte_view, read_verified
 from planaria.checkpoint.dtypes import DTYPES
 from planaria.checkpoint.errors import (
@@ -38,16 +36,13 @@ from planaria.checkpoint.manifest import (
     parse_marker,
 )
 from planaria.checkpoint.storage import Storage
-from planaria.errors import StorageError
 
 __all__ = [
     "CheckpointInfo",
     "Restored",
     "VerifyReport",
-    "latest_viable",
     "list_checkpoints",
     "load_checkpoint",
-    "load_latest",
     "read_manifest",
     "verify_checkpoint",
 ]
@@ -389,61 +384,3 @@ def verify_checkpoint(
         return VerifyReport(path, None, False, [str(err)], 0, time.perf_counter() - t0)
     return VerifyReport(path, manifest.step, not problems, problems, manifest.nbytes,
                         time.perf_counter() - t0)
-
-
-def _candidates(
-    root: str, storage_options: Mapping[str, Any] | None
-) -> tuple[list[CheckpointInfo], list[CheckpointInfo]]:
-    """(committed newest first, uncommitted)."""
-    infos = list_checkpoints(root, storage_options=storage_options)
-    return [c for c in reversed(infos) if c.committed], [c for c in infos if not c.committed]
-
-
-def _torn(uncommitted: list[CheckpointInfo], above: int) -> list[str]:
-    return [f"step {c.step} ({c.path}) is not committed (an unfinished save)"
-            for c in uncommitted if c.step > above]
-
-
-def latest_viable(
-    root: str, *, storage_options: Mapping[str, Any] | None = None
-) -> tuple[str | None, list[str]]:
-    """The newest committed checkpoint under ``root`` that verifies, and warnings naming
-    what was wrong with every newer one (file and tensor). ``(None, warnings)`` if none."""
-    committed, uncommitted = _candidates(root, storage_options)
-    warnings: list[str] = []
-    for c in committed:
-        report = verify_checkpoint(c.path, storage_options=storage_options)
-        if report.ok:
-            return c.path, _torn(uncommitted, c.step) + warnings
-        warnings.append(f"step {c.step} ({c.path}) skipped: " + "; ".join(report.problems))
-    return None, _torn(uncommitted, -1) + warnings
-
-
-def load_latest(
-    root: str,
-    *,
-    names: Collection[str] | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    attempts: int = 3,
-    backoff_s: float = 0.5,
-) -> tuple[Restored | None, list[str]]:
-    """Loads the newest committed checkpoint under ``root`` that verifies, reading each
-    byte once (verification overlaps the load); falls back to older ones, with a
-    warning for each one skipped. A storage error is retried (``attempts`` in all,
-    with backoff from ``backoff_s``) before the checkpoint is skipped.
-    ``(None, warnings)`` if none is viable."""
-    committed, uncommitted = _candidates(root, storage_options)
-    warnings: list[str] = []
-    for c in committed:
-        try:
-            tensors, meta = with_retries(
-                functools.partial(load_checkpoint, c.path, names=names,
-                                  storage_options=storage_options),
-                what=f"loading {c.path}", attempts=attempts, backoff_s=backoff_s,
-            )
-        except (CheckpointError, StorageError) as err:
-            warnings.append(f"step {c.step} ({c.path}) skipped: {err}")
-            continue
-        return Restored(c.path, c.step, tensors, meta), _torn(uncommitted, c.step) + warnings
-    return None, _torn(uncommitted, -1) + warnings
-
