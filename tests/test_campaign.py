@@ -748,11 +748,11 @@ def test_a_fleet_preemption_needs_a_snapshot_within_a_second_and_loses_nothing(t
 def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     """The job runs autonomously between them; a fault armed ``ahead`` steps early fires
     inside the run."""
-    from types import SimpleNamespace
-
+    from control_fakes import FakeRoster, handle
     from planaria.campaign.inject import STALE_STEPS, Injector
     from planaria.campaign.mix import PlannedFault, PlannedRun
-    from planaria.run_ahead import RunAhead
+    from planaria.control.boundary import BoundaryPlanner
+    from planaria.control.hooks import FaultHooks
 
     faults = (PlannedFault(index=0, kind="kill", step=8, target=1, micro_batch=0, fraction=0.5,
                            ahead=2),
@@ -772,16 +772,22 @@ def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     inj.tail_step = None
     assert inj.next_step(13) is None
 
-    job = SimpleNamespace(hooks=[], recovery=SimpleNamespace(open_work=lambda: False),
-                          metric_keys=(), checkpointer=None, config=SimpleNamespace(
-                              verify_every=None), width=3, chaos=None)
-    ahead = RunAhead(job)  # type: ignore[arg-type]
-    assert ahead.next_boundary(0, 16) == 16
-    job.hooks.append(Injector(PlannedRun(index=0, step_s=0.05, steps=16, faults=faults),
-                              run_dir=tmp_path, control=tmp_path, job_dir=tmp_path, incarnation=0))
-    assert ahead.next_boundary(0, 16) == 6
-    job.hooks.append(lambda *a, **k: None)  # a hook that names none needs every boundary
-    assert ahead.next_boundary(0, 16) == 1
+    hooks = FaultHooks(None)
+    planner = BoundaryPlanner(
+        roster=FakeRoster([handle(f"w{i}") for i in range(3)]), hooks=hooks, checkpoints=None,
+        chaos=None, replicas=3, verify_every=None, replacements_ready=lambda: False,
+        draining_nodes=None, ray_lost=lambda: False, elapsed_s=lambda: 0.0)
+
+    def next_boundary(start: int, until: int) -> int:
+        return planner.next_boundary(start, until, open_work=False, metrics_known=True)
+
+    assert next_boundary(0, 16) == 16
+    hooks.hooks.append(Injector(PlannedRun(index=0, step_s=0.05, steps=16, faults=faults),
+                                run_dir=tmp_path, control=tmp_path, job_dir=tmp_path,
+                                incarnation=0))
+    assert next_boundary(0, 16) == 6
+    hooks.hooks.append(lambda *a, **k: None)  # a hook that names none needs every boundary
+    assert next_boundary(0, 16) == 1
 
 
 def test_a_resumed_campaign_judges_again_the_runs_it_finished(tmp_path):
