@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from planaria._version import __version__
 from planaria.attribution import Attribution
 from planaria.chaos import ChaosPlan
 from planaria.checkpoint.config import CheckpointConfig
@@ -25,6 +24,7 @@ from planaria.control import startup
 from planaria.control.calls import Calls
 from planaria.control.commit_log import CommitLog, StepResult
 from planaria.control.departures import Departures
+from planaria.control.facade import Delegated
 from planaria.control.hooks import FaultHooks
 from planaria.control.membership import Membership
 from planaria.control.runtime import Runtime
@@ -32,7 +32,6 @@ from planaria.control.wiring import Parts, assemble, connect_calls
 from planaria.data_plan import DataPlan, Ledger
 from planaria.errors import ConfigError, ElasticRuntimeError, Failure, PlanariaError
 from planaria.events import EventLog
-from planaria.integrity import describe_global_draws
 from planaria.loss_history import LossHistory
 from planaria.policy import HangConfig, RecoveryPolicy
 from planaria.recovery import Recovery
@@ -42,6 +41,7 @@ from planaria.workers import WorkerHandle
 __all__ = ["Job", "StepResult"]
 
 _mlog = logging.getLogger("planaria.membership")
+NOT_STARTED = "the job is not started: use it as a context manager"
 
 
 class Job:
@@ -88,8 +88,6 @@ class Job:
         self.closed = False
         self.started = False
 
-    # ---- lifecycle ---------------------------------------------------------------------------
-
     def __enter__(self) -> Job:
         try:
             self.start()
@@ -112,13 +110,7 @@ class Job:
     def start(self) -> None:
         """Starts Ray (or joins a cluster), hosts the store, starts workers, builds generation 0."""
         cfg, spec = self.config, self.spec
-        self.log.emit(
-            "run_start", run_id=self.run_id, replicas=cfg.replicas, steps=cfg.steps,
-            start_step=None,  # known once a checkpoint is (or is not) resumed: see `restore`
-            global_batch_size=spec.global_batch_size, micro_batch_size=spec.micro_batch_size,
-            seed=spec.seed, num_samples=None, config=startup.describe(cfg, self.policy),
-            planaria_version=__version__, torch_version=torch.__version__,
-        )
+        startup.log_run_start(self.log, self.run_id, spec, cfg, self.policy)
         rt = self.runtime
         rt.start(self.check_ray)
         self.store, self.store_host, self.liveness, self.pool = (rt.store, rt.store_host,
@@ -126,26 +118,10 @@ class Job:
         self.calls, fault_times = connect_calls(
             runtime=rt, membership=self.membership, deadline=self.deadline, hang=self.hang,
             attribution=self.attribution, log=self.log, departures=self.departures)
-        ready = self.membership.wait_ready(cfg.replicas, timeout_s=max(120.0, cfg.join_timeout_s))
-        ready.sort(key=lambda h: int(h.name[1:]))
-        self.membership.add(ready)  # so that close() releases them if a check below fails
-        if len(ready) < cfg.replicas:
-            raise ElasticRuntimeError(
-                f"only {len(ready)} of {cfg.replicas} workers started within the deadline: check "
-                "the Ray cluster has the CPUs/GPUs asked for (cpus_per_worker, use_gpu)"
-            )
-        self.membership.check_same_init(ready)
-        self.pool.data_fingerprint = ready[0].info["data_fingerprint"]
-        if ready[0].info.get("dataset_draws"):  # each worker found it at setup, and loads so
-            drawn = ready[0].info["dataset_draws"]
-            self.log.emit("dataset_global_rng", generators=drawn, loader_thread=False,
-                          message=describe_global_draws(drawn))
-        if spec.compile and cfg.share_compile_cache:
-            startup.keep_compile_cache(ready[0], self.pool, self.run_dir, self.log)
-        self.pool.replenish()  # spares start once the members are up, never before them
-        self.commit_log.plan = DataPlan(ready[0].info["num_samples"], spec.global_batch_size,
+        first = self.membership.start_members(timeout_s=max(120.0, cfg.join_timeout_s))
+        rt.learn_from(first)  # the dataset's fingerprint, the compile cache; spares start
+        self.commit_log.plan = DataPlan(first.info["num_samples"], spec.global_batch_size,
                                         spec.seed)
-        self.membership.set_holding(self.names, True)
         self.started = True
         if self.checkpoint_config is not None:
             from planaria.checkpointing import Checkpointer
@@ -166,10 +142,8 @@ class Job:
                 self.recovery.handle(failure)
 
     def close(self, *, status: str = "ok", error: str | None = None) -> None:
-        """Releases everything the job holds, in order: the drain watch, the checkpointer
-        (its save in flight, its lease), the workers and the pool, the placement group, the
-        event log (after ``run_end``), the ledger, and Ray if the job started it. Each is
-        released whatever the others raised; the first error is raised after all."""
+        """Releases everything the job holds, in order (see Runtime.close); the first error
+        is raised once all is released."""
         if self.closed:
             return
         self.closed = True
@@ -178,22 +152,16 @@ class Job:
                            steps_done=self.steps_done, t0=self._t0)
 
     def check_ray(self, *, save: bool = False, cause: BaseException | None = None) -> None:
-        """Raises :class:`~planaria.errors.RayLost` once Ray's GCS or this node's raylet
-        died (see :mod:`planaria.ray_health`), after saving the step in hand with ``save``
-        (at a step boundary); ``cause``: a failure that followed the loss."""
+        """Raises RayLost once Ray's GCS or this node's raylet died (planaria.ray_health),
+        saving the step in hand first with ``save``; ``cause``: a failure that followed."""
         watch = self.runtime.ray_watch
         if watch is not None and watch.lost is not None:
             raise watch.end(self.checkpointer, self.members, save=save, cause=cause) from cause
 
-    # ---- the steps ---------------------------------------------------------------------------
-
     def train_step(self) -> StepResult:
-        """Runs the next step at the current width and commits it, or raises a Failure
-        (:meth:`recovery.handle <planaria.recovery.Recovery.handle>` applies the policy to it).
-
-        A run of one step (:meth:`run_steps` with ``until`` the next step): the same
-        protocol, commit and ledger as ``fit``'s runs.
-        """
+        """Runs the next step and commits it, or raises a Failure (``job.recovery.handle``
+        applies the policy to it): a run of one step, with ``fit``'s protocol, commit and
+        ledger."""
         return self.run_steps(self.steps_done + 1)[-1]
 
     def run_steps(self, until: int) -> list[StepResult]:
@@ -214,43 +182,29 @@ class Job:
     def wait_for_width(self, width: int, *, timeout_s: float) -> int:
         """Waits at a step boundary, admitting replacements as they become ready, until
         ``width`` replicas are live or ``timeout_s`` has passed; returns the width reached.
-
-        For a run that should end at full width, or a benchmark that must see the
-        hot-join: training does not advance while it waits. Raises a Failure if one
-        happens meanwhile (recover from it as from a step's).
-        """
+        Training does not advance meanwhile; a Failure meanwhile is raised (recover from it
+        as from a step's)."""
         return self.membership.wait_for_width(width, timeout_s=timeout_s,
                                               admit=self._parts().recovery.admit)
 
     def wait_for_spares(self, *, timeout_s: float) -> int:
-        """Waits until ``config.spares`` standby workers are warm or ``timeout_s`` has passed;
-        returns how many stand by. Spares start with the job and warm up in the background;
-        a run (or a benchmark) that must not meet a fault without one can wait here."""
+        """Waits until ``config.spares`` standby workers are warm (they start with the job)
+        or ``timeout_s`` has passed; returns how many stand by."""
         return self.membership.wait_for_spares(timeout_s=timeout_s,
                                                admit=self._parts().recovery.admit)
 
-    # ---- state -------------------------------------------------------------------------------
-
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The committed training state, from rank 0 (tensors on the CPU, metadata)."""
-        self.commit_all()
-        head = self.members[0]
-        result: tuple[dict[str, torch.Tensor], dict[str, Any]] = self.gather(
-            {head.name: head.actor.get_state.remote(self.gen)}, deadline_s=300, step=None
-        )[head.name]
-        return result
+        return self.membership.state()
 
     def save(self, root: str | None = None,
              storage_options: dict[str, Any] | None = None) -> str:
         """Saves the committed state now and waits for the commit; returns the checkpoint's
         path. ``root`` None: the job's checkpoint root; another root (a path every worker
-        reaches, ``s3://...``): saved there in this run's lineage, so that a job given that
-        root resumes from it (``storage_options`` are that root's; the job's own root keeps
-        its own). This is also what to do after a failed final save
-        (:class:`~planaria.errors.FinalSaveFailed`). Raises
-        :class:`~planaria.errors.CheckpointError` if the save does not commit, and a
-        :class:`~planaria.errors.Failure` if a worker fails meanwhile (recover from it as
-        from a step's: ``job.recovery.handle``)."""
+        reaches, ``s3://...``, with its ``storage_options``): saved there in this run's
+        lineage, so that a job given that root resumes from it; also what to do after a
+        FinalSaveFailed. Raises CheckpointError if the save does not commit, a Failure if a
+        worker fails meanwhile (recover from it as from a step's)."""
         if not self.started or self.closed:
             raise ElasticRuntimeError("Job.save needs a started job that is not closed")
         if self.checkpointer is None:
@@ -278,23 +232,20 @@ class Job:
         return self._parts().replicas.checksums()
 
     def verify_replicas(self) -> None:
-        """Compares every replica's parameter checksum; raises ReplicaDivergence on a mismatch
-        (the replicas that differ from a strict majority are named; the recovery treats
-        them as lost)."""
+        """Compares the replicas' parameter checksums; raises ReplicaDivergence naming those
+        that differ from a strict majority (the recovery treats them as lost)."""
         self._parts().replicas.verify()
-
-    # ---- the parts, as the job's users (and the checkpointer) reach them -------------------
 
     def _parts(self) -> Parts:
         if self.parts is None:
-            raise ElasticRuntimeError("the job is not started: use it as a context manager")
+            raise ElasticRuntimeError(NOT_STARTED)
         return self.parts
 
     def gather(self, refs: dict[str, Any], *, deadline_s: float, step: int | None,
                poll: Callable[[], None] | None = None) -> dict[str, Any]:
         """Waits for one call per worker (see :class:`~planaria.control.calls.Calls`)."""
         if self.calls is None:
-            raise ElasticRuntimeError("the job is not started: use it as a context manager")
+            raise ElasticRuntimeError(NOT_STARTED)
         return self.calls.gather(refs, deadline_s=deadline_s, step=step, poll=poll)
 
     _gather = gather  # the checkpointer's name for it, until it uses gather
@@ -305,11 +256,6 @@ class Job:
 
     _hook = hook  # the checkpointer's name for it, until it uses hook
 
-    @property
-    def hooks(self) -> list[Callable[..., None]]:
-        """hook(job, phase, **info), called at named phases: see FaultHooks."""
-        return self.fault_hooks.hooks
-
     def build_generation(self, members: list[WorkerHandle], *, reason: str) -> None:
         self.membership.build_generation(members, reason=reason)
 
@@ -317,6 +263,7 @@ class Job:
         self.membership.evict(names, kill=kill)
 
     def commit_all(self) -> None:
+        """Makes every worker apply the committed steps now (before a snapshot or the end)."""
         self.membership.commit_all()
 
     @property
@@ -324,49 +271,28 @@ class Job:
         return self._parts().recovery
 
     @property
-    def members(self) -> list[WorkerHandle]:
-        return self.membership.members
-
-    @property
-    def gen(self) -> int:
-        return self.membership.gen
-
-    @property
-    def width(self) -> int:
-        return self.membership.width
-
-    @property
-    def names(self) -> list[str]:
-        return self.membership.names
-
-    @property
-    def draining(self) -> frozenset[str]:
-        """Members that got a preemption notice and leave at the next boundary."""
-        return frozenset(self.departures.draining)
+    def hooks(self) -> list[Callable[..., None]]:
+        """hook(job, phase, **info), called at named phases: see FaultHooks."""
+        return self.fault_hooks.hooks
 
     @property
     def steps_done(self) -> int:
+        """Steps committed: the commit log's (a checkpoint's restore sets it, see
+        CommitLog.restart_at)."""
         return self.commit_log.steps_done
 
     @steps_done.setter
-    def steps_done(self, step: int) -> None:  # a checkpoint's restore: see CommitLog.restart_at
+    def steps_done(self, step: int) -> None:
         self.commit_log.restart_at(step)
 
-    @property
-    def plan(self) -> DataPlan | None:
-        return self.commit_log.plan
-
-    @property
-    def ledger(self) -> Ledger | None:
-        return self.commit_log.ledger
-
-    @property
-    def losses(self) -> LossHistory:
-        return self.commit_log.losses
-
-    @property
-    def skipped_samples(self) -> set[int]:
-        return self.commit_log.skipped_samples
+    members = Delegated[list[WorkerHandle]]("membership")  # rank order
+    gen = Delegated[int]("membership")
+    width = Delegated[int]("membership")
+    names = Delegated[list[str]]("membership")
+    plan = Delegated[DataPlan | None]("commit_log")
+    ledger = Delegated[Ledger | None]("commit_log")
+    losses = Delegated[LossHistory]("commit_log")
+    skipped_samples = Delegated[set[int]]("commit_log")
 
     @property
     def elapsed_s(self) -> float:

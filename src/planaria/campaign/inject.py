@@ -219,7 +219,7 @@ class Injector:
     def _arm(self, job: Job, fault: PlannedFault) -> None:
         # Not a worker a preemption notice is draining at this very boundary (after the
         # hooks): the fault would land on a worker about to leave.
-        draining = job.draining
+        draining = job.departures.draining
         names = [n for n in job.names if n not in draining] or job.names
         target = names[fault.target % len(names)]
         kind = fault.kind

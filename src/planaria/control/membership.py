@@ -182,6 +182,32 @@ class Membership:
                 self.pool.fence(handle.name)
 
 
+    def start_members(self, *, timeout_s: float) -> WorkerHandle:
+        """The job's first members, once ready (``config.replicas`` of them, in name order),
+        hold the state (the seed's); returns rank 0. Raises ElasticRuntimeError if fewer
+        were ready in time, or if they did not build the same model and dataset."""
+        count = self.config.replicas
+        ready = self.wait_ready(count, timeout_s=timeout_s)
+        ready.sort(key=lambda h: int(h.name[1:]))
+        self.add(ready)  # so that closing the job releases them if a check below fails
+        if len(ready) < count:
+            raise ElasticRuntimeError(
+                f"only {len(ready)} of {count} workers started within the deadline: check "
+                "the Ray cluster has the CPUs/GPUs asked for (cpus_per_worker, use_gpu)"
+            )
+        self.check_same_init(ready)
+        self.set_holding(self.names, True)
+        return ready[0]
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The committed training state, from rank 0 (tensors on the CPU, metadata)."""
+        self.commit_all()
+        head = self.members[0]
+        result: tuple[dict[str, torch.Tensor], dict[str, Any]] = self.calls.gather(
+            {head.name: head.actor.get_state.remote(self.gen)}, deadline_s=300, step=None
+        )[head.name]
+        return result
+
     def commit_all(self) -> None:
         """Makes every worker apply the committed steps now (before a snapshot or the end)."""
         log = self.commit_log

@@ -16,6 +16,7 @@ import ray
 from planaria.compile_cache import CACHE_FILE
 from planaria.control import startup
 from planaria.drain import NodeDrainWatch
+from planaria.integrity import describe_global_draws
 from planaria.liveness import Liveness
 from planaria.network import (
     host_store,
@@ -99,6 +100,19 @@ class Runtime:
             self.pool.compile_cache = cache_file.read_bytes()  # a resumed job starts warm
         for _ in range(cfg.replicas):
             self.pool.start()
+
+    def learn_from(self, first: WorkerHandle) -> None:
+        """What the job's first worker (set up) tells the pool: the dataset's fingerprint
+        (replacements must build the same), its compile cache (with
+        ``share_compile_cache``); spares start now, once the members are up."""
+        self.pool.data_fingerprint = first.info["data_fingerprint"]
+        if first.info.get("dataset_draws"):  # each worker found it at setup, and loads so
+            drawn = first.info["dataset_draws"]
+            self.log.emit("dataset_global_rng", generators=drawn, loader_thread=False,
+                          message=describe_global_draws(drawn))
+        if self.spec.compile and self.config.share_compile_cache:
+            startup.keep_compile_cache(first, self.pool, self.run_dir, self.log)
+        self.pool.replenish()  # spares start once the members are up, never before them
 
     @property
     def ray_lost(self) -> bool:

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
+import torch
 
+from planaria._version import __version__
 from planaria.backoff import retry
 from planaria.compile_cache import CACHE_FILE
 from planaria.errors import ConfigError
@@ -23,7 +25,10 @@ if TYPE_CHECKING:
     from planaria.policy import RecoveryPolicy
     from planaria.workers import WorkerHandle, WorkerPool
 
-__all__ = ["ProcessMarker", "check_config", "describe", "init_ray", "keep_compile_cache"]
+__all__ = [
+    "ProcessMarker", "check_config", "describe", "init_ray", "keep_compile_cache",
+    "log_run_start",
+]
 
 _log = logging.getLogger("planaria.commits")
 _mlog = logging.getLogger("planaria.membership")
@@ -40,6 +45,18 @@ class ProcessMarker(Protocol):
     def marking(self) -> AbstractContextManager[Any]: ...
 
     def session(self, session_dir: str) -> None: ...
+
+
+def log_run_start(log: EventLog, run_id: str, spec: TrainSpec, config: RunConfig,
+                  policy: RecoveryPolicy) -> None:
+    """The event log's first record: what the job is."""
+    log.emit(
+        "run_start", run_id=run_id, replicas=config.replicas, steps=config.steps,
+        start_step=None,  # known once a checkpoint is (or is not) resumed: see `restore`
+        global_batch_size=spec.global_batch_size, micro_batch_size=spec.micro_batch_size,
+        seed=spec.seed, num_samples=None, config=describe(config, policy),
+        planaria_version=__version__, torch_version=torch.__version__,
+    )
 
 
 def check_config(spec: TrainSpec, config: RunConfig, policy: RecoveryPolicy) -> None:

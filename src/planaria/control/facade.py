@@ -1,0 +1,26 @@
+"""Read-only attributes a facade takes from its parts."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Delegated"]
+
+T = TypeVar("T")
+
+
+class Delegated(Generic[T]):
+    """A facade's attribute that is one of its part's: in a class body,
+    ``members = Delegated[list[WorkerHandle]]("membership")`` reads
+    ``self.membership.members`` (the same name, read only)."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> T:
+        value: T = getattr(getattr(obj, self.part), self.name)
+        return value
