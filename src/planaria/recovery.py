@@ -12,17 +12,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from planaria.attribution import Blame, Judgement, Sighting
+from planaria.attribution import Blame
 from planaria.checkpoint.errors import NoViableCheckpoint
-from planaria.data_plan import micro_batch_range
+from planaria.control.blame import away_from, judge_raised, samples_of
+from planaria.control.open_faults import OpenFault, OpenFaults
 from planaria.errors import (
     AllReplicasLost,
     ElasticRuntimeError,
     Failure,
-    InfrastructureError,
     NonFiniteLoss,
     Preempted,
     UserCodeError,
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
     from planaria.control.membership import Membership
     from planaria.control.notices import Notices
     from planaria.control.protocols import Checkpoints, Gather
-    from planaria.data_plan import DataPlan
     from planaria.events import EventLog
     from planaria.policy import RecoveryPolicy
     from planaria.workers import WorkerHandle
@@ -46,13 +44,6 @@ __all__ = ["Recovery", "SavedSteps"]
 
 _log = logging.getLogger("planaria.faults")
 MAX_CASCADE = 20  # failures handled back to back (a fault during a recovery) before giving up
-
-
-@dataclass
-class _OpenFault:
-    fault_id: int
-    fault_t: float
-    lost_steps: int = 0
 
 
 class SavedSteps(Protocol):
@@ -96,8 +87,7 @@ class Recovery:
         self.preemptions = 0
         self.nonfinite = 0
         self._rolled_back: set[int] = set()  # steps already rolled back for a non-finite value
-        self._next_fault_id = 0
-        self._open: list[_OpenFault] = []
+        self.faults = OpenFaults(log=log, fault_times=fault_times, steps=commit_log)
         self._joining: dict[str, float] = {}
         self._current: Failure | None = None  # the failure being handled, for chaining
 
@@ -124,21 +114,13 @@ class Recovery:
 
     def open_work(self) -> bool:
         """Faults or joins wait for their first committed step (which closes them)."""
-        return bool(self._open or self._joining)
+        return bool(self.faults) or bool(self._joining)
 
     def on_commit(self, step: int, now: float | None = None) -> None:
         """After each committed step (at ``now``): close open faults and pending joins."""
         group = self.membership
         now = time.time() if now is None else now
-        for fault in self._open:
-            self.log.emit(
-                "recovered",
-                fault_id=fault.fault_id,
-                step=step,
-                recover_s=now - fault.fault_t,
-                lost_steps=fault.lost_steps,
-            )
-        self._open.clear()
+        self.faults.close_all(step, now)
         for name, since in list(self._joining.items()):
             # A joiner that is no member now died before its first step (its loss is a
             # fault of its own): it must not keep the job one step at a time for good.
@@ -177,7 +159,7 @@ class Recovery:
             notice = Preempted(f"{', '.join(names)} preempted: every replica holding the "
                                "state got a notice", workers=tuple(names))
             self._current = notice
-            fault = self._open_fault(notice)
+            fault = self.faults.open(notice)
             ck.save_now(reason="preemption")
             self.evacuate(fault)
             return
@@ -193,7 +175,7 @@ class Recovery:
                 return
         notice = Preempted(f"{', '.join(names)} preempted", workers=tuple(names))
         self._current = notice
-        fault = self._open_fault(notice)
+        fault = self.faults.open(notice)
         self.preemptions += len(names)
         if self.preemptions > self.policy.max_preemptions:
             self._abort(
@@ -218,11 +200,12 @@ class Recovery:
     def _handle_one(self, failure: Failure) -> None:
         group = self.membership
         policy = self.policy
-        judged = self._attribute(failure)
+        judged = judge_raised(failure, self.attribution, self.membership.members,
+                              self.membership.width)
         if judged is not None and judged[0] is not failure:
             failure = judged[0]
         self._current = failure
-        fault = self._open_fault(failure)
+        fault = self.faults.open(failure)
         if judged is not None and judged[1] is not None:
             self.log.emit("attribution", fault_id=fault.fault_id, worker=",".join(failure.workers),
                          work=None if failure.work is None else failure.work.describe(),
@@ -235,7 +218,7 @@ class Recovery:
             return
         if isinstance(failure, UserCodeError):
             self.log.emit("action", fault_id=fault.fault_id, action="abort")
-            self._open.remove(fault)
+            self.faults.discard(fault)
             self._save_what_is_safe()
             raise failure
         if isinstance(failure, NonFiniteLoss):
@@ -266,12 +249,12 @@ class Recovery:
             return
         self._continue(reason="resize", pause=action == "pause")
 
-    def _nonfinite(self, failure: NonFiniteLoss, fault: _OpenFault) -> None:
+    def _nonfinite(self, failure: NonFiniteLoss, fault: OpenFault) -> None:
         group = self.membership
         policy = self.policy
         self.nonfinite += 1
         if self.nonfinite > policy.max_nonfinite:
-            self._open.remove(fault)
+            self.faults.discard(fault)
             self._abort(
                 f"{self.nonfinite} non-finite steps, more than max_nonfinite="
                 f"{policy.max_nonfinite}",
@@ -284,7 +267,7 @@ class Recovery:
             _log.warning("step %d is non-finite again after a rollback: skipping it", step)
             action = "skip"
         if action == "rollback" and self.checkpoints is None:
-            self._open.remove(fault)
+            self.faults.discard(fault)
             self._abort(
                 "on_nonfinite='rollback' needs checkpoints to roll back to: pass checkpoint="
                 "CheckpointConfig(every=...) or choose on_nonfinite='skip'",
@@ -292,7 +275,7 @@ class Recovery:
             )
         self.log.emit("action", fault_id=fault.fault_id, action=action)
         if action == "abort":
-            self._open.remove(fault)
+            self.faults.discard(fault)
             self._abort("the loss is not finite and on_nonfinite='abort'", failure)
         if action == "skip":
             self.commit_log.skip_pending(step, gen=group.gen)
@@ -300,7 +283,7 @@ class Recovery:
         self._rolled_back.add(step)
         self._restore(fault, keep_survivors=True)
 
-    def evacuate(self, fault: _OpenFault) -> None:
+    def evacuate(self, fault: OpenFault) -> None:
         """Every replica holding the state got a notice and was saved beside its steps
         (Job.poll_notices): once the save is written (the leavers' shards in), they go, and
         replacements restore it: the steps trained are kept. If they were killed before
@@ -335,61 +318,22 @@ class Recovery:
 
     # ---- the work's fault or the worker's ------------------------------------------------------
 
-    def _attribute(self, failure: Failure) -> tuple[Failure, Judgement | None] | None:
-        """Judges a raised infrastructure error (planaria.attribution): returns the failure to
-        handle (a WorkFault when the work is to blame, the same failure naming only the
-        workers to blame otherwise) and the judgement; None for failures it does not judge
-        (deaths, hangs, bugs: a hang was judged where it was found)."""
-        if not isinstance(failure, InfrastructureError):
-            return None
-        group = self.membership
-        raised = getattr(failure, "raised", None) or [
-            (w, failure.work, _signature(failure)) for w in failure.workers[:1]]
-        verdicts: list[tuple[str, Judgement]] = []
-        for name, work, sig in raised:
-            handle = next((h for h in group.members if h.name == name), None)
-            node = None if handle is None else handle.info.get("ray_node")
-            verdicts.append((name, self.attribution.judge(
-                Sighting(name, work, sig, how="raised", node=node), width=group.width)))
-        blamed_work = [(n, j) for n, j in verdicts if j.blame is Blame.WORK]
-        if blamed_work:
-            name, judgement = blamed_work[0]
-            seen = judgement.seen
-            work = seen[-1].work
-            workers = tuple(dict.fromkeys(s.worker for s in seen))
-            return WorkFault(
-                f"{failure.args[0] if failure.args else failure.kind}: it failed the same way "
-                f"on {', '.join(workers)} for {work.describe() if work else 'the same work'}: "
-                "a fault of the work (the data or the code that handles it), not of a worker. "
-                "Fix or remove it, or set RecoveryPolicy(on_work_fault='skip') to skip its "
-                "samples (each skip is recorded in the event log and the ledger)",
-                remote_traceback=failure.remote_traceback, workers=workers, step=failure.step,
-                work=work,
-            ), judgement
-        to_blame = [n for n, j in verdicts if j.blame is Blame.WORKER]
-        nodes = {j.node for _, j in verdicts if j.blame is Blame.WORKER and j.node}
-        to_blame += [h.name for h in group.members if nodes and h.info.get("ray_node") in nodes]
-        if to_blame:
-            failure.workers = tuple(dict.fromkeys(to_blame))
-            return failure, next(j for _, j in verdicts if j.blame is Blame.WORKER)
-        return failure, verdicts[0][1]
-
-    def _retry_elsewhere(self, failure: Failure, fault: _OpenFault) -> None:
+    def _retry_elsewhere(self, failure: Failure, fault: OpenFault) -> None:
         """The first failure of its kind: nobody is evicted; the next generation puts the
         failing work on another worker (the same one at width 1) and the step runs again."""
         group = self.membership
-        members = _away_from(group.members, failure, self.spec)
+        members = away_from(group.members, failure, self.spec)
         self.log.emit("action", fault_id=fault.fault_id, action="retry_elsewhere",
                      workers=[h.name for h in members])
         group.build_generation(members, reason="retry")
 
-    def _work_fault(self, failure: WorkFault, fault: _OpenFault) -> None:
+    def _work_fault(self, failure: WorkFault, fault: OpenFault) -> None:
         """The work is at fault: stop with a save (the default), or skip its samples and go
         on (``on_work_fault="skip"``, up to ``max_skipped_samples``). Nobody is blamed; a
         worker killed because it was stuck on the work is replaced."""
         group = self.membership
         policy = self.policy
-        samples = _samples_of(self.commit_log.plan, self.spec, failure)
+        samples = samples_of(self.commit_log.plan, self.spec, failure)
         room = policy.max_skipped_samples - len(self.commit_log.skipped_samples)
         if policy.on_work_fault == "skip" and samples and len(samples) <= room:
             self.log.emit("action", fault_id=fault.fault_id, action="skip", samples=samples)
@@ -408,7 +352,7 @@ class Recovery:
                f"skipping {len(samples)} more samples would pass max_skipped_samples="
                f"{policy.max_skipped_samples}" if samples else "no samples to skip")
         self.log.emit("action", fault_id=fault.fault_id, action="abort", reason=why)
-        self._open.remove(fault)
+        self.faults.discard(fault)
         self._save_what_is_safe(reason="work_fault")
         ck = self.checkpoints
         if ck is not None and ck.last_committed is not None:
@@ -456,7 +400,7 @@ class Recovery:
             )
         return ready
 
-    def _restore(self, fault: _OpenFault, *, keep_survivors: bool) -> None:
+    def _restore(self, fault: OpenFault, *, keep_survivors: bool) -> None:
         """Reloads the newest viable checkpoint into every member, in this process."""
         group = self.membership
         need = (self.replicas if keep_survivors else self.policy.min_replicas) - group.width
@@ -482,7 +426,7 @@ class Recovery:
         fault.lost_steps = max(0, before - restored)
 
     def _refuse_to_start_over(
-        self, fault: _OpenFault, before: int, what: str, err: BaseException | None
+        self, fault: OpenFault, before: int, what: str, err: BaseException | None
     ) -> None:
         """Starting over from step 0 is never silent: an error unless the policy allows it
         (or nothing was trained yet)."""
@@ -542,70 +486,3 @@ class Recovery:
     def _abort(self, why: str, failure: Failure | None) -> None:
         self.log.emit("action", fault_id=None, action="abort", reason=why)
         raise ElasticRuntimeError(f"planaria gave up: {why}") from (failure or self._current)
-
-    def _open_fault(self, failure: Failure) -> _OpenFault:
-        fault_t = self.fault_times.fault_time(failure.workers)
-        fault = _OpenFault(self._next_fault_id, fault_t)
-        self._next_fault_id += 1
-        now = time.time()
-        common = {"fault_id": fault.fault_id, "kind": failure.kind}
-        # A work fault blames no worker: the workers it failed on are named apart.
-        work_fault = isinstance(failure, WorkFault)
-        worker = None if work_fault else ",".join(failure.workers) or None
-        extra: dict[str, Any] = {"seen_on": list(failure.workers)} if work_fault else {}
-        if failure.work is not None:
-            extra["work"] = failure.work.describe()
-        self.log.emit(
-            "fault",
-            **common,
-            worker=worker,
-            step=failure.step if failure.step is not None else self.commit_log.steps_done,
-            fault_t=fault_t,
-            message=str(failure).splitlines()[0] if str(failure) else failure.kind,
-            **extra,
-        )
-        self.log.emit("detected", **common, worker=worker, detect_s=max(0.0, now - fault_t))
-        _log.warning("%s: %s", failure.kind, failure)
-        self._open.append(fault)
-        return fault
-
-
-def _signature(failure: Failure) -> str:
-    from planaria.errors import signature
-
-    return signature(str(failure.args[0]) if failure.args else failure.kind)
-
-
-def _away_from(members: list[WorkerHandle], failure: Failure,
-               spec: TrainSpec) -> list[WorkerHandle]:
-    """The members in an order that gives the failing worker's micro-batch to another one
-    (a rotation of the rank order; the same order at width 1 or when the work is unknown)."""
-    members = list(members)
-    work = failure.work
-    name = failure.workers[0] if failure.workers else None
-    if len(members) < 2 or work is None or work.micro_batch is None or name is None:
-        return members
-    total = spec.global_batch_size // spec.micro_batch_size
-    for shift in range(1, len(members)):
-        order = members[shift:] + members[:shift]
-        for rank, handle in enumerate(order):
-            first, count = micro_batch_range(total, len(order), rank)
-            if first <= work.micro_batch < first + count:
-                if handle.name != name:
-                    return order
-                break
-    return members
-
-
-def _samples_of(plan: DataPlan | None, spec: TrainSpec, failure: WorkFault) -> list[int]:
-    """The samples a work fault is about: the sample that raised, else its micro-batch's."""
-    work = failure.work
-    if work is None:
-        return []
-    if work.sample is not None:
-        return [work.sample]
-    if work.micro_batch is None or work.step is None or plan is None:
-        return []
-    mbs = spec.micro_batch_size
-    batch = plan.batch(work.step)
-    return [int(i) for i in batch[work.micro_batch * mbs:(work.micro_batch + 1) * mbs]]
