@@ -26,7 +26,7 @@ __all__ = ["CallWatch"]
 
 
 class CallWatch:
-    """The calls of one wait (:meth:`Job._gather <planaria.controller.Job._gather>`)."""
+    """The calls of one wait (:meth:`Calls.gather <planaria.control.calls.Calls.gather>`)."""
 
     def __init__(self, refs: Iterable[Any]) -> None:
         self._ended: queue.SimpleQueue[Any] = queue.SimpleQueue()

@@ -285,7 +285,7 @@ class Recovery:
 
     def evacuate(self, fault: OpenFault) -> None:
         """Every replica holding the state got a notice and was saved beside its steps
-        (Job.poll_notices): once the save is written (the leavers' shards in), they go, and
+        (Notices.poll): once the save is written (the leavers' shards in), they go, and
         replacements restore it: the steps trained are kept. If they were killed before
         their shards were written (a grace period shorter than the save), the event log
         says so and the newest older save is restored."""

@@ -131,9 +131,9 @@ class Injector:
 
     def next_step(self, after: int) -> int | None:
         """The next boundary this injector needs (the job's autonomous loop asks, see
-        :meth:`RunAhead.next_boundary <planaria.run_ahead.RunAhead.next_boundary>`): where
-        the next fault is armed, a disk is freed, or the run's tail begins; None when it
-        needs none."""
+        :meth:`~planaria.control.boundary.BoundaryPlanner.next_boundary`): where the next
+        fault is armed, a disk is freed, or the run's tail begins; None when it needs
+        none."""
         wanted = []
         if self.todo:
             # Armed only once the last trigger fired and no second half waits (each of those
