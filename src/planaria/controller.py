@@ -133,7 +133,7 @@ class Job:
             membership=self.membership, commit_log=self.commit_log, departures=self.departures,
             fault_times=fault_times, hooks=self.fault_hooks, attribution=self.attribution,
             deadline=self.deadline, calls=self.calls, checkpoints=self.checkpointer,
-            chaos=self.chaos, check_ray=self.check_ray, elapsed_s=lambda: self.elapsed_s)
+            chaos=self.chaos, elapsed_s=lambda: self.elapsed_s)
         self.build_generation(self.members, reason="start")
         if self.checkpointer is not None:
             try:
@@ -154,9 +154,7 @@ class Job:
     def check_ray(self, *, save: bool = False, cause: BaseException | None = None) -> None:
         """Raises RayLost once Ray's GCS or this node's raylet died (planaria.ray_health),
         saving the step in hand first with ``save``; ``cause``: a failure that followed."""
-        watch = self.runtime.ray_watch
-        if watch is not None and watch.lost is not None:
-            raise watch.end(self.checkpointer, self.members, save=save, cause=cause) from cause
+        self.runtime.check_ray(self.checkpointer, self.members, save=save, cause=cause)
 
     def train_step(self) -> StepResult:
         """Runs the next step and commits it, or raises a Failure (``job.recovery.handle``

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from planaria.attribution import Blame
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
     from planaria.control.departures import Departures, FaultTimes
     from planaria.control.membership import Membership
     from planaria.control.notices import Notices
-    from planaria.control.protocols import Checkpoints, Gather
+    from planaria.control.protocols import Checkpoints, Gather, RayCheck
     from planaria.events import EventLog
     from planaria.policy import RecoveryPolicy
     from planaria.workers import WorkerHandle
@@ -67,7 +66,7 @@ class Recovery:
         membership: Membership, calls: Gather, commit_log: CommitLog, notices: Notices,
         departures: Departures, fault_times: FaultTimes, attribution: Attribution,
         checkpoints: Checkpoints | None, saved_steps: SavedSteps, log: EventLog,
-        check_ray: Callable[..., None],
+        check_ray: RayCheck,
     ) -> None:
         self.policy = policy
         self.spec = spec

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from planaria.control.chaos_injection import ChaosInjector
     from planaria.control.hooks import FaultHooks
     from planaria.control.notices import Notices
-    from planaria.control.protocols import Checkpoints, Roster, StepCount
+    from planaria.control.protocols import Checkpoints, RayCheck, Roster, StepCount
     from planaria.workers import WorkerHandle
 
 __all__ = ["BoundaryPlanner", "BoundaryPolicy", "StepBoundary"]
@@ -113,7 +113,7 @@ class StepBoundary:
     now (no wait)."""
 
     def __init__(
-        self, *, check_ray: Callable[..., None], verify_if_due: Callable[[], None],
+        self, *, check_ray: RayCheck, verify_if_due: Callable[[], None],
         hooks: FaultHooks, poll_ready: Callable[[], list[WorkerHandle]],
         policy: BoundaryPolicy, notices: Notices, checkpoints: Checkpoints | None,
         chaos: ChaosInjector | None, steps: StepCount,

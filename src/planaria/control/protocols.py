@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from planaria.checkpoint.config import CheckpointConfig
     from planaria.workers import WorkerHandle
 
-__all__ = ["Checkpoints", "Gather", "Roster", "StepCount"]
+__all__ = ["Checkpoints", "Gather", "RayCheck", "Roster", "StepCount"]
 
 
 class Roster(Protocol):
@@ -53,6 +53,15 @@ class Gather(Protocol):
 
     def gather(self, refs: dict[str, Any], *, deadline_s: float, step: int | None,
                poll: Callable[[], None] | None = None) -> dict[str, Any]: ...
+
+
+class RayCheck(Protocol):
+    """Raises :class:`~planaria.errors.RayLost` once Ray's GCS or this node's raylet died,
+    and returns otherwise. With ``save`` (at a step boundary, every member holding the
+    committed state) the step in hand is saved first; ``cause``: a failure that followed
+    the loss (the RayLost is raised from it, and nothing is saved)."""
+
+    def __call__(self, *, save: bool = False, cause: BaseException | None = None) -> None: ...
 
 
 class StepCount(Protocol):

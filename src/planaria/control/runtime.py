@@ -32,6 +32,7 @@ from planaria.workers import WorkerPool
 
 if TYPE_CHECKING:
     from planaria.config import RunConfig, TrainSpec
+    from planaria.control.protocols import Checkpoints
     from planaria.data_plan import Ledger
     from planaria.events import EventLog
     from planaria.policy import HangConfig, RecoveryPolicy
@@ -118,6 +119,15 @@ class Runtime:
     def ray_lost(self) -> bool:
         """Ray's GCS or this node's raylet died."""
         return self.ray_watch is not None and self.ray_watch.lost is not None
+
+    def check_ray(self, checkpoints: Checkpoints | None, members: Sequence[WorkerHandle], *,
+                  save: bool = False, cause: BaseException | None = None) -> None:
+        """Raises RayLost once Ray's GCS or this node's raylet died (planaria.ray_health),
+        saving the step in hand first with ``save`` where ``members`` all hold it;
+        ``cause``: a failure that followed the loss."""
+        watch = self.ray_watch
+        if watch is not None and watch.lost is not None:
+            raise watch.end(checkpoints, members, save=save, cause=cause) from cause
 
     def close(self, *, checkpointer: Any, members: Sequence[WorkerHandle], ledger: Ledger | None,
               status: str, error: str | None, steps_done: int, t0: float) -> None:

@@ -65,11 +65,14 @@ def assemble(
     log: EventLog, runtime: Runtime, membership: Membership, commit_log: CommitLog,
     departures: Departures, fault_times: FaultTimes, hooks: FaultHooks,
     attribution: Attribution, deadline: StepDeadline, calls: Calls,
-    checkpoints: Checkpoints | None, chaos: ChaosPlan | None,
-    check_ray: Callable[..., None], elapsed_s: Callable[[], float],
+    checkpoints: Checkpoints | None, chaos: ChaosPlan | None, elapsed_s: Callable[[], float],
 ) -> Parts:
     """Every other part, once the checkpoints are known (None: off)."""
     pool, drain_watch = runtime.pool, runtime.drain_watch
+
+    def check_ray(*, save: bool = False, cause: BaseException | None = None) -> None:
+        runtime.check_ray(checkpoints, membership.members, save=save, cause=cause)
+
     draining_nodes = drain_watch.draining if drain_watch is not None else None
     replicas = ReplicaCheck(membership=membership, calls=calls, commit_log=commit_log, log=log,
                             verify_every=config.verify_every)
