@@ -27,6 +27,7 @@ from planaria.control.departures import Departures
 from planaria.control.facade import Delegated
 from planaria.control.hooks import FaultHooks
 from planaria.control.membership import Membership
+from planaria.control.protocols import Checkpoints
 from planaria.control.runtime import Runtime
 from planaria.control.wiring import Parts, assemble, connect_calls
 from planaria.data_plan import DataPlan, Ledger
@@ -63,7 +64,7 @@ class Job:
         self.hang = hang or HangConfig()
         self.chaos = chaos
         self.checkpoint_config = checkpoint
-        self.checkpointer: Any = None
+        self.checkpointer: Any = None  # a Checkpointer, with checkpoints on
         startup.check_config(spec, config, self.policy)
         self.run_dir = config.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -123,16 +124,18 @@ class Job:
         self.commit_log.plan = DataPlan(first.info["num_samples"], spec.global_batch_size,
                                         spec.seed)
         self.started = True
+        checkpoints: Checkpoints | None = None  # the Checkpointer, as the parts see it
         if self.checkpoint_config is not None:
             from planaria.checkpointing import Checkpointer
 
-            self.checkpointer = Checkpointer(self, self.checkpoint_config)
-            self.checkpointer.on_start()
+            ck = Checkpointer(self, self.checkpoint_config)
+            ck.on_start()
+            self.checkpointer = checkpoints = ck
         self.parts = assemble(
             spec=spec, config=cfg, policy=self.policy, hang=self.hang, log=self.log, runtime=rt,
             membership=self.membership, commit_log=self.commit_log, departures=self.departures,
             fault_times=fault_times, hooks=self.fault_hooks, attribution=self.attribution,
-            deadline=self.deadline, calls=self.calls, checkpoints=self.checkpointer,
+            deadline=self.deadline, calls=self.calls, checkpoints=checkpoints,
             chaos=self.chaos, elapsed_s=lambda: self.elapsed_s)
         self.build_generation(self.members, reason="start")
         if self.checkpointer is not None:
