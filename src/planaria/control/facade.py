@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 __all__ = ["Delegated"]
 
@@ -21,6 +21,14 @@ class Delegated(Generic[T]):
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj: Any, owner: type | None = None) -> T:
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Delegated[T]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, obj: Any, owner: type | None = None) -> T | Delegated[T]:
+        if obj is None:  # on the class: the descriptor itself (introspection, docs)
+            return self
         value: T = getattr(getattr(obj, self.part), self.name)
         return value
