@@ -38,7 +38,7 @@ the steps from rank 0's records. Measured side by side:
   N *protocol-only* workers (Ray actors that compute nothing and answer at once
   with a step result of planaria's shape): the dispatch of N
   calls with their arguments (ids of the step's share), and the same wait as
-  ``Job._gather`` (``ray.wait`` for the first answer, then a sweep). Worker
+  ``Calls.gather`` (``ray.wait`` for the first answer, then a sweep). Worker
   compute is zero, so the round is all controller and transport; on this
   machine the N actors share its cores (labelled ``oversubscribed`` above the
   core count);
@@ -180,7 +180,7 @@ class ProtocolWorker:
 
 
 def _gather(refs: list[Any]) -> list[Any]:
-    """``Job._gather``'s wait for a step (``planaria.call_watch.CallWatch``): every call's
+    """``Calls.gather``'s wait for a step (``planaria.call_watch.CallWatch``): every call's
     answer as it comes."""
     from planaria.call_watch import CallWatch
 
@@ -210,7 +210,7 @@ def autonomous_runs(workers: list[Any], store: Any, repeats: int, short: int, lo
                     step_s: float, log_dir: Path) -> dict[str, float]:
     """The controller's CPU cost of the autonomous loop on ``n`` protocol-only workers:
     runs of ``short`` and of ``long`` steps, alternated, ``repeats`` of each; the CPU time
-    of a run (dispatch, ``Job._gather``'s wait loop with a poll between waits as
+    of a run (dispatch, ``Calls.gather``'s wait loop with a poll between waits as
     ``RunAhead`` polls: rank 0's stream read and recorded as an event-log line a step,
     the rest when the run ends; the store serving every worker's heartbeat and rank 0's
     keys, in this process as in the controller's) is ``per_run + steps * per_step``:
@@ -288,7 +288,7 @@ class _StreamReader:
 
 
 def _gather_polling(refs: list[Any], names: list[str], poll: Any, liveness: Any) -> list[Any]:
-    """``Job._gather``'s wait for a run: every call's answer as it comes
+    """``Calls.gather``'s wait for a run: every call's answer as it comes
     (``CallWatch``), the poll between waits, the heartbeats of the pending read unless the
     stream vouched for them (``Liveness``); answers in the order of ``refs``."""
     from planaria.call_watch import CallWatch

@@ -11,7 +11,7 @@ import time
 import pytest
 import ray
 
-import planaria.controller
+import planaria.control.calls
 from planaria import HangConfig, fit
 from planaria.call_watch import CallWatch
 from planaria.examples import bn_mlp
@@ -143,9 +143,9 @@ def test_a_job_whose_call_notices_never_come_still_trains_and_recovers(
     n, g, steps = 256, 64, 12
     spec = bn_mlp.make_spec(n=n)
     reference = fit(spec, steps=steps, replicas=1, run_dir=tmp_path / "ref").state_dict
-    monkeypatch.setattr(planaria.controller, "CallWatch", _Deaf)
-    monkeypatch.setattr(planaria.controller, "RECHECK_S", 0.3)
-    monkeypatch.setattr(planaria.controller, "WAIT_REPORT_S", 1.0)
+    monkeypatch.setattr(planaria.control.calls, "CallWatch", _Deaf)
+    monkeypatch.setattr(planaria.control.calls, "RECHECK_S", 0.3)
+    monkeypatch.setattr(planaria.control.calls, "WAIT_REPORT_S", 1.0)
     run_dir = tmp_path / "run"
     result = fit(spec, steps=steps, replicas=3, run_dir=run_dir, ledger=True,
                  chaos="kill:w1@step3,hang:w0@step8",

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,6 @@ from planaria.campaign.mix import (
 )
 from planaria.campaign.runner import SUMMARY_KEYS, CampaignConfig, run_campaign
 from planaria.checkpoint.storage import Storage
-from planaria.config import RunConfig
 from planaria.data_plan import DataPlan
 from planaria.errors import ConfigError
 
@@ -747,32 +745,15 @@ def test_a_fleet_preemption_needs_a_snapshot_within_a_second_and_loses_nothing(t
     assert _bounds(v)["lost_steps"] == (0, 0, True) and v.faults[0].recovered, v.reasons
 
 
-class _NoOpenRecovery:
-    def open_work(self) -> bool:
-        return False
-
-
-@dataclasses.dataclass
-class _JobBetweenBoundaries:
-    """What RunAhead's boundary planning reads of a Job: no recovery work open, the loss's
-    metrics named, no checkpointer, no chaos, the replicas' state not verified."""
-
-    config: RunConfig
-    width: int
-    hooks: list[Callable[..., None]] = dataclasses.field(default_factory=list)
-    recovery: _NoOpenRecovery = dataclasses.field(default_factory=_NoOpenRecovery)
-    metric_keys: tuple[str, ...] = ()
-    checkpointer: None = None
-    chaos: None = None
-
-
 def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     """The job runs autonomously between them; a fault armed ``ahead`` steps early fires
     inside the run."""
+    from control_fakes import FakeRoster, handle
     from planaria.campaign.inject import Injector
     from planaria.campaign.mix import PlannedFault, PlannedRun
     from planaria.campaign.triggers import STALE_STEPS
-    from planaria.run_ahead import RunAhead
+    from planaria.control.boundary import BoundaryPlanner
+    from planaria.control.hooks import FaultHooks
 
     faults = (PlannedFault(index=0, kind="kill", step=8, target=1, micro_batch=0, fraction=0.5,
                            ahead=2),
@@ -792,14 +773,22 @@ def test_the_injector_names_the_boundaries_it_needs(tmp_path):
     inj.tail_step = None
     assert inj.next_step(13) is None
 
-    job = _JobBetweenBoundaries(config=RunConfig(steps=16, replicas=3, run_dir=tmp_path), width=3)
-    ahead = RunAhead(job)  # type: ignore[arg-type]
-    assert ahead.next_boundary(0, 16) == 16
-    job.hooks.append(Injector(PlannedRun(index=0, step_s=0.05, steps=16, faults=faults),
-                              run_dir=tmp_path, control=tmp_path, job_dir=tmp_path, incarnation=0))
-    assert ahead.next_boundary(0, 16) == 6
-    job.hooks.append(lambda *a, **k: None)  # a hook that names none needs every boundary
-    assert ahead.next_boundary(0, 16) == 1
+    hooks = FaultHooks(None)
+    planner = BoundaryPlanner(
+        roster=FakeRoster([handle(f"w{i}") for i in range(3)]), hooks=hooks, checkpoints=None,
+        chaos=None, replicas=3, verify_every=None, replacements_ready=lambda: False,
+        draining_nodes=None, ray_lost=lambda: False, elapsed_s=lambda: 0.0)
+
+    def next_boundary(start: int, until: int) -> int:
+        return planner.next_boundary(start, until, open_work=False, metrics_known=True)
+
+    assert next_boundary(0, 16) == 16
+    hooks.hooks.append(Injector(PlannedRun(index=0, step_s=0.05, steps=16, faults=faults),
+                                run_dir=tmp_path, control=tmp_path, job_dir=tmp_path,
+                                incarnation=0))
+    assert next_boundary(0, 16) == 6
+    hooks.hooks.append(lambda *a, **k: None)  # a hook that names none needs every boundary
+    assert next_boundary(0, 16) == 1
 
 
 def test_a_resumed_campaign_judges_again_the_runs_it_finished(tmp_path):

@@ -52,17 +52,19 @@ def test_every_member_preempted_at_once_keeps_the_state(tmp_path, reference):
 
 
 def test_a_death_after_the_last_committed_step(tmp_path, reference, monkeypatch):
-    original = Job.commit_all
+    from planaria.control.membership import Membership
+
+    original = Membership.commit_all  # every worker applies the committed steps: the end's
     killed: list[str] = []
 
     def commit_all_but_kill_one_first(self):
-        if self.steps_done == STEPS and not killed:
+        if self.commit_log.steps_done == STEPS and not killed:
             victim = self.members[1]
             killed.append(victim.name)
             os.kill(victim.pid, signal.SIGKILL)
         return original(self)
 
-    monkeypatch.setattr(Job, "commit_all", commit_all_but_kill_one_first)
+    monkeypatch.setattr(Membership, "commit_all", commit_all_but_kill_one_first)
     result = fit(mlp.make_spec(n=N), steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True)
     assert killed
     assert result.final_step == STEPS

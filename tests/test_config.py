@@ -149,8 +149,19 @@ def test_a_local_ray_start_that_times_out_is_tried_again(tmp_path, monkeypatch):
 
     import ray
 
-    from planaria import backoff, controller
+    from planaria import backoff
     from planaria.config import RunConfig
+    from planaria.control import startup
+
+    class Marker:  # the reaper's side of a Ray start (startup.ProcessMarker)
+        def __init__(self) -> None:
+            self.sessions: list[str] = []
+
+        def marking(self) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
+
+        def session(self, session_dir: str) -> None:
+            self.sessions.append(session_dir)
 
     calls: list[dict] = []
 
@@ -163,20 +174,18 @@ def test_a_local_ray_start_that_times_out_is_tried_again(tmp_path, monkeypatch):
     monkeypatch.setattr(ray, "init", flaky_init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(backoff.time, "sleep", lambda s: None)
-    sessions: list[str] = []
-    reaper = SimpleNamespace(marking=contextlib.nullcontext, session=sessions.append)
+    reaper = Marker()
     monkeypatch.setattr(ray._private.worker, "_global_node",
                         SimpleNamespace(get_session_dir_path=lambda: "/tmp/ray/session_x"))
-    job = SimpleNamespace(config=RunConfig(steps=1, replicas=2, run_dir=tmp_path),
-                          run_dir=tmp_path, reaper=reaper)
-    controller.Job._init_ray(job)  # type: ignore[arg-type]
-    assert len(calls) == 3 and job._started_ray
-    assert sessions == ["/tmp/ray/session_x"]  # the started session's processes are the job's
+    config = RunConfig(steps=1, replicas=2, run_dir=tmp_path)
+    assert startup.init_ray(config, tmp_path, reaper)  # it started Ray
+    assert len(calls) == 3
+    assert reaper.sessions == ["/tmp/ray/session_x"]  # the started session's processes
 
     calls.clear()
-    monkeypatch.setattr(controller, "RAY_START_ATTEMPTS", 2)
+    monkeypatch.setattr(startup, "RAY_START_ATTEMPTS", 2)
     with pytest.raises(Exception, match="timed out during startup"):
-        controller.Job._init_ray(job)  # type: ignore[arg-type]
+        startup.init_ray(config, tmp_path, reaper)
     assert len(calls) == 2
 
     def broken_init(**kwargs):
@@ -186,5 +195,5 @@ def test_a_local_ray_start_that_times_out_is_tried_again(tmp_path, monkeypatch):
     calls.clear()
     monkeypatch.setattr(ray, "init", broken_init)
     with pytest.raises(ValueError, match="bad option"):
-        controller.Job._init_ray(job)  # type: ignore[arg-type]
+        startup.init_ray(config, tmp_path, reaper)
     assert len(calls) == 1

@@ -116,7 +116,9 @@ def test_two_workers_killed_in_the_same_step(tmp_path, reference):
 
 @pytest.mark.extended  # deaths at a join: test_compound_faults.py
 def test_fault_during_hot_join(tmp_path, reference, monkeypatch):
-    original = Job._send_state
+    from planaria.control.membership import Membership
+
+    original = Membership.send_state
     killed: list[str] = []
 
     def send_state_but_kill_the_joiner_once(self, joiners):
@@ -126,7 +128,7 @@ def test_fault_during_hot_join(tmp_path, reference, monkeypatch):
             os.kill(joiner.pid, signal.SIGKILL)
         return original(self, joiners)
 
-    monkeypatch.setattr(Job, "_send_state", send_state_but_kill_the_joiner_once)
+    monkeypatch.setattr(Membership, "send_state", send_state_but_kill_the_joiner_once)
     result = run_with_faults(tmp_path, chaos="kill:w1@step5")
     assert killed == ["w3"]
     assert result.final_step == STEPS

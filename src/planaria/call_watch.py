@@ -41,7 +41,7 @@ class Notices(Protocol):
 
 
 class CallWatch:
-    """The calls of one wait (:meth:`Job._gather <planaria.controller.Job._gather>`).
+    """The calls of one wait (:meth:`Calls.gather <planaria.control.calls.Calls.gather>`).
     ``notices``: where their completion callbacks go (a fresh queue by default)."""
 
     def __init__(self, refs: Iterable[Any], *, notices: Notices | None = None) -> None:

@@ -43,8 +43,11 @@ from planaria import _reaper
 from planaria.errors import RayLost
 
 if TYPE_CHECKING:
-    from planaria.controller import Job
+    from collections.abc import Sequence
+
+    from planaria.control.protocols import Checkpoints
     from planaria.events import EventLog
+    from planaria.workers import WorkerHandle
 
 __all__ = ["RayWatch", "gcs_grace_s"]
 
@@ -189,10 +192,12 @@ class RayWatch:
 
     # ---- ending the job ----------------------------------------------------------------------
 
-    def end(self, job: Job, *, save: bool, cause: BaseException | None = None) -> RayLost:
-        """The error to end ``job`` with, once :attr:`lost` is set. With ``save`` (the job
+    def end(self, checkpoints: Checkpoints | None, members: Sequence[WorkerHandle], *,
+            save: bool, cause: BaseException | None = None) -> RayLost:
+        """The error to end the job with, once :attr:`lost` is set. With ``save`` (the job
         is at a step boundary: every member holds the committed state) the step in hand
-        is saved first; the outcome goes into the error's message. ``cause``: a failure
+        is saved first (by ``checkpoints``, None when they are off, where ``members`` all
+        hold it); the outcome goes into the error's message. ``cause``: a failure
         that followed the loss (nothing is saved then). Once only: a second call returns
         the same error."""
         if self._ended is not None:
@@ -200,36 +205,34 @@ class RayWatch:
         lost = self.lost
         assert lost is not None
         if save:
-            saved, outcome = _save(job)
+            saved, outcome = _save(checkpoints, members)
         else:
             kind = getattr(cause, "kind", None)
             why = (f"{kind} followed it" if kind is not None
                    else "the job was not at a step boundary")
-            saved, outcome = None, _no_save(job, why)
+            saved, outcome = None, _no_save(checkpoints, why)
         self._ended = RayLost(f"{lost}; {outcome}", process=lost.process, pid=lost.pid,
                               saved=saved)
-        job.log.emit("action", fault_id=None, action="abort", reason=str(self._ended))
+        self.log.emit("action", fault_id=None, action="abort", reason=str(self._ended))
         return self._ended
 
 
-def _save(job: Job) -> tuple[str | None, str]:
+def _save(ck: Checkpoints | None, members: Sequence[WorkerHandle]) -> tuple[str | None, str]:
     """Saves the step in hand where it is safe; returns (path, what happened)."""
-    ck = job.checkpointer
     if ck is None:
         return None, "checkpointing is off: nothing was saved"
-    if not job.members or not all(h.has_state for h in job.members):
-        return None, _no_save(job, "no member holds the committed state")
+    if not members or not all(h.has_state for h in members):
+        return None, _no_save(ck, "no member holds the committed state")
     try:
         path = ck.save_now(reason="ray_lost")
     except Exception as err:  # the workers went with Ray's process, or the storage failed
-        return None, _no_save(job, f"the save failed ({type(err).__name__}: {err})")
+        return None, _no_save(ck, f"the save failed ({type(err).__name__}: {err})")
     if path is None:
-        return None, _no_save(job, "the save did not commit")
+        return None, _no_save(ck, "the save did not commit")
     return path, f"step {ck.last_committed} was saved ({path})"
 
 
-def _no_save(job: Job, why: str) -> str:
-    ck = job.checkpointer
+def _no_save(ck: Checkpoints | None, why: str) -> str:
     if ck is None:
         return f"nothing was saved ({why}; checkpointing is off)"
     newest = ck.last_committed

@@ -2,7 +2,7 @@
 
 :class:`Recovery` turns a classified :class:`~planaria.errors.Failure` into an
 action (resize, pause, restore, drain, skip, rollback, abort), carries it out
-on the live :class:`~planaria.controller.Job`, and logs every stage so that
+on the controller's parts (:mod:`planaria.control`), and logs every stage so that
 ``detect_s``, ``recover_s``, ``lost_steps``, ``replacement_s`` and ``join_s`` can
 be computed from the event log alone.
 """
@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
-from planaria.attribution import Blame, Judgement, Sighting
+from planaria.attribution import Blame
 from planaria.checkpoint.errors import NoViableCheckpoint
-from planaria.data_plan import micro_batch_range
+from planaria.control.blame import away_from, judge_raised, samples_of
+from planaria.control.open_faults import OpenFault, OpenFaults
 from planaria.errors import (
     AllReplicasLost,
     ElasticRuntimeError,
     Failure,
-    InfrastructureError,
     NonFiniteLoss,
     Preempted,
     UserCodeError,
@@ -29,33 +28,65 @@ from planaria.errors import (
 )
 
 if TYPE_CHECKING:
-    from planaria.controller import Job
+    from planaria.attribution import Attribution
+    from planaria.config import TrainSpec
+    from planaria.control.commit_log import CommitLog
+    from planaria.control.departures import Departures, FaultTimes
+    from planaria.control.membership import Membership
+    from planaria.control.notices import Notices
+    from planaria.control.protocols import Checkpoints, Gather, RayCheck
+    from planaria.events import EventLog
+    from planaria.policy import RecoveryPolicy
     from planaria.workers import WorkerHandle
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "SavedSteps"]
 
 _log = logging.getLogger("planaria.faults")
 MAX_CASCADE = 20  # failures handled back to back (a fault during a recovery) before giving up
 
 
-@dataclass
-class _OpenFault:
-    fault_id: int
-    fault_t: float
-    lost_steps: int = 0
+class SavedSteps(Protocol):
+    """Commits the steps up to ``step`` that leavers applied and a save beside them holds,
+    though no run reported them (:meth:`RunAhead.adopt_saved
+    <planaria.run_ahead.RunAhead.adopt_saved>`); returns the steps committed."""
+
+    def adopt_saved(self, step: int) -> list[int]: ...
 
 
 class Recovery:
-    """The recovery policy at work on one job."""
+    """The recovery policy at work on one group.
 
-    def __init__(self, job: Job) -> None:
-        self.job = job
+    ``check_ray(cause=failure)`` raises RayLost when Ray's own processes died (the failure
+    is their consequence); ``replicas``: the width asked for; ``checkpoints``: None when
+    checkpointing is off.
+    """
+
+    def __init__(
+        self, *, policy: RecoveryPolicy, spec: TrainSpec, replicas: int,
+        membership: Membership, calls: Gather, commit_log: CommitLog, notices: Notices,
+        departures: Departures, fault_times: FaultTimes, attribution: Attribution,
+        checkpoints: Checkpoints | None, saved_steps: SavedSteps, log: EventLog,
+        check_ray: RayCheck,
+    ) -> None:
+        self.policy = policy
+        self.spec = spec
+        self.replicas = replicas
+        self.membership = membership
+        self.calls = calls
+        self.commit_log = commit_log
+        self.notices = notices
+        self.departures = departures
+        self.fault_times = fault_times
+        self.attribution = attribution
+        self.checkpoints = checkpoints
+        self.saved_steps = saved_steps
+        self.log = log
+        self.check_ray = check_ray
         self.failures = 0
         self.preemptions = 0
         self.nonfinite = 0
         self._rolled_back: set[int] = set()  # steps already rolled back for a non-finite value
-        self._next_fault_id = 0
-        self._open: list[_OpenFault] = []
+        self.faults = OpenFaults(log=log, fault_times=fault_times, steps=commit_log)
         self._joining: dict[str, float] = {}
         self._current: Failure | None = None  # the failure being handled, for chaining
 
@@ -68,7 +99,7 @@ class Recovery:
         ElasticRuntimeError (chained to the failure) when the policy gives up, RayLost
         when the failure followed the death of Ray's GCS or raylet (its consequence).
         """
-        self.job.check_ray(cause=failure)
+        self.check_ray(cause=failure)
         for _ in range(MAX_CASCADE):
             try:
                 self._handle_one(failure)
@@ -82,118 +113,111 @@ class Recovery:
 
     def open_work(self) -> bool:
         """Faults or joins wait for their first committed step (which closes them)."""
-        return bool(self._open or self._joining)
+        return bool(self.faults) or bool(self._joining)
 
     def on_commit(self, step: int, now: float | None = None) -> None:
         """After each committed step (at ``now``): close open faults and pending joins."""
-        job = self.job
+        group = self.membership
         now = time.time() if now is None else now
-        for fault in self._open:
-            job.log.emit(
-                "recovered",
-                fault_id=fault.fault_id,
-                step=step,
-                recover_s=now - fault.fault_t,
-                lost_steps=fault.lost_steps,
-            )
-        self._open.clear()
+        self.faults.close_all(step, now)
         for name, since in list(self._joining.items()):
             # A joiner that is no member now died before its first step (its loss is a
             # fault of its own): it must not keep the job one step at a time for good.
             del self._joining[name]
-            if name in job.names:
-                job.log.emit("joined", worker=name, gen=job.gen, step=step, join_s=now - since)
+            if name in group.names:
+                self.log.emit("joined", worker=name, gen=group.gen, step=step, join_s=now - since)
 
     def admit(self, ready: list[WorkerHandle]) -> None:
         """Brings ready replacements into the next generation; a survivor sends them the state."""
-        job = self.job
-        if not job.members:  # nothing to send them: the restore path takes them
+        group = self.membership
+        if not group.members:  # nothing to send them: the restore path takes them
             return
-        room = job.config.replicas - job.width
+        room = self.replicas - group.width
         for handle in ready[room:]:  # never wider than asked: extra replacements go home
-            job.pool.release(handle)
+            group.pool.release(handle)
         ready = ready[: max(0, room)]
         if not ready:
             return
         for handle in ready:
             self._joining[handle.name] = handle.ready_t or time.time()
-        job.build_generation(job.members + ready, reason="join")
+        group.build_generation(group.members + ready, reason="join")
 
     def drain(self, names: list[str]) -> None:
         """Preempted workers leave at a step boundary: no failed step, nothing lost."""
-        job = self.job
-        names = [n for n in names if n in job.names]
+        group = self.membership
+        names = [n for n in names if n in group.names]
         if not names:
             return
-        ck = job.checkpointer
-        holders = [h.name for h in job.members if h.has_state]
+        ck = self.checkpoints
+        holders = [h.name for h in group.members if h.has_state]
         if (set(holders) <= set(names) and ck is not None and ck.can_save
                 and ck.config.save_on_preemption):
             # Every holder of the state leaves: the step in hand is saved before anyone goes,
             # then they go together and replacements restore it (nothing trained is lost).
-            job.evacuating = tuple(names)
+            self.departures.evacuating = tuple(names)
             notice = Preempted(f"{', '.join(names)} preempted: every replica holding the "
                                "state got a notice", workers=tuple(names))
             self._current = notice
-            fault = self._open_fault(notice)
+            fault = self.faults.open(notice)
             ck.save_now(reason="preemption")
             self.evacuate(fault)
             return
-        if len(names) == job.width:
+        if len(names) == group.width:
             # Every member got a notice: the last one stays (a notice leaves time) until a
-            # replacement has received the state from it, so the state never leaves the job.
+            # replacement has received the state from it, so the state never leaves the group.
             keep = names[-1]
             names = names[:-1]
-            job.keep_draining(keep)
+            self.notices.keep_draining(keep)
             if not names:
                 if not self._joining_soon():
                     self._replace([keep])
                 return
         notice = Preempted(f"{', '.join(names)} preempted", workers=tuple(names))
         self._current = notice
-        fault = self._open_fault(notice)
+        fault = self.faults.open(notice)
         self.preemptions += len(names)
-        if self.preemptions > job.policy.max_preemptions:
+        if self.preemptions > self.policy.max_preemptions:
             self._abort(
                 f"{self.preemptions} preemptions, more than max_preemptions="
-                f"{job.policy.max_preemptions}",
+                f"{self.policy.max_preemptions}",
                 None,
             )
-        job.log.emit("action", fault_id=fault.fault_id, action="drain")
-        remaining = job.width - len(names)
-        if remaining < job.policy.min_replicas and job.checkpointer is not None:
-            job.checkpointer.save_now(reason="preemption")  # just in time, before state leaves
-        if job.checkpointer is not None:  # a shard they are writing goes with them
-            job.checkpointer.writers_settle(names, timeout_s=job.checkpointer.config.timeout_s)
+        self.log.emit("action", fault_id=fault.fault_id, action="drain")
+        remaining = group.width - len(names)
+        if remaining < self.policy.min_replicas and self.checkpoints is not None:
+            self.checkpoints.save_now(reason="preemption")  # just in time, before state leaves
+        if self.checkpoints is not None:  # a shard they are writing goes with them
+            self.checkpoints.writers_settle(names, timeout_s=self.checkpoints.config.timeout_s)
         for name in names:
-            job.log.emit("drained", worker=name, step=job.steps_done)
-        job.evict(names)
+            self.log.emit("drained", worker=name, step=self.commit_log.steps_done)
+        group.evict(names)
         self._replace(names)
         self._continue(reason="drain")
 
     # ---- one failure -------------------------------------------------------------------------
 
     def _handle_one(self, failure: Failure) -> None:
-        job = self.job
-        policy = job.policy
-        judged = self._attribute(failure)
+        group = self.membership
+        policy = self.policy
+        judged = judge_raised(failure, self.attribution, self.membership.members,
+                              self.membership.width)
         if judged is not None and judged[0] is not failure:
             failure = judged[0]
         self._current = failure
-        fault = self._open_fault(failure)
+        fault = self.faults.open(failure)
         if judged is not None and judged[1] is not None:
-            job.log.emit("attribution", fault_id=fault.fault_id, worker=",".join(failure.workers),
+            self.log.emit("attribution", fault_id=fault.fault_id, worker=",".join(failure.workers),
                          work=None if failure.work is None else failure.work.describe(),
                          how="raised", blame=judged[1].blame.value, reason=judged[1].reason)
         if isinstance(failure, WorkFault):
             self._work_fault(failure, fault)
             return
-        if isinstance(failure, Preempted) and job.evacuating:
+        if isinstance(failure, Preempted) and self.departures.evacuating:
             self.evacuate(fault)
             return
         if isinstance(failure, UserCodeError):
-            job.log.emit("action", fault_id=fault.fault_id, action="abort")
-            self._open.remove(fault)
+            self.log.emit("action", fault_id=fault.fault_id, action="abort")
+            self.faults.discard(fault)
             self._save_what_is_safe()
             raise failure
         if isinstance(failure, NonFiniteLoss):
@@ -209,14 +233,14 @@ class Recovery:
         if judged is not None and judged[1] is not None and judged[1].blame is Blame.RETRY:
             self._retry_elsewhere(failure, fault)
             return
-        job.evict(failure.workers)
+        group.evict(failure.workers)
         self._replace(failure.workers)
-        if isinstance(failure, AllReplicasLost) or not any(h.has_state for h in job.members):
-            job.log.emit("action", fault_id=fault.fault_id, action="restore")
+        if isinstance(failure, AllReplicasLost) or not any(h.has_state for h in group.members):
+            self.log.emit("action", fault_id=fault.fault_id, action="restore")
             self._restore(fault, keep_survivors=False)
             return
         action = policy.on_worker_lost
-        job.log.emit("action", fault_id=fault.fault_id, action=action)
+        self.log.emit("action", fault_id=fault.fault_id, action=action)
         if action == "abort":
             self._abort("on_worker_lost='abort'", failure)
         if action == "restore":
@@ -224,140 +248,101 @@ class Recovery:
             return
         self._continue(reason="resize", pause=action == "pause")
 
-    def _nonfinite(self, failure: NonFiniteLoss, fault: _OpenFault) -> None:
-        job = self.job
-        policy = job.policy
+    def _nonfinite(self, failure: NonFiniteLoss, fault: OpenFault) -> None:
+        group = self.membership
+        policy = self.policy
         self.nonfinite += 1
         if self.nonfinite > policy.max_nonfinite:
-            self._open.remove(fault)
+            self.faults.discard(fault)
             self._abort(
                 f"{self.nonfinite} non-finite steps, more than max_nonfinite="
                 f"{policy.max_nonfinite}",
                 failure,
             )
         action = policy.on_nonfinite
-        step = failure.step if failure.step is not None else job.steps_done
+        step = failure.step if failure.step is not None else self.commit_log.steps_done
         if action == "rollback" and step in self._rolled_back:
             # The same step is poisoned again after a rollback: it is the data, not a glitch.
             _log.warning("step %d is non-finite again after a rollback: skipping it", step)
             action = "skip"
-        if action == "rollback" and job.checkpointer is None:
-            self._open.remove(fault)
+        if action == "rollback" and self.checkpoints is None:
+            self.faults.discard(fault)
             self._abort(
                 "on_nonfinite='rollback' needs checkpoints to roll back to: pass checkpoint="
                 "CheckpointConfig(every=...) or choose on_nonfinite='skip'",
                 failure,
             )
-        job.log.emit("action", fault_id=fault.fault_id, action=action)
+        self.log.emit("action", fault_id=fault.fault_id, action=action)
         if action == "abort":
-            self._open.remove(fault)
+            self.faults.discard(fault)
             self._abort("the loss is not finite and on_nonfinite='abort'", failure)
         if action == "skip":
-            job.skip_pending(step)
+            self.commit_log.skip_pending(step, gen=group.gen)
             return
         self._rolled_back.add(step)
         self._restore(fault, keep_survivors=True)
 
-    def evacuate(self, fault: _OpenFault) -> None:
+    def evacuate(self, fault: OpenFault) -> None:
         """Every replica holding the state got a notice and was saved beside its steps
-        (Job.poll_notices): once the save is written (the leavers' shards in), they go, and
+        (Notices.poll): once the save is written (the leavers' shards in), they go, and
         replacements restore it: the steps trained are kept. If they were killed before
         their shards were written (a grace period shorter than the save), the event log
         says so and the newest older save is restored."""
-        job = self.job
-        names = list(job.evacuating)
+        group = self.membership
+        names = list(self.departures.evacuating)
         self.preemptions += len(names)
-        job.log.emit("action", fault_id=fault.fault_id, action="evacuate")
-        ck = job.checkpointer
+        self.log.emit("action", fault_id=fault.fault_id, action="evacuate")
+        ck = self.checkpoints
         assert ck is not None
         t0 = time.time()
         step = ck.inflight_step
         ck.writers_settle(names, timeout_s=ck.config.timeout_s)
         ck.finish_inflight()
         if step is not None and ck.last_committed != step:
-            job.log.emit("preemption_save_lost", step=step, waited_s=time.time() - t0,
+            self.log.emit("preemption_save_lost", step=step, waited_s=time.time() - t0,
                          reason="the replicas were gone before the save's shards were written: "
                          "their grace period was shorter than a save")
-        elif step is not None and step > job.steps_done:
-            job.run_ahead.adopt_saved(step)  # applied, saved, never reported: committed
+        elif step is not None and step > self.commit_log.steps_done:
+            self.saved_steps.adopt_saved(step)  # applied, saved, never reported: committed
         for name in names:
-            job.log.emit("drained", worker=name, step=job.steps_done)
-        job.evict(names)
-        job.evacuating = ()
-        job._draining.difference_update(names)
+            self.log.emit("drained", worker=name, step=self.commit_log.steps_done)
+        group.evict(names)
+        self.departures.evacuating = ()
+        self.departures.draining.difference_update(names)
         self._replace(names)
-        if self.preemptions > job.policy.max_preemptions:
+        if self.preemptions > self.policy.max_preemptions:
             self._abort(f"{self.preemptions} preemptions, more than max_preemptions="
-                        f"{job.policy.max_preemptions}", None)
+                        f"{self.policy.max_preemptions}", None)
         self._restore(fault, keep_survivors=False)
 
     # ---- the work's fault or the worker's ------------------------------------------------------
 
-    def _attribute(self, failure: Failure) -> tuple[Failure, Judgement | None] | None:
-        """Judges a raised infrastructure error (planaria.attribution): returns the failure to
-        handle (a WorkFault when the work is to blame, the same failure naming only the
-        workers to blame otherwise) and the judgement; None for failures it does not judge
-        (deaths, hangs, bugs: a hang was judged where it was found)."""
-        if not isinstance(failure, InfrastructureError):
-            return None
-        job = self.job
-        raised = getattr(failure, "raised", None) or [
-            (w, failure.work, _signature(failure)) for w in failure.workers[:1]]
-        verdicts: list[tuple[str, Judgement]] = []
-        for name, work, sig in raised:
-            handle = next((h for h in job.members if h.name == name), None)
-            node = None if handle is None else handle.info.get("ray_node")
-            verdicts.append((name, job.attribution.judge(
-                Sighting(name, work, sig, how="raised", node=node), width=job.width)))
-        blamed_work = [(n, j) for n, j in verdicts if j.blame is Blame.WORK]
-        if blamed_work:
-            name, judgement = blamed_work[0]
-            seen = judgement.seen
-            work = seen[-1].work
-            workers = tuple(dict.fromkeys(s.worker for s in seen))
-            return WorkFault(
-                f"{failure.args[0] if failure.args else failure.kind}: it failed the same way "
-                f"on {', '.join(workers)} for {work.describe() if work else 'the same work'}: "
-                "a fault of the work (the data or the code that handles it), not of a worker. "
-                "Fix or remove it, or set RecoveryPolicy(on_work_fault='skip') to skip its "
-                "samples (each skip is recorded in the event log and the ledger)",
-                remote_traceback=failure.remote_traceback, workers=workers, step=failure.step,
-                work=work,
-            ), judgement
-        to_blame = [n for n, j in verdicts if j.blame is Blame.WORKER]
-        nodes = {j.node for _, j in verdicts if j.blame is Blame.WORKER and j.node}
-        to_blame += [h.name for h in job.members if nodes and h.info.get("ray_node") in nodes]
-        if to_blame:
-            failure.workers = tuple(dict.fromkeys(to_blame))
-            return failure, next(j for _, j in verdicts if j.blame is Blame.WORKER)
-        return failure, verdicts[0][1]
-
-    def _retry_elsewhere(self, failure: Failure, fault: _OpenFault) -> None:
+    def _retry_elsewhere(self, failure: Failure, fault: OpenFault) -> None:
         """The first failure of its kind: nobody is evicted; the next generation puts the
         failing work on another worker (the same one at width 1) and the step runs again."""
-        job = self.job
-        members = _away_from(job, failure)
-        job.log.emit("action", fault_id=fault.fault_id, action="retry_elsewhere",
+        group = self.membership
+        members = away_from(group.members, failure, self.spec)
+        self.log.emit("action", fault_id=fault.fault_id, action="retry_elsewhere",
                      workers=[h.name for h in members])
-        job.build_generation(members, reason="retry")
+        group.build_generation(members, reason="retry")
 
-    def _work_fault(self, failure: WorkFault, fault: _OpenFault) -> None:
+    def _work_fault(self, failure: WorkFault, fault: OpenFault) -> None:
         """The work is at fault: stop with a save (the default), or skip its samples and go
         on (``on_work_fault="skip"``, up to ``max_skipped_samples``). Nobody is blamed; a
         worker killed because it was stuck on the work is replaced."""
-        job = self.job
-        policy = job.policy
-        samples = _samples_of(job, failure)
-        room = policy.max_skipped_samples - len(job.skipped_samples)
+        group = self.membership
+        policy = self.policy
+        samples = samples_of(self.commit_log.plan, self.spec, failure)
+        room = policy.max_skipped_samples - len(self.commit_log.skipped_samples)
         if policy.on_work_fault == "skip" and samples and len(samples) <= room:
-            job.log.emit("action", fault_id=fault.fault_id, action="skip", samples=samples)
+            self.log.emit("action", fault_id=fault.fault_id, action="skip", samples=samples)
             where = ", ".join(failure.workers)
             what = failure.work.describe() if failure.work is not None else "the work"
-            job.skip_samples(samples, step=failure.step,
+            self.commit_log.skip_samples(samples, step=failure.step,
                              reason=f"{what} failed the same way on {where}")
-            gone = [n for n in failure.workers if n not in job.names]
+            gone = [n for n in failure.workers if n not in group.names]
             self._replace(gone)
-            if not any(h.has_state for h in job.members):
+            if not any(h.has_state for h in group.members):
                 self._restore(fault, keep_survivors=False)
                 return
             self._continue(reason="skip")
@@ -365,15 +350,15 @@ class Recovery:
         why = ("on_work_fault='stop'" if policy.on_work_fault == "stop" else
                f"skipping {len(samples)} more samples would pass max_skipped_samples="
                f"{policy.max_skipped_samples}" if samples else "no samples to skip")
-        job.log.emit("action", fault_id=fault.fault_id, action="abort", reason=why)
-        self._open.remove(fault)
+        self.log.emit("action", fault_id=fault.fault_id, action="abort", reason=why)
+        self.faults.discard(fault)
         self._save_what_is_safe(reason="work_fault")
-        ck = job.checkpointer
+        ck = self.checkpoints
         if ck is not None and ck.last_committed is not None:
             kept = f"the job stops with step {ck.last_committed} saved under {ck.root}"
         else:
-            kept = (f"checkpointing is off: the {job.steps_done} steps trained stop with the "
-                    "job (pass checkpoint=CheckpointConfig(every=...) to keep them)")
+            kept = (f"checkpointing is off: the {self.commit_log.steps_done} steps trained "
+                    "stop with the job (pass checkpoint=CheckpointConfig(every=...) to keep them)")
         raise WorkFault(f"{failure.args[0]} ({kept})", remote_traceback=failure.remote_traceback,
                         workers=failure.workers, step=failure.step, work=failure.work)
 
@@ -381,197 +366,122 @@ class Recovery:
 
     def _continue(self, *, reason: str, pause: bool = False) -> None:
         """Next generation from the survivors, after waiting for replacements if needed."""
-        job = self.job
-        policy = job.policy
-        want = job.config.replicas if pause else policy.min_replicas
+        group = self.membership
+        policy = self.policy
+        want = self.replicas if pause else policy.min_replicas
         joiners: list[WorkerHandle] = []
-        if job.width < want:
-            joiners = self._wait_for(want - job.width, reason)
+        if group.width < want:
+            joiners = self._wait_for(want - group.width, reason)
         # A warm spare taken for this fault (or a replacement already up) joins in this very
         # generation: no step at reduced width, no second rendezvous.
-        room = job.config.replicas - job.width - len(joiners)
-        now = job.pool.poll(timeout_s=0.0)
+        room = self.replicas - group.width - len(joiners)
+        now = group.pool.poll(timeout_s=0.0)
         for handle in now[max(0, room):]:
-            job.pool.release(handle)
+            group.pool.release(handle)
         joiners += now[: max(0, room)]
         for handle in joiners:
             self._joining[handle.name] = handle.ready_t or time.time()
-        job.build_generation(job.members + joiners, reason=reason)
+        group.build_generation(group.members + joiners, reason=reason)
 
     def _wait_for(self, count: int, reason: str) -> list[WorkerHandle]:
-        job = self.job
-        timeout = job.policy.pause_timeout_s
-        ready: list[WorkerHandle] = []
-        end = time.monotonic() + timeout
-        while len(ready) < count and time.monotonic() < end:
-            ready += job.pool.poll(timeout_s=min(0.5, max(0.0, end - time.monotonic())))
-            if len(ready) < count and job.pool.pending_count == 0:
-                break  # nothing more is coming
-        if job.width + len(ready) < job.policy.min_replicas:
+        group = self.membership
+        timeout = self.policy.pause_timeout_s
+        ready = group.wait_ready(count, timeout_s=timeout)
+        if group.width + len(ready) < self.policy.min_replicas:
             for handle in ready:
-                job.pool.kill(handle, fence=False)
+                group.pool.kill(handle, fence=False)
             self._abort(
-                f"only {job.width + len(ready)} replicas after waiting {timeout:g} s for "
-                f"replacements ({reason}), below min_replicas={job.policy.min_replicas}: the "
+                f"only {group.width + len(ready)} replicas after waiting {timeout:g} s for "
+                f"replacements ({reason}), below min_replicas={self.policy.min_replicas}: the "
                 "cluster has no room for replacements; free resources, lower min_replicas or "
                 "raise pause_timeout_s",
                 None,
             )
         return ready
 
-    def _restore(self, fault: _OpenFault, *, keep_survivors: bool) -> None:
+    def _restore(self, fault: OpenFault, *, keep_survivors: bool) -> None:
         """Reloads the newest viable checkpoint into every member, in this process."""
-        job = self.job
-        need = (job.config.replicas if keep_survivors else job.policy.min_replicas) - job.width
+        group = self.membership
+        need = (self.replicas if keep_survivors else self.policy.min_replicas) - group.width
         if need > 0:
-            job.members = job.members + self._wait_for(need, "restore")
-        before = job.steps_done
-        for handle in job.members:
-            handle.has_state = True  # every member is about to be overwritten
-        job.build_generation(job.members, reason="restore")
+            group.add(self._wait_for(need, "restore"))
+        before = self.commit_log.steps_done
+        group.set_holding(group.names, True)  # every member is about to be overwritten
+        group.build_generation(group.members, reason="restore")
         try:
-            restored = job.checkpointer.restore() if job.checkpointer is not None else None
+            restored = self.checkpoints.restore() if self.checkpoints is not None else None
         except NoViableCheckpoint as err:
             self._refuse_to_start_over(fault, before, f"no checkpoint could be restored ({err})",
                                        err)
             restored = None
         if restored is None:
-            if job.checkpointer is None:
+            if self.checkpoints is None:
                 where = "checkpointing is off: pass checkpoint=CheckpointConfig(every=...)"
             else:
-                where = f"no checkpoint was saved under {job.checkpointer.root} yet"
+                where = f"no checkpoint was saved under {self.checkpoints.root} yet"
             self._refuse_to_start_over(fault, before, f"no replica holds the state and {where}",
                                        None)
             restored = self._restart_from_scratch()
         fault.lost_steps = max(0, before - restored)
 
     def _refuse_to_start_over(
-        self, fault: _OpenFault, before: int, what: str, err: BaseException | None
+        self, fault: OpenFault, before: int, what: str, err: BaseException | None
     ) -> None:
         """Starting over from step 0 is never silent: an error unless the policy allows it
         (or nothing was trained yet)."""
-        job = self.job
-        if before == 0 or job.policy.allow_restart_from_scratch:
+        if before == 0 or self.policy.allow_restart_from_scratch:
             return
         why = (f"{what}; starting over would lose all {before} steps trained: set "
                "RecoveryPolicy(allow_restart_from_scratch=True) to allow it")
-        job.log.emit("action", fault_id=fault.fault_id, action="abort", reason=why)
+        self.log.emit("action", fault_id=fault.fault_id, action="abort", reason=why)
         raise ElasticRuntimeError(f"planaria gave up: {why}") from (err or self._current)
 
     def _restart_from_scratch(self) -> int:
         """No checkpoint (or none viable, where the policy allows it): fresh workers build the
         seed's initial state (the old ones, maybe half restored, are killed); training starts
         over."""
-        job = self.job
+        group = self.membership
         _log.warning("no viable checkpoint: starting over from step 0")
         t0 = time.time()
-        before = job.steps_done
-        fresh = [job.pool.start() for _ in job.members]
-        for handle in job.members:
-            job.pool.kill(handle, fence=True)
-        job.members = []
-        ready = job._wait_ready(len(fresh), timeout_s=job.policy.pause_timeout_s)
-        if len(ready) < job.policy.min_replicas:
+        before = self.commit_log.steps_done
+        fresh = [group.pool.start() for _ in group.members]
+        group.kill_all()
+        ready = group.wait_ready(len(fresh), timeout_s=self.policy.pause_timeout_s)
+        if len(ready) < self.policy.min_replicas:
             self._abort("could not start fresh workers to start over", None)
-        for handle in ready:
-            handle.has_state = True
-        job.steps_done = 0
-        job.build_generation(ready, reason="restore")
+        group.add(ready)
+        group.set_holding(group.names, True)
+        self.commit_log.restart_at(0)
+        group.build_generation(group.members, reason="restore")
         # A ready worker may be a replacement that pre-built optimizer state: every member
         # goes back to the seed's initial state, and they must agree on it.
-        sums = job._gather({h.name: h.actor.reinit.remote(job.gen) for h in job.members},
-                           deadline_s=job.policy.pause_timeout_s, step=None)
+        sums = self.calls.gather(
+            {h.name: h.actor.reinit.remote(group.gen) for h in group.members},
+            deadline_s=self.policy.pause_timeout_s, step=None)
         if len(set(sums.values())) > 1:
             self._abort(f"fresh workers built different initial parameters {sums}", None)
-        job.log.emit("restore", step=0, path=None, restore_s=time.time() - t0, lost_steps=before)
+        self.log.emit("restore", step=0, path=None, restore_s=time.time() - t0, lost_steps=before)
         return 0
 
     def _joining_soon(self) -> bool:
-        return self.job.pool.pending_count > 0
+        return self.membership.pool.pending_count > 0
 
     def _replace(self, names: tuple[str, ...] | list[str]) -> None:
-        job = self.job
-        if not job.policy.replace_workers:
+        group = self.membership
+        if not self.policy.replace_workers:
             return
         for name in names:
-            job.pool.start(replaces=name)
+            group.pool.start(replaces=name)
 
     def _save_what_is_safe(self, reason: str = "user_code_error") -> None:
-        job = self.job
-        if job.checkpointer is None or not job.members:
+        group = self.membership
+        if self.checkpoints is None or not group.members:
             return
         try:
-            job.checkpointer.save_now(reason=reason)
+            self.checkpoints.save_now(reason=reason)
         except Exception:
             _log.exception("could not save before stopping")
 
     def _abort(self, why: str, failure: Failure | None) -> None:
-        self.job.log.emit("action", fault_id=None, action="abort", reason=why)
+        self.log.emit("action", fault_id=None, action="abort", reason=why)
         raise ElasticRuntimeError(f"planaria gave up: {why}") from (failure or self._current)
-
-    def _open_fault(self, failure: Failure) -> _OpenFault:
-        job = self.job
-        fault_t = job.fault_time(failure.workers)
-        fault = _OpenFault(self._next_fault_id, fault_t)
-        self._next_fault_id += 1
-        now = time.time()
-        common = {"fault_id": fault.fault_id, "kind": failure.kind}
-        # A work fault blames no worker: the workers it failed on are named apart.
-        work_fault = isinstance(failure, WorkFault)
-        worker = None if work_fault else ",".join(failure.workers) or None
-        extra: dict[str, Any] = {"seen_on": list(failure.workers)} if work_fault else {}
-        if failure.work is not None:
-            extra["work"] = failure.work.describe()
-        job.log.emit(
-            "fault",
-            **common,
-            worker=worker,
-            step=failure.step if failure.step is not None else job.steps_done,
-            fault_t=fault_t,
-            message=str(failure).splitlines()[0] if str(failure) else failure.kind,
-            **extra,
-        )
-        job.log.emit("detected", **common, worker=worker, detect_s=max(0.0, now - fault_t))
-        _log.warning("%s: %s", failure.kind, failure)
-        self._open.append(fault)
-        return fault
-
-
-def _signature(failure: Failure) -> str:
-    from planaria.errors import signature
-
-    return signature(str(failure.args[0]) if failure.args else failure.kind)
-
-
-def _away_from(job: Job, failure: Failure) -> list[WorkerHandle]:
-    """The members in an order that gives the failing worker's micro-batch to another one
-    (a rotation of the rank order; the same order at width 1 or when the work is unknown)."""
-    members = list(job.members)
-    work = failure.work
-    name = failure.workers[0] if failure.workers else None
-    if len(members) < 2 or work is None or work.micro_batch is None or name is None:
-        return members
-    total = job.spec.global_batch_size // job.spec.micro_batch_size
-    for shift in range(1, len(members)):
-        order = members[shift:] + members[:shift]
-        for rank, handle in enumerate(order):
-            first, count = micro_batch_range(total, len(order), rank)
-            if first <= work.micro_batch < first + count:
-                if handle.name != name:
-                    return order
-                break
-    return members
-
-
-def _samples_of(job: Job, failure: WorkFault) -> list[int]:
-    """The samples a work fault is about: the sample that raised, else its micro-batch's."""
-    work = failure.work
-    if work is None:
-        return []
-    if work.sample is not None:
-        return [work.sample]
-    if work.micro_batch is None or work.step is None or job.plan is None:
-        return []
-    mbs = job.spec.micro_batch_size
-    batch = job.plan.batch(work.step)
-    return [int(i) for i in batch[work.micro_batch * mbs:(work.micro_batch + 1) * mbs]]

@@ -51,7 +51,16 @@ from planaria import store_keys
 from planaria.errors import Failure, NonFiniteLoss, Preempted
 
 if TYPE_CHECKING:
-    from planaria.controller import Job, StepResult
+    from planaria.control.boundary import BoundaryPlanner
+    from planaria.control.chaos_injection import ChaosInjector
+    from planaria.control.commit_log import CommitLog, StepResult
+    from planaria.control.departures import Departures
+    from planaria.control.membership import Membership
+    from planaria.control.notices import Notices
+    from planaria.control.protocols import Gather
+    from planaria.events import EventLog
+    from planaria.liveness import Liveness
+    from planaria.policy import HangConfig
 
 __all__ = ["RunAhead"]
 
@@ -61,10 +70,31 @@ MAX_SETTLE_ATTEMPTS = 3
 
 
 class RunAhead:
-    """Runs a job's steps in autonomous runs (see the module doc)."""
+    """Runs a job's steps in autonomous runs (see the module doc).
 
-    def __init__(self, job: Job) -> None:
-        self.job = job
+    ``planner`` says when something unplanned needs a boundary; ``notices`` reads the
+    preemption notices that come meanwhile; ``chaos`` lands the faults planned for a step;
+    ``horizon``: the job's step count (the workers load no step past it).
+    """
+
+    def __init__(
+        self, *, membership: Membership, calls: Gather, commit_log: CommitLog,
+        planner: BoundaryPlanner, notices: Notices, departures: Departures,
+        chaos: ChaosInjector | None, store: Any, liveness: Liveness, log: EventLog,
+        hang: HangConfig, horizon: int,
+    ) -> None:
+        self.membership = membership
+        self.calls = calls
+        self.commit_log = commit_log
+        self.planner = planner
+        self.notices = notices
+        self.departures = departures
+        self.chaos = chaos
+        self.store = store
+        self.liveness = liveness
+        self.log = log
+        self.hang = hang
+        self.horizon = horizon
         self.run_id = 0
         self._stop_sent = False
         self._why: str | None = None
@@ -73,62 +103,37 @@ class RunAhead:
         self._ranks: frozenset[str] = frozenset()  # the current run's members
         self._started_t = 0.0  # when the current run's calls went out (wall clock, as events)
 
-    # ---- planning ----------------------------------------------------------------------------
-
-    def next_boundary(self, start: int, until: int) -> int:
-        """The step count at which the controller must act next (``> start``)."""
-        job = self.job
-        if job.recovery.open_work() or job.metric_keys is None:
-            return start + 1  # see the module doc; the first step names the loss's metrics
-        stop = until
-        for hook in job.hooks:  # a hook without next_step needs every boundary
-            planned = hook.next_step(start) if hasattr(hook, "next_step") else start + 1
-            if planned is not None:
-                stop = min(stop, planned)
-        ck = job.checkpointer
-        if ck is not None:
-            due = ck.next_due_step()
-            if due is not None and due > start:
-                stop = min(stop, due)
-        every = job.config.verify_every
-        if every is not None and job.width > 1:
-            stop = min(stop, (start // every + 1) * every)
-        if job.chaos is not None:
-            planned = job.chaos.next_step(after=start)
-            if planned is not None:
-                stop = min(stop, planned)
-        return max(start + 1, stop)
-
     # ---- a run -------------------------------------------------------------------------------
 
-    def run(self, until: int) -> list[StepResult]:
-        """The next steps up to ``until`` (at least one) and commits them, or raises the
-        Failure that ended the run (its steps that every survivor applied are committed)."""
-        job = self.job
-        job.boundary()
-        start = job.steps_done
-        stop = self.next_boundary(start, until)
-        assert job.plan is not None
+    def run(self, stop: int) -> list[StepResult]:
+        """The next steps up to ``stop`` (past the steps done: the boundary the planner
+        chose, :meth:`~planaria.control.boundary.BoundaryPlanner.next_boundary`) and
+        commits them, or raises the Failure that ended the run (its steps that every
+        survivor applied are committed)."""
+        log, members_now = self.commit_log, self.membership
+        start = log.steps_done
+        assert log.plan is not None
         self.run_id += 1
         self._stop_sent, self._why = False, None
         self._chunks, self._streamed = 0, []
-        gen, run_id = job.gen, self.run_id
-        plan = (job.plan.num_samples, job.plan.global_batch_size, job.plan.seed)
-        members = list(job.members)
+        gen, run_id = members_now.gen, self.run_id
+        plan = (log.plan.num_samples, log.plan.global_batch_size, log.plan.seed)
+        members = list(members_now.members)
         self._ranks = frozenset(h.name for h in members)
         self._started_t = time.time()
         refs = {
             h.name: h.actor.run.remote(
-                gen, run_id, start, stop, plan=plan, skipped=job.last_skipped,
-                ledger=job.ledger is not None, metric_keys=job.metric_keys or (),
-                horizon=job.config.steps,
+                gen, run_id, start, stop, plan=plan, skipped=log.last_skipped,
+                ledger=log.ledger is not None, metric_keys=log.metric_keys or (),
+                horizon=self.horizon,
             )
             for h in members
         }
-        job._chaos_during_step(start)
+        if self.chaos is not None:
+            self.chaos.during_step(start)
         try:
-            results = job._gather(
-                refs, deadline_s=job.hang.ceiling_s * (stop - start), step=None,
+            results = self.calls.gather(
+                refs, deadline_s=self.hang.ceiling_s * (stop - start), step=None,
                 poll=self._poll,
             )
         except Failure as failure:
@@ -137,54 +142,57 @@ class RunAhead:
         finally:
             self._clear(gen, run_id, len(members))
         head = results[members[0].name]
-        job.log.emit("run_ahead", gen=gen, start=start, until=stop,
-                     steps=head["steps_done"] - start, ended=head["ended"],
-                     why=self._why if head["ended"] == "stop" else None, width=len(members),
-                     started_t=self._started_t)
+        self.log.emit("run_ahead", gen=gen, start=start, until=stop,
+                      steps=head["steps_done"] - start, ended=head["ended"],
+                      why=self._why if head["ended"] == "stop" else None, width=len(members),
+                      started_t=self._started_t)
         return self._record(results, members)
 
     def _poll(self) -> None:
         """While a run goes on: records the steps rank 0 streamed, and ends the run early
         when something unplanned needs a boundary."""
         self._read_stream()
-        job = self.job
-        job.poll_notices()
-        if self._stop_sent or job.evacuating:
+        self.notices.poll()
+        if self._stop_sent or self.departures.evacuating:
             return
-        why = job.boundary_wanted()
+        why = self.planner.boundary_wanted()
         if why is None:
             return
         self._stop_sent = True
         self._why = why
         _log.debug("run %d ends early: %s", self.run_id, why)
-        job.store.set(store_keys.run_stop(job.gen, self.run_id), why)
+        self.store.set(store_keys.run_stop(self.membership.gen, self.run_id), why)
+
+    def _commit(self, rec: dict[str, Any]) -> StepResult:
+        return self.commit_log.record_step(rec, gen=self.membership.gen,
+                                           width=self.membership.width)
 
     def _read_stream(self) -> None:
-        job = self.job
+        store, gen = self.store, self.membership.gen
         try:
-            key = store_keys.run_stream(job.gen, self.run_id)
-            if not job.store.check([key]):
+            key = store_keys.run_stream(gen, self.run_id)
+            if not store.check([key]):
                 return
-            count = int(job.store.get(key))
+            count = int(store.get(key))
             if count > self._chunks:  # steps every rank reduced: all alive and moving
-                job.liveness.vouch(self._ranks)
+                self.liveness.vouch(self._ranks)
             while self._chunks < count:
-                raw = job.store.get(store_keys.run_stream(job.gen, self.run_id, self._chunks))
+                raw = store.get(store_keys.run_stream(gen, self.run_id, self._chunks))
                 self._chunks += 1
                 for rec in json.loads(raw):
-                    if rec["step"] >= job.steps_done:
-                        self._streamed.append(job.record_step(rec))
+                    if rec["step"] >= self.commit_log.steps_done:
+                        self._streamed.append(self._commit(rec))
         except Exception:  # progress only: the run's result brings every record anyway
             _log.debug("could not read run %d's stream", self.run_id, exc_info=True)
 
     def _clear(self, gen: int, run_id: int, width: int) -> None:
-        store = self.job.store
+        store = self.store
         try:
             for chunk in range(self._chunks):
                 store.delete_key(store_keys.run_stream(gen, run_id, chunk))
             store.delete_key(store_keys.run_stream(gen, run_id))
             store.delete_key(store_keys.run_stop(gen, run_id))
-            if self.job.ledger is not None:
+            if self.commit_log.ledger is not None:
                 for rank in range(width):
                     store.delete_key(store_keys.run_ledger(gen, run_id, rank))
         except Exception:  # the store is ours; a leftover key costs a few bytes
@@ -196,23 +204,24 @@ class RunAhead:
         """Records a run's steps from rank 0's records (O(1) per step; O(workers) per step
         only with a ledger, whose records come from every rank); the steps streamed
         already are not recorded again (but enter the ledger here)."""
-        job = self.job
+        log, gen = self.commit_log, self.membership.gen
         head = results[members[0].name]
-        ledger = job.ledger is not None
+        ledger = log.ledger is not None
         out: list[StepResult] = list(self._streamed)
-        if job.metric_keys is None and head["steps"]:
+        if log.metric_keys is None and head["steps"]:
             self._name_metrics(head["steps"][0], [results[h.name]["steps"] for h in members])
         for i, rec in enumerate(head["steps"]):
             served = {h.name: results[h.name]["steps"][i] for h in members} if ledger else {}
             if not rec["finite"]:
-                job.record_nonfinite(rec, served)  # raises NonFiniteLoss: the policy decides
+                # raises NonFiniteLoss: the policy decides
+                log.record_nonfinite(rec, served, gen=gen)
             if ledger:
-                job.ledger_step(rec["step"], served)
-            if rec["step"] >= job.steps_done:
-                out.append(job.record_step(rec))
-        last = out[-1].step if out else job.steps_done
+                log.ledger_step(rec["step"], served, gen=gen)
+            if rec["step"] >= log.steps_done:
+                out.append(self._commit(rec))
+        last = out[-1].step if out else log.steps_done
         for h in members:
-            job._preempt_notice(h.name, results[h.name]["preempting"], last)
+            self.notices.reported(h.name, results[h.name]["preempting"], last)
         return out
 
     def _name_metrics(self, rec: dict[str, Any], records: list[list[dict[str, Any]]]) -> None:
@@ -226,59 +235,60 @@ class RunAhead:
                 sums[k] = sums.get(k, 0.0) + v
         rec["global_metric_sums"] = sums
         if rec["finite"]:
-            self.job.metric_keys = tuple(sorted(sums))
+            self.commit_log.metric_keys = tuple(sorted(sums))
 
     def _reconcile(self, failure: Failure, start: int, stop: int, members: list[Any]) -> None:
         """After a failed run: commits what the furthest survivor applied, marks the
         survivors behind it for a state transfer, and dates the failure to the first
         step not committed."""
-        job = self.job
-        # Workers leaving on a notice (every holder at once: Job.evacuating) are alive: they
-        # settle like survivors, so that the steps they applied are recorded.
+        log, membership = self.commit_log, self.membership
+        # Workers leaving on a notice (every holder at once: Departures.evacuating) are
+        # alive: they settle like survivors, so that the steps they applied are recorded.
         lost = set() if isinstance(failure, Preempted) else set(failure.workers)
         answers: dict[str, Any] = {}
         for _ in range(MAX_SETTLE_ATTEMPTS):
-            survivors = [h for h in job.members if h.name not in lost]
+            survivors = [h for h in membership.members if h.name not in lost]
             if not survivors:
                 break
             try:
-                answers = job._gather(
-                    {h.name: h.actor.settle_run.remote(job.gen) for h in survivors},
+                answers = self.calls.gather(
+                    {h.name: h.actor.settle_run.remote(membership.gen) for h in survivors},
                     deadline_s=60, step=None,
                 )
                 break
             except Failure as again:  # a survivor failed too: it is lost with the others
                 lost |= set(again.workers) or {h.name for h in survivors}
                 failure.workers = tuple(dict.fromkeys([*failure.workers, *again.workers]))
+        gen = membership.gen
         committed = max((a["steps_done"] for a in answers.values()), default=start)
         committed = max(committed, start)
         ahead = next((a for a in answers.values() if a["steps_done"] == committed), None)
-        served = self._served_from_store(members) if job.ledger is not None else {}
+        served = self._served_from_store(members) if log.ledger is not None else {}
         if ahead is not None:
             for rec in ahead["steps"]:
                 if not start <= rec["step"] < committed:
                     continue
-                if job.ledger is not None:
-                    job.ledger_step(rec["step"], served.get(rec["step"]) or {})
-                if rec["step"] >= job.steps_done:
-                    job.record_step(rec)
-        job.steps_done = max(job.steps_done, committed)
-        job._ledger_served(committed, served.get(committed) or {})  # the broken attempt
+                if log.ledger is not None:
+                    log.ledger_step(rec["step"], served.get(rec["step"]) or {}, gen=gen)
+                if rec["step"] >= log.steps_done:
+                    self._commit(rec)
+        log.advance_to(committed)
+        log.ledger_served(committed, served.get(committed) or {}, gen=gen)  # the broken attempt
         behind = []
-        for h in job.members:
+        for h in membership.members:
             a = answers.get(h.name)
             if a is not None and a["steps_done"] < committed:
-                h.has_state = False  # its collective did not complete: it gets the state
                 behind.append(h.name)
                 _log.info("%s is a step behind after the failure: it receives the state",
                           h.name)
-        job.log.emit("run_ahead", gen=job.gen, start=start, until=stop, steps=committed - start,
-                     ended="failed", why=failure.kind, width=len(members),
-                     committed=committed, behind=behind, started_t=self._started_t)
+        membership.set_holding(behind, False)  # its collective did not complete
+        self.log.emit("run_ahead", gen=gen, start=start, until=stop, steps=committed - start,
+                      ended="failed", why=failure.kind, width=len(members),
+                      committed=committed, behind=behind, started_t=self._started_t)
         failure.step = committed
         if not isinstance(failure, NonFiniteLoss):
-            job.log.emit("step_failed", step=committed, gen=job.gen, kind=failure.kind,
-                         workers=list(failure.workers))
+            self.log.emit("step_failed", step=committed, gen=gen, kind=failure.kind,
+                          workers=list(failure.workers))
 
     def adopt_saved(self, step: int) -> list[int]:
         """A wave's leavers applied the steps up to ``step`` and a save beside them holds
@@ -286,33 +296,26 @@ class RunAhead:
         controller): those steps are committed, in the ledger too (what each rank was
         served is in the store), so that the restore of ``step`` continues a training in
         which every sample was used once. Returns the steps committed."""
-        job = self.job
-        steps = list(range(job.steps_done, step))
-        if not steps:
+        log, gen = self.commit_log, self.membership.gen
+        if step <= log.steps_done:
             return []
-        served = self._served_from_store(job.members) if job.ledger is not None else {}
-        for s in steps:
-            if job.ledger is not None:
-                if job._ledger_last == (job.gen, s):  # its attempt's records are in already
-                    job.ledger.commit(s, gen=job.gen)
-                else:
-                    job.ledger_step(s, served.get(s) or {})
-        job.log.emit("steps_committed_by_save", steps=steps, step=step, gen=job.gen,
-                     reason="the leavers applied them before they were gone; the save beside "
-                     "them holds them")
-        job.steps_done = step
+        served = (self._served_from_store(self.membership.members) if log.ledger is not None
+                  else {})
+        steps = log.commit_saved(step, served, gen=gen)
+        self.log.emit("steps_committed_by_save", steps=steps, step=step, gen=gen,
+                      reason="the leavers applied them before they were gone; the save beside "
+                      "them holds them")
         return steps
 
     def _served_from_store(self, members: list[Any]) -> dict[int, dict[str, dict[str, Any]]]:
         """{step: {worker: record}} from the ledger keys the run's workers appended to."""
-        job = self.job
         out: dict[int, dict[str, dict[str, Any]]] = {}
         for rank in range(len(members)):
-            key = store_keys.run_ledger(job.gen, self.run_id, rank)
+            key = store_keys.run_ledger(self.membership.gen, self.run_id, rank)
             try:
-                if not job.store.check([key]):
+                if not self.store.check([key]):
                     continue
-                raw = job.store.get(key).decode()
+                raw = self.store.get(key).decode()
             except Exception:
                 _log.warning("could not read %s: its ledger records are lost", key)
                 continue
@@ -321,4 +324,3 @@ class RunAhead:
                     rec = json.loads(line)
                     out.setdefault(int(rec["step"]), {})[rec["worker"]] = rec
         return out
-

@@ -119,9 +119,9 @@ class Injector:
 
     def next_step(self, after: int) -> int | None:
         """The next boundary this injector needs (the job's autonomous loop asks, see
-        :meth:`RunAhead.next_boundary <planaria.run_ahead.RunAhead.next_boundary>`): where
-        the next fault is armed, a disk is freed, or the run's tail begins; None when it
-        needs none."""
+        :meth:`~planaria.control.boundary.BoundaryPlanner.next_boundary`): where the next
+        fault is armed, a disk is freed, or the run's tail begins; None when it needs
+        none."""
         wanted = []
         if self.todo:
             # Armed only once the last trigger fired and no second half waits (each of those
@@ -197,7 +197,7 @@ class Injector:
     def _arm(self, job: InjectedJob, fault: PlannedFault) -> None:
         # Not a worker a preemption notice is draining at this very boundary (after the
         # hooks): the fault would land on a worker about to leave.
-        draining = set(getattr(job, "_draining", ()))
+        draining = job.departures.draining
         names = [n for n in job.names if n not in draining] or job.names
         target = names[fault.target % len(names)]
         kind = fault.kind

@@ -44,6 +44,12 @@ class _StepDeadline(Protocol):
         """The step deadline in force (learned from the steps' times)."""
 
 
+class _Departures(Protocol):
+    @property
+    def draining(self) -> set[str]:
+        """Members a preemption notice drains at the next boundary."""
+
+
 class InjectedJob(Protocol):
     """A running job, read at its boundaries (between autonomous runs of steps) and in its
     save and join phases. Its two waits block the caller until the job is back at
@@ -64,6 +70,9 @@ class InjectedJob(Protocol):
 
     @property
     def width(self) -> int: ...
+
+    @property
+    def departures(self) -> _Departures: ...
 
     @property
     def pool(self) -> _Pool: ...

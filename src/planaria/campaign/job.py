@@ -92,7 +92,7 @@ def member_states(job: Any) -> dict[str, dict[str, Any]]:
     """Every live member's model state (a sharded replica's leader gathers its shards)."""
     job.commit_all()
     refs = {h.name: h.actor.get_state.remote(job.gen) for h in job.members}
-    answers = job._gather(refs, deadline_s=300, step=None)
+    answers = job.gather(refs, deadline_s=300, step=None)
     return {name: {k.removeprefix("model/"): v for k, v in tensors.items()
                    if k.startswith("model/")} for name, (tensors, _) in answers.items()}
 

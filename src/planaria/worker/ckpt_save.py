@@ -1,6 +1,6 @@
 """The worker's side of a save: snapshot its share of the state, write it in the background.
 
-The controller's :class:`planaria.checkpointing.Checkpointer` calls these through
+The controller's :class:`planaria.checkpoint.coordinator.Checkpointer` calls these through
 Ray. :meth:`CheckpointSaver.start` copies this replica's share of the state into
 staging buffers kept from one save to the next (the only part that stalls
 training) and writes it from a background thread; :meth:`CheckpointSaver.poll`
