@@ -134,13 +134,21 @@ def _timed_job_class() -> type:
     from planaria import Job
 
     class TimedJob(Job):
-        def _gather(
-            self, refs: dict[str, Any], *, deadline_s: float, step: int | None,
-            poll: Any = None,
-        ) -> dict[str, Any]:
-            t0 = time.perf_counter()
-            results = super()._gather(refs, deadline_s=deadline_s, step=step, poll=poll)
-            gather_s = time.perf_counter() - t0
+        def start(self) -> None:
+            super().start()
+            assert self.calls is not None
+            wait = self.calls.gather  # every wait for the workers goes through it
+
+            def timed_gather(refs: dict[str, Any], *, deadline_s: float, step: int | None,
+                             poll: Any = None) -> dict[str, Any]:
+                t0 = time.perf_counter()
+                results = wait(refs, deadline_s=deadline_s, step=step, poll=poll)
+                self._note_times(results, time.perf_counter() - t0)
+                return results
+
+            self.calls.gather = timed_gather  # type: ignore[method-assign]
+
+        def _note_times(self, results: dict[str, Any], gather_s: float) -> None:
             times = {}
             for name, r in results.items():
                 if isinstance(r, dict) and "call_s" in r and len(r.get("steps") or ()) == 1:
@@ -151,7 +159,6 @@ def _timed_job_class() -> type:
             if times:
                 step_of = next(iter(times.values()))["step"]
                 self.__dict__.setdefault("worker_times", {})[step_of] = times
-            return results
 
     return TimedJob
 

@@ -249,8 +249,6 @@ class Job:
             raise ElasticRuntimeError(NOT_STARTED)
         return self.calls.gather(refs, deadline_s=deadline_s, step=step, poll=poll)
 
-    _gather = gather  # the checkpointer's name for it, until it uses gather
-
     def hook(self, phase: str, **info: Any) -> None:
         """Calls the hooks at a named phase (see :class:`~planaria.control.hooks.FaultHooks`)."""
         self.fault_hooks.call(phase, **info)

@@ -3,7 +3,7 @@
 Between two *boundaries* (where the controller must act: a checkpoint or a replica
 check due by step count, a chaos event planned for a step, the end of the
 steps) the controller starts one run per worker (:meth:`Worker.run
-<planaria.worker_loop.WorkerLoopMixin.run>`) and waits: its work per step does
+<planaria.worker.actor.Worker.run>`) and waits: its work per step does
 not grow with the number of workers. Events that cannot be planned (a
 replacement ready to join, a node draining, a checkpoint or chaos event due by
 time) end the run early: the controller sets one store key, rank 0 reads it and

@@ -2,7 +2,8 @@
 
 :class:`~planaria.checkpoint.config.CheckpointConfig` says where and how often;
 :class:`Checkpointer` is what the job calls, at start, at every step boundary and at the
-end; the workers' side is :mod:`planaria.worker_checkpoint`. It sees the job through the
+end; the workers' side is :mod:`planaria.worker.ckpt_save` and
+:mod:`planaria.worker.ckpt_restore`. It sees the job through the
 Protocols of :mod:`planaria.checkpoint.host` and is made of parts: the root and this
 run's identity there (:mod:`~planaria.checkpoint.root`, claimed at start by
 :mod:`~planaria.checkpoint.claim`), the save pipeline (:mod:`~planaria.checkpoint.saving`,

@@ -33,7 +33,8 @@ class Member(Protocol):
     ``actor`` is its Ray actor handle: the coordinator calls ``ckpt_probe``, ``ckpt_start``,
     ``ckpt_start_beside``, ``ckpt_wait``, ``ckpt_poll``, ``ckpt_freeze``, ``ckpt_advance``,
     ``ckpt_read`` and ``ckpt_apply`` on it with ``.remote(...)``
-    (:mod:`planaria.worker_checkpoint` answers them). ``info`` is what it reported when it
+    (:mod:`planaria.worker.ckpt_save` and :mod:`planaria.worker.ckpt_restore` answer them).
+    ``info`` is what it reported when it
     started; only ``info["node"]`` is read. ``has_state`` says it holds the committed
     state: a restore sets it (True once every member loaded a checkpoint, False when a
     restore failed part-way and the members' tensors may be half written).

@@ -348,7 +348,7 @@ class Worker:
         self.membership.check(gen)
         return self.state.checksum()
 
-    # ---- checkpoints (planaria.checkpointing's Checkpointer calls these) -----------------------
+    # ---- checkpoints (planaria.checkpoint.coordinator's Checkpointer calls these) --------------
 
     @fans_out(replica.merge_ckpt_start)
     def ckpt_start(
