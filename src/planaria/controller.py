@@ -253,8 +253,6 @@ class Job:
         """Calls the hooks at a named phase (see :class:`~planaria.control.hooks.FaultHooks`)."""
         self.fault_hooks.call(phase, **info)
 
-    _hook = hook  # the checkpointer's name for it, until it uses hook
-
     def build_generation(self, members: list[WorkerHandle], *, reason: str) -> None:
         self.membership.build_generation(members, reason=reason)
 
