@@ -19,7 +19,7 @@ ranks, so the gradient is "sum over the global batch ÷ its size" whatever the
 number of ranks and micro-batches.
 
 The data order (:func:`batch_ids`, :func:`split_ids`) is the same algorithm as
-``planaria.data_plan`` (a permutation per epoch drawn from
+``planaria.data.plan`` (a permutation per epoch drawn from
 ``numpy.random.default_rng([seed, epoch])``; step s takes stream positions
 ``[s*G, (s+1)*G)``; ranks take contiguous near-equal parts). planaria gives each
 rank whole micro-batches (so that randomness is width-invariant); with G/micro
@@ -183,7 +183,7 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 def batch_ids(
     step: int, global_batch: int = GLOBAL_BATCH, n: int = DATASET_SIZE, seed: int = SEED
 ) -> np.ndarray:
-    """Sample ids of step ``step``'s global batch (same as ``planaria.data_plan``)."""
+    """Sample ids of step ``step``'s global batch (same as ``planaria.data.plan``)."""
     start = step * global_batch
     positions = np.arange(start, start + global_batch, dtype=np.int64)
     epochs = positions // n

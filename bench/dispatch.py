@@ -7,7 +7,7 @@ call per worker per step.
 A controller that makes one Ray call per worker per step and waits for every answer
 (planaria's old per-step protocol; ``Job.train_step`` is now a run of one step) pays
 per worker per step; in runs (``Job.run_steps``, what ``fit`` uses: see
-``planaria.run_ahead``) it makes one call per worker per *run* of steps and records
+``planaria.control.run_ahead``) it makes one call per worker per *run* of steps and records
 the steps from rank 0's records. Measured side by side:
 
 - ``per_step_controller_ms[N]``: the autonomous loop with N protocol-only
@@ -71,22 +71,22 @@ import ray  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import common  # noqa: E402
-from planaria import store_keys  # noqa: E402
+from planaria.wire import store_keys  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
 class ProtocolWorker:
     """Answers the step protocol's call at once, with a result of the real one's shape, and
     loads the controller's store as a real worker does: its heartbeat thread
-    (``planaria.liveness.beat``), and on rank 0 of a run the stop key's watch
+    (``planaria.control.liveness.beat``), and on rank 0 of a run the stop key's watch
     (``KeyWatch``) and the stream of step records (``StepStream``), planaria's own code."""
 
     def __init__(self, name: str, host: str, port: int, heartbeat_s: float) -> None:
         import threading
 
-        from planaria.collective import connect_store
-        from planaria.key_watch import KeyWatch
-        from planaria.liveness import Heartbeat, beat, quiet_s
+        from planaria.control.liveness import Heartbeat, beat, quiet_s
+        from planaria.worker.collective import connect_store
+        from planaria.worker.key_watch import KeyWatch
 
         self.name, self.phase, self.step_no, self.progress, self.beats = name, "idle", 0, 0, 0
         self._run_t: tuple[float, float, float] | None = None  # (first, end, step_s) in a run
@@ -180,9 +180,9 @@ class ProtocolWorker:
 
 
 def _gather(refs: list[Any]) -> list[Any]:
-    """``Calls.gather``'s wait for a step (``planaria.call_watch.CallWatch``): every call's
+    """``Calls.gather``'s wait for a step (``planaria.control.call_watch.CallWatch``): every call's
     answer as it comes."""
-    from planaria.call_watch import CallWatch
+    from planaria.control.call_watch import CallWatch
 
     calls, out = CallWatch(refs), []
     while len(calls):
@@ -217,8 +217,8 @@ def autonomous_runs(workers: list[Any], store: Any, repeats: int, short: int, lo
     ``per_step_ms`` is the slope between the two lengths' medians (the cost of one more
     step), ``per_run_ms`` what is left (the calls to every worker, paid once per run: at a
     generation, a checkpoint, a join)."""
-    from planaria.events import EventLog
-    from planaria.liveness import Liveness
+    from planaria.control.liveness import Liveness
+    from planaria.observe.events import EventLog
 
     n = len(workers)
     names = [f"w{r}" for r in range(n)]
@@ -291,7 +291,7 @@ def _gather_polling(refs: list[Any], names: list[str], poll: Any, liveness: Any)
     """``Calls.gather``'s wait for a run: every call's answer as it comes
     (``CallWatch``), the poll between waits, the heartbeats of the pending read unless the
     stream vouched for them (``Liveness``); answers in the order of ``refs``."""
-    from planaria.call_watch import CallWatch
+    from planaria.control.call_watch import CallWatch
 
     index = {ref: i for i, ref in enumerate(refs)}
     out: list[Any] = [None] * len(refs)

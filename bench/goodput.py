@@ -56,7 +56,7 @@ building the model) slows the training steps beside it. Started cold, ~2
 CPU-seconds a worker: measured for planaria with a spare, ~1 s of training time
 lost per kill while the next spare started, against ~0.05 s when none was
 started. planaria forks its workers from a server that imported torch once
-(``RunConfig.warm_start``, on by default on one node; ``planaria.forkserver``):
+(``RunConfig.warm_start``, on by default on one node; ``planaria.worker.forkserver``):
 ~0.7 CPU-seconds a start, the steps back at full speed ~2 s after a kill. The
 peers start their processes as their maintainers do (a fresh Python each). On
 a cluster a spare starts on resources of its own and that cost is not there.
@@ -98,7 +98,7 @@ committed step under torchft); the window is ``[t0, t0 + duration_s]``.
   kills sent; ``skipped_kills``: kills due while no worker was active (a system
   still restarting) until the next one was due.
 
-planaria's runs also carry ``report``: ``planaria.metrics.summarize`` over the
+planaria's runs also carry ``report``: ``planaria.observe.metrics.summarize`` over the
 window's records of its own event log (its time-based goodput: committed steps'
 time ÷ wall time, its badput buckets, recovered faults, and its own recover_s
 and detect_s, which start at its estimate of the fault's time), and
@@ -141,8 +141,8 @@ from bench import common  # noqa: E402
 from bench.baselines.runners import run_torchft_faults, run_torchrun_faults  # noqa: E402
 from bench.kill_harness import KillHarness, plan_kills  # noqa: E402
 from bench.planaria_side import run_planaria_faults  # noqa: E402
-from planaria.events import read_events  # noqa: E402
-from planaria.metrics import percentile, summarize  # noqa: E402
+from planaria.observe.events import read_events  # noqa: E402
+from planaria.observe.metrics import percentile, summarize  # noqa: E402
 
 MIN_STEADY_GAPS = 5
 SETTLE_S = 10.0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a machine with a CUDA device and planaria's requirements:
-# the GPU tests (tests/test_gpu.py; elsewhere they skip with the reason), a smoke run of
+# the GPU tests (tests/worker/test_gpu.py; elsewhere they skip with the reason), a smoke run of
 # the GPU bench, then the bench itself (bench/gpu.py: step time against DDP on the same
 # GPU, recovery from a kill). Logs go to $GPU_CHECK_OUT (default: ./gpu_check_out); the
 # last line printed is one JSON object with every figure.
@@ -21,7 +21,7 @@ PY
 python3 -c 'import torch; print(f"device: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")' \
     > "$out/gpu_tests.log"
 
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs --durations=0 \
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/worker/test_gpu.py -rs --durations=0 \
     2>&1 | tee -a "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 summary=$(tail -n 1 "$out/gpu_tests.log")

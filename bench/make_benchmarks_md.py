@@ -740,7 +740,8 @@ def render_dispatch(rec: dict[str, Any]) -> list[str]:
                f"heartbeat thread every {r['heartbeat_s']:g} s; on rank 0 the stop key's watch "
                "and the stream of records), served in the measured process as in the "
                "controller's. While a run goes on the controller waits on every call through "
-               "one completion callback each (`planaria.call_watch.CallWatch`) and reads no "
+               "one completion callback each (`planaria.control.call_watch.CallWatch`) and "
+               "reads no "
                "heartbeat while rank 0's stream vouches for the ranks (`Liveness.vouch`)."
                if r.get("heartbeat_s") else
                "The stand-ins did not touch the controller's store (no heartbeats). While a run "
@@ -790,7 +791,8 @@ def render_gpu(rec: dict[str, Any], tests: dict[str, Any] | None = None) -> list
            f"{m.get('mem_gib', '?')} GiB, torch {r.get('torch')}, ray {m.get('ray', '?')}. "
            "With fewer GPUs than ranks the ranks share the device and both planaria and DDP "
            "use gloo (NCCL cannot put two ranks on one GPU): a like-for-like comparison, "
-           "not NCCL's speed. `tests/test_gpu.py` runs there too (`bash bench/gpu_check.sh`; "
+           "not NCCL's speed. `tests/worker/test_gpu.py` runs there too "
+           "(`bash bench/gpu_check.sh`; "
            "the NCCL kill test needs two GPUs and skips on one).", "",
            "| model | planaria step (ms) | DDP step (ms) | ratio | backend |",
            "|---|---:|---:|---:|---|"]

@@ -21,7 +21,7 @@ spare, both load the next step on a background thread (``--prefetch thread``).
 Figures:
 
 - ``planaria_step_ms``: the step period in runs up to the next boundary (``fit``'s:
-  ``Job.run_steps``, see ``planaria.run_ahead``): the time between two of rank
+  ``Job.run_steps``, see ``planaria.control.run_ahead``): the time between two of rank
   0's commits, in one run of the steady steps.
 - ``train_step_ms`` (and its ratio): one step's latency, the driver loop's wall
   time per ``Job.train_step`` (a run of one step: step boundary + the run's calls +

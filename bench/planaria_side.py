@@ -115,7 +115,7 @@ class TimedWorker(Worker):
 @contextlib.contextmanager
 def _timed_workers() -> Iterator[None]:
     """Workers started inside this block are :class:`TimedWorker` workers."""
-    import planaria.workers as pool_module
+    import planaria.control.pool as pool_module
 
     original = pool_module.Worker
     pool_module.Worker = TimedWorker
@@ -375,7 +375,7 @@ def run_planaria_kill(
     """
     import planaria
     from planaria import RunConfig
-    from planaria.events import read_events
+    from planaria.observe.events import read_events
 
     _ensure_worker_path()
     rd = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="planaria_kill_"))
@@ -445,7 +445,7 @@ def run_planaria_faults(
     """
     import planaria
     from planaria import RecoveryPolicy, RunConfig
-    from planaria.events import read_events
+    from planaria.observe.events import read_events
 
     _ensure_worker_path()
     rd = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="planaria_faults_"))

@@ -12,7 +12,7 @@ clipping at 1.0), 1 torch thread per worker. Every figure is measured in this ru
 - ``state_bytes_per_worker`` (k = 1, 2, 4): a job of 1 replica x k workers trains
   2 steps, then the leader (``w0``) and, through it, each of its followers
   (``w0.1``, ...) report what they hold: the bytes of their local parameter shards
-  (``planaria.sharded.local`` of each DTensor), of their gradient shards (measured
+  (``planaria.worker.sharded.local`` of each DTensor), of their gradient shards (measured
   after the step's backward, before the reduction, by a ``loop_fault`` hook: FSDP2
   keeps them sharded like the parameters) and of their optimizer state tensors
   (AdamW's moments and step counts). The figure is the largest worker's sum;
@@ -184,7 +184,7 @@ class _GradBytes:
 
     def __call__(self, worker: Any, step: int, phase: str) -> None:
         if phase == "computed":
-            from planaria.sharded import local
+            from planaria.worker.sharded import local
 
             worker._bench_grad_bytes = sum(_nbytes(local(p.grad))
                                            for p in worker.state.model.parameters()
@@ -220,7 +220,7 @@ def _resident(worker: Any) -> dict[str, Any]:
     """What this worker holds of the replica's training state, in bytes."""
     import torch
 
-    from planaria.sharded import local
+    from planaria.worker.sharded import local
 
     params = list(worker.state.model.parameters())
     optim = [local(v) for state in worker.state.optimizer.state.values() for v in state.values()

@@ -43,7 +43,7 @@ def run(size: str, replicas: int, spares: int, kills: int, every: int, run_dir: 
         ) -> dict[str, Any]:
     import planaria
     from planaria import RunConfig
-    from planaria.events import read_events
+    from planaria.observe.events import read_events
 
     _ensure_worker_path()
     steps = every * (kills + 1)

@@ -37,8 +37,8 @@ sys.path.insert(0, str(_REPO))
 def run(share: bool, steps: int, kill_at: int, run_dir: Path, small: bool) -> dict[str, Any]:
     import planaria
     from planaria import RunConfig
-    from planaria.events import read_events
     from planaria.examples import tiny_gpt
+    from planaria.observe.events import read_events
 
     spec = dataclasses.replace(
         tiny_gpt.make_spec(**({"dim": 64, "layers": 1} if small else {})), compile=True)

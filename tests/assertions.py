@@ -26,8 +26,8 @@ def assert_exactly_once(
     from collections import Counter
     from pathlib import Path
 
-    from planaria.data_plan import DataPlan, Ledger
-    from planaria.integrity import sample_digest
+    from planaria.data.integrity import sample_digest
+    from planaria.data.plan import DataPlan, Ledger
 
     records = Ledger.committed_records(Path(run_dir))
     skipped = Ledger.skipped_records(Path(run_dir))  # served, consumed, not trained

@@ -11,7 +11,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 def start_local_ray() -> None:
-    """The session's local Ray (tests/test_cluster.py stops it and starts it again)."""
+    """The session's local Ray (tests/control/test_cluster.py stops it and starts it again)."""
     import ray
 
     if not ray.is_initialized():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planaria.workers import WorkerHandle
+from planaria.control.pool import WorkerHandle
 
 
 def handle(name: str, *, node: str | None = None, has_state: bool = True) -> WorkerHandle:

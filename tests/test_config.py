@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from planaria import ConfigError, HangConfig, RecoveryPolicy, RunConfig, TrainSpec
-from planaria.chaos import ChaosPlan
-from planaria.data_plan import DataPlan, split_micro_batches
+from planaria.data.plan import DataPlan, split_micro_batches
 from planaria.examples import mlp
+from planaria.faults.chaos import ChaosPlan
 
 
 def spec(**overrides):

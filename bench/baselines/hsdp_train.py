@@ -3,13 +3,13 @@
 The baseline of ``bench/sharded.py``: what planaria's sharded replicas
 (``RunConfig(workers_per_replica=S)``, R replicas) do, written with torch alone. A
 2-D device mesh ``(replicate, shard) = (R, S)`` (gloo), the same per-layer
-``fully_shard`` units as planaria's :func:`planaria.sharded.default_shard` (each
+``fully_shard`` units as planaria's :func:`planaria.worker.sharded.default_shard` (each
 transformer block a unit, the root takes the rest) applied with that mesh (HSDP:
 sharded over ``shard``, replicated over ``replicate``), the same model, dataset,
 AdamW, warm-up schedule and gradient clipping (``tiny_gpt.make_spec``'s; the model
 built under the same seeds as planaria's workers build it), and the
 same samples per step and per rank as planaria gives its workers: the global batch
-of step s is ``planaria.data_plan.DataPlan(len(dataset), G, seed).batch(s)``, each
+of step s is ``planaria.data.plan.DataPlan(len(dataset), G, seed).batch(s)``, each
 replica takes its whole micro-batches (``micro_batch_range`` over the replicas),
 and each rank of the replica its whole micro-batches of those (over the shards).
 
@@ -84,7 +84,7 @@ def _share(
 ) -> tuple[int, int, int]:
     """(first, count, rounds): this rank's micro-batches, as planaria's workers split them,
     and the forwards every rank of the replica makes (the most any of them runs)."""
-    from planaria.data_plan import micro_batch_range
+    from planaria.data.plan import micro_batch_range
 
     rep_first, rep_count = micro_batch_range(num_micro, replicas, rep)
     sub, own = micro_batch_range(rep_count, shards, shard)
@@ -97,10 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
-    from planaria.data_plan import DataPlan
+    from planaria.data.plan import DataPlan
+    from planaria.data.randomness import factory_seed, seed_globals
     from planaria.examples import tiny_gpt
-    from planaria.randomness import factory_seed, seed_globals
-    from planaria.sharded import default_shard
+    from planaria.worker.sharded import default_shard
 
     args.imported_wall = time.time()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout_s))

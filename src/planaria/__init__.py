@@ -6,11 +6,13 @@ the same process.
 """
 
 from planaria._version import __version__
-from planaria.chaos import ChaosPlan
 from planaria.checkpoint.config import CheckpointConfig
 from planaria.config import RunConfig, TrainSpec
-from planaria.controller import Job, StepResult
-from planaria.errors import (
+from planaria.control.job import Job, StepResult
+from planaria.control.policy import HangConfig, RecoveryPolicy
+from planaria.data.randomness import sample_generator, sample_seed
+from planaria.faults.chaos import ChaosPlan
+from planaria.faults.errors import (
     AllReplicasLost,
     CheckpointError,
     ConfigError,
@@ -30,8 +32,6 @@ from planaria.errors import (
     WorkFault,
 )
 from planaria.fit import FitResult, fit
-from planaria.policy import HangConfig, RecoveryPolicy
-from planaria.randomness import sample_generator, sample_seed
 from planaria.retry import elastic_retry
 
 __all__ = [

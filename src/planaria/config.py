@@ -1,7 +1,7 @@
 """What to train (:class:`TrainSpec`) and how to run it (:class:`RunConfig`).
 
 Both are typed keyword-only dataclasses checked at construction: a wrong value
-raises :class:`~planaria.errors.ConfigError` (a ``ValueError``) naming the field,
+raises :class:`~planaria.faults.errors.ConfigError` (a ``ValueError``) naming the field,
 the value and what is accepted.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planaria.errors import ConfigError
+from planaria.faults.errors import ConfigError
 
 __all__ = ["RunConfig", "TrainSpec", "check", "local_run_dir"]
 
@@ -51,7 +51,7 @@ class TrainSpec:
 
     The gradient of step s is the sum over its global batch divided by its
     size, whatever the number of replicas. Randomness is width-invariant (see
-    :mod:`planaria.randomness`): every factory runs with Python's, numpy's and
+    :mod:`planaria.data.randomness`): every factory runs with Python's, numpy's and
     torch's generators seeded from ``seed``; torch is seeded again before every
     micro-batch from (seed, step, the micro-batch's place in the global batch),
     and each ``dataset[i]`` has a stream of its own from (seed, step, i):
@@ -87,7 +87,7 @@ class TrainSpec:
     compile: bool = False
     """Compile the model with ``torch.compile`` (``dynamic=False``) in every worker; workers
     started later get the compile cache of a running one and compile before they join
-    (see :mod:`planaria.compile_cache`)."""
+    (see :mod:`planaria.worker.compile_cache`)."""
     compile_options: dict[str, Any] | None = None
     """Further keyword arguments for ``torch.compile`` (``mode``, ``backend``, ...)."""
     precision: str | None = None
@@ -100,7 +100,7 @@ class TrainSpec:
     """With ``RunConfig(workers_per_replica=k > 1)``: ``shard(model, mesh) -> model`` applies
     FSDP2's ``fully_shard`` over the replica's 1-D ``DeviceMesh`` (to the root last); None:
     every module holding parameters of its own is a unit, then the root (see
-    :func:`planaria.sharded.default_shard`)."""
+    :func:`planaria.worker.sharded.default_shard`)."""
     extra_state: tuple[Callable[[Any, Any], dict[str, Any]],
                        Callable[[Any, Any, dict[str, Any]], None]] | None = None
     """State beyond the model, optimizer and scheduler (a GradScaler's scale, an EMA's
@@ -186,7 +186,7 @@ class RunConfig:
     """The address of this machine the controller's store listens on and workers connect to;
     None: ``network_interface``'s address if that is set, else 127.0.0.1 when planaria
     started a private one-node Ray, else this node's IP as Ray sees it. The store listens on
-    this address only (see planaria.network)."""
+    this address only (see planaria.control.network)."""
     network_interface: str | None = None
     """A network interface (``eth0``) that exists on every node: the store listens on its
     address (unless ``store_host`` is set) and the workers' process groups use it
@@ -196,7 +196,7 @@ class RunConfig:
     """Workers per replica: with k > 1 a replica's k workers shard its parameters,
     gradients and optimizer state with FSDP2 (hybrid sharding: data parallel across
     replicas), and the replica is the unit of width, failure and replacement (see
-    :mod:`planaria.sharded`); a spare is a whole replica. Checkpoints store the shards as
+    :mod:`planaria.worker.sharded`); a spare is a whole replica. Checkpoints store the shards as
     rows of the whole tensors (a restore works at any k). Not yet with
     placement, the GPU, compile, fp16, overlap_reduction or models with persistent buffers."""
     spares: int = 0
@@ -208,7 +208,7 @@ class RunConfig:
     """CPUs Ray reserves for each worker (spares included)."""
     warm_start: bool | None = None
     """Fork workers from a per-node server that has imported torch once (see
-    planaria.forkserver): a worker start costs the node ~0.7 CPU-seconds instead of ~2,
+    planaria.worker.forkserver): a worker start costs the node ~0.7 CPU-seconds instead of ~2,
     which on a node whose cores are training is time taken from the steps. None (auto): on when the
     Ray cluster has one node, the workers train on the CPU (not yet measured on a GPU) and
     the job's runtime_env installs no Python environment of its own (conda, pip, uv,
@@ -244,7 +244,7 @@ class RunConfig:
     when workers share a GPU), ``"nccl"`` or ``"gloo"``."""
     ledger: bool = False
     """Record what every step's datasets served (ids and content digests) and every commit,
-    append-only, in ``RUN_DIR/ledger.jsonl`` (see :mod:`planaria.ledger`)."""
+    append-only, in ``RUN_DIR/ledger.jsonl`` (see :mod:`planaria.data.ledger`)."""
     verify_every: int | None = None
     """Compare every replica's parameter checksum every this many committed steps (None:
     never); a replica that disagrees with the majority is a ``ReplicaDivergence`` fault."""
@@ -258,7 +258,7 @@ class RunConfig:
     drain_poll_s: float | None = 2.0
     """Ask Ray for draining nodes every this many seconds (in the background): the workers
     on a node Ray drains leave at the next step boundary, as after a preemption notice
-    (see planaria.drain). None: do not ask."""
+    (see planaria.control.drain). None: do not ask."""
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for ``ray.init`` (local start only)."""
 

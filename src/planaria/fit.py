@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from planaria.chaos import ChaosPlan
 from planaria.checkpoint.config import CheckpointConfig
 from planaria.config import RunConfig, TrainSpec, local_run_dir
-from planaria.controller import Job, StepResult
-from planaria.errors import CheckpointError, ElasticRuntimeError, Failure, FinalSaveFailed
-from planaria.events import EVENTS_FILE
-from planaria.loss_history import LossHistory
-from planaria.policy import HangConfig, RecoveryPolicy
+from planaria.control.job import Job, StepResult
+from planaria.control.policy import HangConfig, RecoveryPolicy
+from planaria.faults.chaos import ChaosPlan
+from planaria.faults.errors import CheckpointError, ElasticRuntimeError, Failure, FinalSaveFailed
+from planaria.observe.events import EVENTS_FILE
+from planaria.observe.loss_history import LossHistory
 
 __all__ = ["FitResult", "fit"]
 
@@ -57,12 +57,12 @@ def fit(
 
     Failures are recovered from in this process according to ``policy``; a bug
     in the user's code stops the run with its original traceback
-    (:class:`~planaria.errors.UserCodeError`), and a spent budget raises
-    :class:`~planaria.errors.ElasticRuntimeError`. ``options`` are further
+    (:class:`~planaria.faults.errors.UserCodeError`), and a spent budget raises
+    :class:`~planaria.faults.errors.ElasticRuntimeError`. ``options`` are further
     :class:`~planaria.config.RunConfig` fields (``ledger``, ``cpus_per_worker``, ...).
     ``checkpoint`` is a :class:`~planaria.CheckpointConfig`; ``listeners``
     receive every event record as it is logged (progress display, Prometheus). A final
-    save that does not commit raises :class:`~planaria.errors.FinalSaveFailed` with the
+    save that does not commit raises :class:`~planaria.faults.errors.FinalSaveFailed` with the
     job left open (``err.job``): save its state elsewhere (``err.job.save(root=...)``),
     then close it (``err.job.close()``).
     """

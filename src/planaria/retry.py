@@ -30,13 +30,13 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from planaria.controller import Job
-from planaria.errors import ElasticRuntimeError, Failure, PlanariaError, UserCodeError
+from planaria.control.job import Job
+from planaria.faults.errors import ElasticRuntimeError, Failure, PlanariaError, UserCodeError
 
 __all__ = ["elastic_retry"]
 
 R = TypeVar("R")
-_log = logging.getLogger("planaria.faults")
+_log = logging.getLogger("planaria.faults.user_code")
 
 
 def elastic_retry(
@@ -47,11 +47,11 @@ def elastic_retry(
 ) -> Callable[[Callable[..., R]], Callable[..., R]]:
     """Decorates ``fn(job, *args, **kwargs)`` so that failures are recovered and ``fn`` re-run.
 
-    A user's own bug (:class:`~planaria.errors.UserCodeError`, or an exception ``fn``
+    A user's own bug (:class:`~planaria.faults.errors.UserCodeError`, or an exception ``fn``
     raises itself) is never retried: what is safe is saved first, as ``fit`` does
     (the committed state, with checkpoints on), then it is raised. After
     ``max_retries`` retries, or when the policy gives up,
-    :class:`~planaria.errors.ElasticRuntimeError` is raised, chained to the last
+    :class:`~planaria.faults.errors.ElasticRuntimeError` is raised, chained to the last
     failure. ``on_retry(attempt, failure)`` runs before each new call.
     """
     if max_retries < 0:

@@ -14,7 +14,7 @@ then once, with every writer's record::
 Restoring: :func:`load_latest` (or :func:`latest_viable` + :func:`load_checkpoint`)
 returns the newest committed checkpoint of a lineage (the runs whose checkpoints count)
 whose checksums verify, with warnings for each newer one skipped. Errors are
-:class:`planaria.errors.CheckpointError`.
+:class:`planaria.faults.errors.CheckpointError`.
 """
 
 from planaria.checkpoint.async_writer import AsyncShardWriter

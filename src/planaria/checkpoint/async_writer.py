@@ -75,7 +75,7 @@ class AsyncShardWriter:
         """``busy_timeout_s``: the longest :meth:`start` waits for the previous write (None:
         no limit), then ``TimeoutError``; ``verify``: read each shard back once written and
         check it; ``attempts``: writes tried (with backoff) before a storage error is final
-        (:class:`~planaria.errors.StorageError`); ``staging_budget_bytes``: the most host
+        (:class:`~planaria.faults.errors.StorageError`); ``staging_budget_bytes``: the most host
         memory the staging buffers may hold (None: a share's size, about 1/N of the
         state); a share over it is written at once from the live tensors, without a
         copy, blocking :meth:`start` for the whole write."""

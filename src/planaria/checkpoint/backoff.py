@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from planaria.backoff import retry
-from planaria.errors import CheckpointError, StorageError
+from planaria.faults.errors import CheckpointError, StorageError
 
 __all__ = ["is_storage_error", "with_retries"]
 

@@ -30,7 +30,7 @@ from planaria.checkpoint.restoring import RestorePath
 from planaria.checkpoint.root import CheckpointRoot
 from planaria.checkpoint.saving import SavePipeline
 from planaria.checkpoint.upkeep import RootUpkeep
-from planaria.errors import Failure, WorkerLost
+from planaria.faults.errors import Failure, WorkerLost
 
 __all__ = ["Checkpointer", "save_under"]
 

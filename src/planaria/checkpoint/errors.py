@@ -1,8 +1,8 @@
-"""The checkpoint library's errors: all are :class:`planaria.errors.CheckpointError`."""
+"""The checkpoint library's errors: all are :class:`planaria.faults.errors.CheckpointError`."""
 
 from __future__ import annotations
 
-from planaria.errors import CheckpointError
+from planaria.faults.errors import CheckpointError
 
 __all__ = [
     "CheckpointError",

@@ -2,7 +2,7 @@
 
 The coordinator (:mod:`planaria.checkpoint.coordinator`) and its parts never see the
 job itself: they see these views of it, each naming exactly the members they use. The
-controller's :class:`~planaria.controller.Job` provides all of them (:class:`CheckpointHost`);
+controller's :class:`~planaria.control.job.Job` provides all of them (:class:`CheckpointHost`);
 a test provides a small fake.
 """
 
@@ -95,7 +95,7 @@ class WorkerCalls(Protocol):
         """Waits for one call per worker (``refs``: name -> the call's Ray ref) and returns
         their answers by name. A worker that dies, hangs (judged by its heartbeat and
         progress, ``deadline_s`` being the last resort) or fails raises the classified
-        :class:`~planaria.errors.Failure`; the coordinator passes it on. ``step`` is the
+        :class:`~planaria.faults.errors.Failure`; the coordinator passes it on. ``step`` is the
         step the calls belong to (None: not a step); ``poll`` is called between waits."""
         ...
 

@@ -26,7 +26,7 @@ from planaria.checkpoint.restore import (
     read_run_id,
     verify_checkpoint,
 )
-from planaria.errors import StorageError
+from planaria.faults.errors import StorageError
 
 __all__ = [
     "UNREADABLE",

@@ -44,8 +44,8 @@ from planaria.checkpoint.newest import LineageCheckpoints, NotViable
 from planaria.checkpoint.plan import plan_shards
 from planaria.checkpoint.restore import CheckpointInfo, read_manifest
 from planaria.checkpoint.root import CheckpointRoot
-from planaria.errors import StorageError
-from planaria.ledger import Ledger
+from planaria.data.ledger import Ledger
+from planaria.faults.errors import StorageError
 
 __all__ = ["Restore", "RestorePath"]
 

@@ -33,7 +33,7 @@ from planaria.checkpoint.reaper import POLL_S, AbandonedSaves
 from planaria.checkpoint.root import CheckpointRoot
 from planaria.checkpoint.upkeep import RootUpkeep
 from planaria.checkpoint.writer import ShardRecord
-from planaria.errors import Failure, root_cause
+from planaria.faults.errors import Failure, root_cause
 
 __all__ = ["Save", "SavePipeline"]
 

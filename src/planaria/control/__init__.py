@@ -1,6 +1,6 @@
 """The controller in parts: one per concern, joined by small Protocols (:mod:`.protocols`).
 
-:class:`~planaria.controller.Job` is a facade over them: :mod:`.membership` (generations,
+:class:`~planaria.control.job.Job` is a facade over them: :mod:`.membership` (generations,
 fencing, who holds the state), :mod:`.calls` (starting, waiting on and judging worker
 calls), :mod:`.commit_log` (the only writer of ``steps_done`` and the ledger),
 :mod:`.boundary` (where a run must end, and what happens at a step boundary),

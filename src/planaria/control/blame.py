@@ -5,21 +5,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from planaria.attribution import Attribution, Blame, Judgement, Sighting
-from planaria.data_plan import micro_batch_range
-from planaria.errors import Failure, InfrastructureError, WorkFault, signature
+from planaria.control.attribution import Attribution, Blame, Judgement, Sighting
+from planaria.data.plan import micro_batch_range
+from planaria.faults.errors import Failure, InfrastructureError, WorkFault, signature
 
 if TYPE_CHECKING:
     from planaria.config import TrainSpec
-    from planaria.data_plan import DataPlan
-    from planaria.workers import WorkerHandle
+    from planaria.control.pool import WorkerHandle
+    from planaria.data.plan import DataPlan
 
 __all__ = ["away_from", "judge_raised", "samples_of", "signature_of"]
 
 
 def judge_raised(failure: Failure, attribution: Attribution, members: list[WorkerHandle],
              width: int) -> tuple[Failure, Judgement | None] | None:
-    """Judges a raised infrastructure error (planaria.attribution): returns the failure to
+    """Judges a raised infrastructure error (planaria.control.attribution): returns the failure to
     handle (a WorkFault when the work is to blame, the same failure naming only the
     workers to blame otherwise) and the judgement; None for failures it does not judge
     (deaths, hangs, bugs: a hang was judged where it was found)."""
@@ -58,7 +58,7 @@ def judge_raised(failure: Failure, attribution: Attribution, members: list[Worke
 
 
 def signature_of(failure: Failure) -> str:
-    """The failure's signature (planaria.errors.signature): its message, numbers masked."""
+    """The failure's signature (planaria.faults.errors.signature): its message, numbers masked."""
     return signature(str(failure.args[0]) if failure.args else failure.kind)
 
 

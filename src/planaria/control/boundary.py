@@ -13,12 +13,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from planaria.chaos import ChaosPlan
     from planaria.control.chaos_injection import ChaosInjector
     from planaria.control.hooks import FaultHooks
     from planaria.control.notices import Notices
+    from planaria.control.pool import WorkerHandle
     from planaria.control.protocols import Checkpoints, RayCheck, Roster, StepCount
-    from planaria.workers import WorkerHandle
+    from planaria.faults.chaos import ChaosPlan
 
 __all__ = ["BoundaryPlanner", "BoundaryPolicy", "StepBoundary"]
 

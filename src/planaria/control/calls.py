@@ -1,11 +1,11 @@
 """Worker calls, started elsewhere, waited on and judged here.
 
 :class:`Calls` waits for one call per worker and turns what went wrong into one
-classified :class:`~planaria.errors.Failure`. Busy is not hung: a worker is hung
+classified :class:`~planaria.faults.errors.Failure`. Busy is not hung: a worker is hung
 only if its heartbeat stops or its own work makes no progress past the learned
-deadline (:class:`~planaria.liveness.Liveness`); a hang is attributed to the work
-or to the worker (:mod:`planaria.attribution`); ranks cut off from their peers are
-found by probing the links (:mod:`planaria.links`).
+deadline (:class:`~planaria.control.liveness.Liveness`); a hang is attributed to the work
+or to the worker (:mod:`planaria.control.attribution`); ranks cut off from their peers are
+found by probing the links (:mod:`planaria.control.links`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from planaria import store_keys
-from planaria.attribution import Attribution, Blame, Sighting
-from planaria.call_watch import CallWatch
+from planaria.control.attribution import Attribution, Blame, Sighting
+from planaria.control.call_watch import CallWatch
 from planaria.control.departures import Departures, FaultTimes
-from planaria.errors import (
+from planaria.control.liveness import IO_STALL_S, WORK_PHASES, Heartbeat, Liveness
+from planaria.faults.errors import (
     Failure,
     Preempted,
     Work,
@@ -32,14 +32,14 @@ from planaria.errors import (
     classify,
     is_death,
 )
-from planaria.liveness import IO_STALL_S, WORK_PHASES, Heartbeat, Liveness
+from planaria.wire import store_keys
 
 if TYPE_CHECKING:
+    from planaria.control.policy import HangConfig
+    from planaria.control.pool import WorkerPool
     from planaria.control.protocols import Roster
-    from planaria.events import EventLog
-    from planaria.policy import HangConfig
-    from planaria.watchdog import StepDeadline
-    from planaria.workers import WorkerPool
+    from planaria.control.watchdog import StepDeadline
+    from planaria.observe.events import EventLog
 
 __all__ = ["Calls", "leaders", "work_of"]
 
@@ -52,7 +52,7 @@ CONFIRM_S = 1.0
 an error beside a peer's death is alive (see Calls._confirm_survivors)."""
 LINK_GRACE_S = 1.0
 """Every rank of a run waiting on its peers this long past the step deadline is looked into:
-some rank cannot be reached (planaria.links)."""
+some rank cannot be reached (planaria.control.links)."""
 WAIT_REPORT_S = 30.0
 """A wait longer than the step deadline logs whom it still waits for, and their heartbeats,
 this often (not while steps commit)."""
@@ -91,14 +91,14 @@ class Calls:
 
         Every wait has a deadline, but busy is not hung: while waiting, a worker is
         hung only if its heartbeat stops or it makes no progress in its own work past
-        the learned deadline (:class:`~planaria.liveness.Liveness`). From the first
+        the learned deadline (:class:`~planaria.control.liveness.Liveness`). From the first
         error on, the generation is aborted (``abort/<gen>``): the others abandon the
         call between micro-batches and answer, so the wait ends in about one
         micro-batch. Past ``deadline_s`` (the last resort), the workers not waiting
         on a peer are hung, or all of them if every one is. ``poll`` is called
         between waits (at least every 0.25 s) while no call has failed.
 
-        Calls end by Ray's notices (:class:`~planaria.call_watch.CallWatch`); when none
+        Calls end by Ray's notices (:class:`~planaria.control.call_watch.CallWatch`); when none
         has come for :data:`RECHECK_S`, Ray is asked directly, so a lost notice costs
         seconds. A worker evicted as hung is not waited for: it was killed. A wait past
         the step deadline logs, every :data:`WAIT_REPORT_S`, whom it waits for and what
@@ -112,7 +112,7 @@ class Calls:
         end = time.monotonic() + deadline_s
         calls = CallWatch(by_ref)  # a wait costs O(1) in the number of calls
         self.liveness.watch(self.roster.with_followers(list(refs)))
-        unreachable: list[str] = []  # ranks cut off from their peers (planaria.links)
+        unreachable: list[str] = []  # ranks cut off from their peers (planaria.control.links)
         began = last_end = last_report = time.monotonic()
         next_link_check = began
         while len(calls):
@@ -297,11 +297,11 @@ class Calls:
 
     def _find_unreachable(self, names: list[str]) -> list[str]:
         """Every rank of the run waits on its peers past the deadline: probes them all
-        (planaria.links) and returns the replicas whose ranks cannot be reached (none when
+        (planaria.control.links) and returns the replicas whose ranks cannot be reached (none when
         no one is to blame: the failure then rebuilds the generation on fresh links)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from planaria.links import find_unreachable, probe
+        from planaria.control.links import find_unreachable, probe
 
         watched = self.roster.with_followers(names)
         addresses: dict[str, str] = {}
@@ -340,7 +340,7 @@ class Calls:
     def _deadline_for(self, hb: Heartbeat) -> float:
         """How long a worker may make no progress on its current work: the step deadline, or
         the I/O deadline while it loads samples, times the work's patience (doubled for
-        every worker that hung on it: see planaria.attribution)."""
+        every worker that hung on it: see planaria.control.attribution)."""
         base = self.deadline.seconds
         if hb.phase == "loading":
             base = max(base, self.hang.io_timeout_s)

@@ -7,14 +7,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from planaria.chaos import send_signal
+from planaria.faults.chaos import send_signal
 
 if TYPE_CHECKING:
-    from planaria.chaos import ChaosPlan
     from planaria.control.departures import FaultTimes
     from planaria.control.protocols import Roster
-    from planaria.events import EventLog
-    from planaria.watchdog import StepDeadline
+    from planaria.control.watchdog import StepDeadline
+    from planaria.faults.chaos import ChaosPlan
+    from planaria.observe.events import EventLog
 
 __all__ = ["ChaosInjector"]
 
@@ -22,7 +22,7 @@ _log = logging.getLogger("planaria.commits")
 
 
 class ChaosInjector:
-    """Sends a :class:`~planaria.chaos.ChaosPlan`'s faults: those planned by time at a
+    """Sends a :class:`~planaria.faults.chaos.ChaosPlan`'s faults: those planned by time at a
     boundary, those planned for a step inside it. Each fault's time is kept in
     ``fault_times`` (its recovery is measured from it)."""
 

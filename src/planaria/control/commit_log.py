@@ -1,7 +1,7 @@
 """The commit log: the only writer of the committed step count and of the ledger.
 
 A step is committed once every live replica applied it (invariant 1, see
-:mod:`planaria.run_ahead`); :class:`CommitLog` records it (the ``step_committed``
+:mod:`planaria.control.run_ahead`); :class:`CommitLog` records it (the ``step_committed``
 event, the loss history, the step deadline's learning), and writes the ledger's
 records of what each rank was served and of the commit, of a step dropped for a
 non-finite loss, and of samples skipped for a fault of the work.
@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from planaria.data_plan import DataPlan, Ledger, split_micro_batches
-from planaria.errors import NonFiniteLoss
-from planaria.loss_history import LossHistory
+from planaria.data.plan import DataPlan, Ledger, split_micro_batches
+from planaria.faults.errors import NonFiniteLoss
+from planaria.observe.loss_history import LossHistory
 
 if TYPE_CHECKING:
-    from planaria.events import EventLog
-    from planaria.watchdog import StepDeadline
+    from planaria.control.watchdog import StepDeadline
+    from planaria.observe.events import EventLog
 
 __all__ = ["CommitLog", "StepResult"]
 
@@ -78,7 +78,7 @@ class CommitLog:
     # ---- commits -----------------------------------------------------------------------------
 
     def record_step(self, rec: dict[str, Any], *, gen: int, width: int) -> StepResult:
-        """Records a step a run applied (:mod:`planaria.run_ahead`) as committed at its
+        """Records a step a run applied (:mod:`planaria.control.run_ahead`) as committed at its
         ``t`` (events, losses, open faults), from one rank's record of it, which holds the
         step's totals. The ledger is the caller's (:meth:`ledger_step`): it is written when
         the run ends."""

@@ -1,7 +1,7 @@
 """Workers on their way out, and when each fault happened: state several parts share.
 
 :class:`Departures` is written where notices are read (:mod:`.boundary`) and where the
-policy drains or evacuates (:mod:`planaria.recovery`), and read where calls are judged
+policy drains or evacuates (:mod:`planaria.control.recovery`), and read where calls are judged
 (:mod:`.calls`). :class:`FaultTimes` is written where a fault is caused or found (chaos,
 a notice, a hang) and read once when the fault is opened.
 """

@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from planaria.errors import DataMismatch, ElasticRuntimeError, InternalError
-from planaria.integrity import describe_mismatch
+from planaria.data.integrity import describe_mismatch
+from planaria.faults.errors import DataMismatch, ElasticRuntimeError, InternalError
 
 if TYPE_CHECKING:
     from planaria.config import RunConfig
     from planaria.control.commit_log import CommitLog
     from planaria.control.hooks import FaultHooks
+    from planaria.control.pool import WorkerHandle, WorkerPool
     from planaria.control.protocols import Gather
-    from planaria.events import EventLog
-    from planaria.watchdog import StepDeadline
-    from planaria.workers import WorkerHandle, WorkerPool
+    from planaria.control.watchdog import StepDeadline
+    from planaria.observe.events import EventLog
 
 __all__ = ["Membership"]
 

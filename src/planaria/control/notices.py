@@ -2,10 +2,10 @@
 
 A worker's notice (SIGTERM, or its node drained by Ray) puts it in
 :attr:`Departures.draining <planaria.control.departures.Departures.draining>`: it
-leaves at the next boundary (:meth:`Recovery.drain <planaria.recovery.Recovery.drain>`).
+leaves at the next boundary (:meth:`Recovery.drain <planaria.control.recovery.Recovery.drain>`).
 When every member that holds the state got one (a spot-reclaim wave), the state is
 saved at once, beside the steps, and they leave together once it is written
-(:meth:`Recovery.evacuate <planaria.recovery.Recovery.evacuate>`).
+(:meth:`Recovery.evacuate <planaria.control.recovery.Recovery.evacuate>`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from planaria import store_keys
+from planaria.wire import store_keys
 
 if TYPE_CHECKING:
     from planaria.control.departures import Departures, FaultTimes
+    from planaria.control.pool import WorkerPool
     from planaria.control.protocols import Checkpoints, Roster, StepCount
-    from planaria.events import EventLog
-    from planaria.workers import WorkerPool
+    from planaria.observe.events import EventLog
 
 __all__ = ["Notices"]
 
@@ -56,7 +56,7 @@ class Notices:
 
     def poll(self) -> None:
         """Preemption notices that came while steps run (one store read of a counter the
-        workers bump, see planaria.liveness.beat). When every member that holds the state
+        workers bump, see planaria.control.liveness.beat). When every member that holds the state
         got one, the state is saved at once and the generation is aborted (see the
         module doc)."""
         try:

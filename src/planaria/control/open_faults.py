@@ -8,16 +8,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from planaria.errors import Failure, WorkFault
+from planaria.faults.errors import Failure, WorkFault
 
 if TYPE_CHECKING:
     from planaria.control.departures import FaultTimes
     from planaria.control.protocols import StepCount
-    from planaria.events import EventLog
+    from planaria.observe.events import EventLog
 
 __all__ = ["OpenFault", "OpenFaults"]
 
-_log = logging.getLogger("planaria.faults")
+_log = logging.getLogger("planaria.faults.user_code")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The seams between the controller's parts: what each part may ask of another.
 
 Each part receives only the Protocols it needs (never the whole
-:class:`~planaria.controller.Job`), so that a decision can be tested with a small fake.
+:class:`~planaria.control.job.Job`), so that a decision can be tested with a small fake.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from planaria.checkpoint.config import CheckpointConfig
-    from planaria.workers import WorkerHandle
+    from planaria.control.pool import WorkerHandle
 
 __all__ = ["Checkpoints", "Gather", "RayCheck", "Roster", "StepCount"]
 
@@ -43,7 +43,7 @@ class Roster(Protocol):
 
 class Gather(Protocol):
     """Waits for one call per worker (``refs``: worker name -> Ray ref) and returns their
-    results by name, or raises the classified :class:`~planaria.errors.Failure`.
+    results by name, or raises the classified :class:`~planaria.faults.errors.Failure`.
 
     Every wait ends: by ``deadline_s`` at the latest, sooner when a worker is judged hung
     (its heartbeat stopped, or its work made no progress past the learned deadline).
@@ -56,7 +56,7 @@ class Gather(Protocol):
 
 
 class RayCheck(Protocol):
-    """Raises :class:`~planaria.errors.RayLost` once Ray's GCS or this node's raylet died,
+    """Raises :class:`~planaria.faults.errors.RayLost` once Ray's GCS or this node's raylet died,
     and returns otherwise. With ``save`` (at a step boundary, every member holding the
     committed state) the step in hand is saved first; ``cause``: a failure that followed
     the loss (the RayLost is raised from it, and nothing is saved)."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from planaria.errors import ReplicaDivergence
-from planaria.integrity import divergent_replicas
+from planaria.data.integrity import divergent_replicas
+from planaria.faults.errors import ReplicaDivergence
 
 if TYPE_CHECKING:
     from planaria.control.commit_log import CommitLog
     from planaria.control.membership import Membership
     from planaria.control.protocols import Gather
-    from planaria.events import EventLog
+    from planaria.observe.events import EventLog
 
 __all__ = ["ReplicaCheck"]
 

@@ -13,30 +13,30 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from planaria.compile_cache import CACHE_FILE
 from planaria.control import startup
-from planaria.drain import NodeDrainWatch
-from planaria.integrity import describe_global_draws
-from planaria.liveness import Liveness
-from planaria.network import (
+from planaria.control.drain import NodeDrainWatch
+from planaria.control.liveness import Liveness
+from planaria.control.network import (
     host_store,
     ray_is_private,
     store_address,
     warn_if_gloo_would_use_loopback,
     worker_env,
 )
-from planaria.placement import Placement
-from planaria.ray_health import RayWatch
-from planaria.reaper import Reaper
-from planaria.workers import WorkerPool
+from planaria.control.placement import Placement
+from planaria.control.pool import WorkerPool
+from planaria.control.ray_health import RayWatch
+from planaria.control.reaper import Reaper
+from planaria.data.integrity import describe_global_draws
+from planaria.worker.compile_cache import CACHE_FILE
 
 if TYPE_CHECKING:
     from planaria.config import RunConfig, TrainSpec
+    from planaria.control.policy import HangConfig, RecoveryPolicy
+    from planaria.control.pool import WorkerHandle
     from planaria.control.protocols import Checkpoints
-    from planaria.data_plan import Ledger
-    from planaria.events import EventLog
-    from planaria.policy import HangConfig, RecoveryPolicy
-    from planaria.workers import WorkerHandle
+    from planaria.data.plan import Ledger
+    from planaria.observe.events import EventLog
 
 __all__ = ["Runtime"]
 
@@ -60,7 +60,7 @@ class Runtime:
         self.run_dir = run_dir
         self.started_ray = False
         self.reaper: Reaper | None = None  # ends the job's processes if this one is killed
-        self.ray_watch: RayWatch | None = None  # Ray's GCS and raylet (planaria.ray_health)
+        self.ray_watch: RayWatch | None = None  # Ray's GCS and raylet (planaria.control.ray_health)
         self.drain_watch: NodeDrainWatch | None = None
         self.placement: Placement | None = None
         self.has_pool = False
@@ -70,7 +70,8 @@ class Runtime:
         (:meth:`Membership.wait_ready <planaria.control.membership.Membership.wait_ready>`
         waits for them). ``check_ray`` ends a wait for workers once Ray's processes died."""
         cfg = self.config
-        # Before Ray: a controller killed from here on leaves nothing behind (planaria.reaper).
+        # Before Ray: a controller killed from here on leaves nothing behind
+        # (planaria.control.reaper).
         self.reaper = Reaper(self.log.path)
         self.log.add_listener(self.reaper.on_event)
         self.started_ray = startup.init_ray(cfg, self.run_dir, self.reaper)
@@ -122,7 +123,7 @@ class Runtime:
 
     def check_ray(self, checkpoints: Checkpoints | None, members: Sequence[WorkerHandle], *,
                   save: bool = False, cause: BaseException | None = None) -> None:
-        """Raises RayLost once Ray's GCS or this node's raylet died (planaria.ray_health),
+        """Raises RayLost once Ray's GCS or this node's raylet died (planaria.control.ray_health),
         saving the step in hand first with ``save`` where ``members`` all hold it;
         ``cause``: a failure that followed the loss."""
         watch = self.ray_watch

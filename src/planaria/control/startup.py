@@ -14,16 +14,16 @@ import torch
 
 from planaria._version import __version__
 from planaria.backoff import retry
-from planaria.compile_cache import CACHE_FILE
-from planaria.errors import ConfigError
+from planaria.faults.errors import ConfigError
+from planaria.worker.compile_cache import CACHE_FILE
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from planaria.config import RunConfig, TrainSpec
-    from planaria.events import EventLog
-    from planaria.policy import RecoveryPolicy
-    from planaria.workers import WorkerHandle, WorkerPool
+    from planaria.control.policy import RecoveryPolicy
+    from planaria.control.pool import WorkerHandle, WorkerPool
+    from planaria.observe.events import EventLog
 
 __all__ = [
     "ProcessMarker", "check_config", "describe", "init_ray", "keep_compile_cache",
@@ -40,7 +40,7 @@ RAY_START_ATTEMPTS = 3
 class ProcessMarker(Protocol):
     """Marks the processes started under ``marking()`` as the job's, and adopts a Ray
     session's processes (``session(dir)``), so that they end with the job
-    (:class:`~planaria.reaper.Reaper`)."""
+    (:class:`~planaria.control.reaper.Reaper`)."""
 
     def marking(self) -> AbstractContextManager[Any]: ...
 
@@ -88,7 +88,7 @@ def init_ray(config: RunConfig, run_dir: Path, reaper: ProcessMarker) -> bool:
     if address:
         ray.init(address=address, **cfg.ray_init_kwargs)
         return False
-    from planaria.ray_logs import route_ray_logs
+    from planaria.observe.ray_logs import route_ray_logs
 
     route_ray_logs(run_dir)  # Ray's notices go to RUN_DIR/ray.log, planaria's to you
     # + replacements starting while others run; a sharded replica is k workers

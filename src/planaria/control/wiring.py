@@ -1,5 +1,5 @@
 """The controller's parts, put together: who receives which seam (the composition root
-:class:`~planaria.controller.Job` calls)."""
+:class:`~planaria.control.job.Job` calls)."""
 
 from __future__ import annotations
 
@@ -12,23 +12,23 @@ from planaria.control.calls import Calls
 from planaria.control.chaos_injection import ChaosInjector
 from planaria.control.departures import FaultTimes
 from planaria.control.notices import Notices
+from planaria.control.recovery import Recovery
 from planaria.control.replicas import ReplicaCheck
-from planaria.recovery import Recovery
-from planaria.run_ahead import RunAhead
+from planaria.control.run_ahead import RunAhead
 
 if TYPE_CHECKING:
-    from planaria.attribution import Attribution
-    from planaria.chaos import ChaosPlan
     from planaria.config import RunConfig, TrainSpec
+    from planaria.control.attribution import Attribution
     from planaria.control.commit_log import CommitLog
     from planaria.control.departures import Departures
     from planaria.control.hooks import FaultHooks
     from planaria.control.membership import Membership
+    from planaria.control.policy import HangConfig, RecoveryPolicy
     from planaria.control.protocols import Checkpoints
     from planaria.control.runtime import Runtime
-    from planaria.events import EventLog
-    from planaria.policy import HangConfig, RecoveryPolicy
-    from planaria.watchdog import StepDeadline
+    from planaria.control.watchdog import StepDeadline
+    from planaria.faults.chaos import ChaosPlan
+    from planaria.observe.events import EventLog
 
 __all__ = ["Parts", "assemble", "connect_calls"]
 

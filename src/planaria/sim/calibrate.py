@@ -1,6 +1,6 @@
 """Simulator figures measured from a real run's event log (docs/events.md).
 
-Every other figure is a median over the run's records, from :mod:`planaria.metrics`
+Every other figure is a median over the run's records, from :mod:`planaria.observe.metrics`
 where it defines one (``detect_s``, ``replacement_s``, ``restore_s``):
 
 - ``step_s``: the mean ``duration_s - data_wait_s`` of the commits at full width
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planaria.errors import ConfigError
-from planaria.events import read_events
-from planaria.metrics import RunSummary, summarize
-from planaria.segments import num, split_segments
+from planaria.faults.errors import ConfigError
+from planaria.observe.events import read_events
+from planaria.observe.metrics import RunSummary, summarize
+from planaria.observe.segments import num, split_segments
 from planaria.sim.params import FailureTrace, SimParams, Strategy
 
 __all__ = ["Calibration", "calibrate"]

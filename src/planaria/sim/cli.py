@@ -56,7 +56,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def params_from_args(args: argparse.Namespace) -> SimParams:
-    from planaria.errors import ConfigError
+    from planaria.faults.errors import ConfigError
 
     base: dict[str, Any] = {}
     if args.from_run is not None:
@@ -132,7 +132,7 @@ def plot_sizes(params: SimParams, path: Path, *, seeds: tuple[int, ...] = (0,)) 
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    from planaria.errors import ConfigError
+    from planaria.faults.errors import ConfigError
 
     if args.seeds < 1:
         raise ConfigError(f"seeds={args.seeds} is not valid: an integer >= 1")

@@ -169,7 +169,7 @@ def simulate(
 ) -> SimResult:
     """Simulates one job. ``interval_s``: compute seconds between saves (rounded to whole
     steps at full width), None for no checkpoints."""
-    from planaria.errors import ConfigError
+    from planaria.faults.errors import ConfigError
 
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is not valid: one of {', '.join(STRATEGIES)}")

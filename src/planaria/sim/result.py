@@ -12,7 +12,7 @@ __all__ = ["SimResult"]
 class SimResult:
     """Seconds per bucket; ``goodput_s`` + sum(``badput_s``) == ``wall_s``.
 
-    The buckets are :data:`planaria.goodput.BUCKETS`' names where they mean the
+    The buckets are :data:`planaria.observe.goodput.BUCKETS`' names where they mean the
     same, plus ``reduced_width``: the extra step time while a resized job runs
     below full width (the event log counts such steps as goodput; the
     simulator counts only the full-width share).

@@ -34,22 +34,22 @@ import numpy as np
 import ray
 import torch
 
-from planaria import compile_cache as compile_cache_mod
-from planaria import forkserver, replica, store_keys
-from planaria.collective import connect_store
 from planaria.config import TrainSpec
-from planaria.data_plan import micro_batch_range
-from planaria.drain import register_worker
-from planaria.key_watch import KeyWatch
-from planaria.links import ProbeServer
-from planaria.replica import fans_out, lane
-from planaria.worker import process
+from planaria.control.drain import register_worker
+from planaria.control.links import ProbeServer
+from planaria.data.plan import micro_batch_range
+from planaria.wire import store_keys
+from planaria.worker import compile_cache as compile_cache_mod
+from planaria.worker import forkserver, process, replica
 from planaria.worker.ckpt_restore import CheckpointRestorer
 from planaria.worker.ckpt_save import CheckpointSaver, SaveOptions, probe_storage
+from planaria.worker.collective import connect_store
 from planaria.worker.commit import Commits
 from planaria.worker.engine import FaultSeam, StepEngine
+from planaria.worker.key_watch import KeyWatch
 from planaria.worker.loader import SampleLoader
 from planaria.worker.membership import Membership
+from planaria.worker.replica import fans_out, lane
 from planaria.worker.replica_state import ReplicaShape, ReplicaState
 from planaria.worker.run_loop import RunLoop
 from planaria.worker.transfer import StateTransfer
@@ -64,7 +64,7 @@ write (:meth:`Worker.ckpt_wait`), which may last as long as the write."""
 
 
 class Worker:
-    """A replica. Created by the controller as a Ray actor (see ``planaria.workers``)."""
+    """A replica. Created by the controller as a Ray actor (see ``planaria.control.pool``)."""
 
     def __init__(
         self,
@@ -89,7 +89,7 @@ class Worker:
     ) -> None:
         self.init_t = time.time()  # after the process started and imported planaria
         self.name = name
-        # A sharded replica (planaria.sharded): k workers, this one holding shard_index.
+        # A sharded replica (planaria.worker.sharded): k workers, this one holding shard_index.
         self.k = workers_per_replica
         self.shard_index = shard_index
         self.replica_key = replica_key or name
@@ -109,7 +109,7 @@ class Worker:
         # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.
         signal.signal(signal.SIGTERM, lambda signum, frame: self.vitals.notice_preemption())
         # The node's own SIGTERM reaches the node's first process, not this one: a marker lets
-        # `planaria node-drain-hook` find this worker and forward it (see planaria.drain).
+        # `planaria node-drain-hook` find this worker and forward it (see planaria.control.drain).
         self.ray_node = process.ray_node_id()
         register_worker(name, node_id=self.ray_node, gcs_address=process.gcs_address())
         self.store = connect()
@@ -135,7 +135,7 @@ class Worker:
                                            self.membership, self.vitals)
         self.compile_dir: Path | None = None
         # Answers the controller's and its peers' probes on the address its group uses
-        # (planaria.links: who cannot be reached when every rank waits on its peers).
+        # (planaria.control.links: who cannot be reached when every rank waits on its peers).
         self.probe = ProbeServer(process.group_address())
         self.store.set(store_keys.probe(name), self.probe.address)
         self.vitals.start(self.store, connect)
@@ -179,7 +179,7 @@ class Worker:
         optimizer state now, off the critical path, so that the state it will
         receive lands in memory that is already allocated and touched. With
         ``spec.compile`` the model is compiled here, from ``compile_cache`` (a
-        running worker's, see :mod:`planaria.compile_cache`) when given.
+        running worker's, see :mod:`planaria.worker.compile_cache`) when given.
         """
         self.vitals.phase = "setup"
         t0 = time.time()
@@ -462,7 +462,7 @@ class Worker:
     @ray.method(concurrency_group="control")
     def probe_links(self, peers: dict[str, str], timeout_s: float) -> dict[str, Any]:
         """Beside the step: which of ``peers`` (name → probe address) answer, and this
-        process's TCP connections whose bytes go unacked (planaria.links)."""
+        process's TCP connections whose bytes go unacked (planaria.control.links)."""
         return process.probe_peers(peers, timeout_s)
 
     @ray.method(concurrency_group="control")

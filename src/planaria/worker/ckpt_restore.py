@@ -26,12 +26,12 @@ from planaria.checkpoint.backoff import is_storage_error
 from planaria.checkpoint.compat import compare_layouts
 from planaria.checkpoint.device_load import load_to_device
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
-from planaria.errors import PlanariaError
-from planaria.state import load_state, shard_origins
+from planaria.faults.errors import PlanariaError
 from planaria.worker.commit import Commits
 from planaria.worker.loader import SampleLoader
 from planaria.worker.membership import Membership
 from planaria.worker.replica_state import ReplicaState
+from planaria.worker.state import load_state, shard_origins
 from planaria.worker.vitals import Vitals
 
 __all__ = ["SMALL_TENSOR_BYTES", "CheckpointRestorer", "broadcast_units"]
@@ -200,7 +200,7 @@ class CheckpointRestorer:
         optim.update({k: v for k, v in tensors.items() if not k.startswith("model/")})
         load_state(None, state.optimizer, state.scheduler, optim, meta)
         state.set_extra_state(meta)
-        # Samples a work fault made the job skip (planaria.attribution) stay skipped.
+        # Samples a work fault made the job skip (planaria.control.attribution) stay skipped.
         self.loader.skipped_samples = self.loader.skipped_samples | frozenset(
             int(i) for i in meta.get("skipped_samples") or ())
         self.live = None

@@ -25,10 +25,10 @@ import torch
 from planaria.checkpoint import AsyncShardWriter, plan_shards
 from planaria.checkpoint.plan import ShardPlan, plan_row_shards
 from planaria.checkpoint.storage import Storage
-from planaria.errors import PlanariaError
-from planaria.state import jsonable, shard_origins
+from planaria.faults.errors import PlanariaError
 from planaria.worker.commit import Commits
 from planaria.worker.replica_state import ReplicaState
+from planaria.worker.state import jsonable, shard_origins
 from planaria.worker.vitals import Vitals
 
 __all__ = ["CheckpointSaver", "SaveOptions", "probe_storage"]

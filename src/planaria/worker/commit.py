@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Any
 
-from planaria.errors import PlanariaError, StepAborted
-from planaria.faults import user_call
+from planaria.faults.errors import PlanariaError, StepAborted
+from planaria.faults.user_code import user_call
 from planaria.worker.membership import Membership
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.vitals import Vitals

@@ -21,15 +21,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from planaria.busy import current_thread_ids
-from planaria.collective import Collective
-from planaria.errors import Failure, PlanariaError, StepAborted, Work
-from planaria.faults import user_call
-from planaria.randomness import micro_batch_seed, seed_torch
-from planaria.replica import replica_failed
+from planaria.data.randomness import micro_batch_seed, seed_torch
+from planaria.faults.errors import Failure, PlanariaError, StepAborted, Work
+from planaria.faults.user_code import user_call
+from planaria.worker.busy import current_thread_ids
+from planaria.worker.collective import Collective
 from planaria.worker.commit import Commits
 from planaria.worker.loader import Loaded, SampleLoader, to_device
 from planaria.worker.membership import Membership
+from planaria.worker.replica import replica_failed
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.vitals import Vitals
 

@@ -1,9 +1,9 @@
 """A worker's samples: its share of a step, loaded, and the next step's loaded ahead.
 
 A rank runs whole, contiguous micro-batches of the step's global batch
-(:func:`planaria.data_plan.micro_batch_range`); a worker of a sharded replica runs
+(:func:`planaria.data.plan.micro_batch_range`); a worker of a sharded replica runs
 its part of its replica's. Each sample is served with its own random stream
-(:func:`planaria.randomness.serve_samples`) and recorded as served.
+(:func:`planaria.data.randomness.serve_samples`) and recorded as served.
 
 The next step loads while this one runs: on a loader thread when the node has a
 core to spare (``RunConfig.prefetch``), else on the training thread while the
@@ -11,7 +11,7 @@ gradient's all-reduce is in flight (:meth:`SampleLoader.load_planned`). The next
 step takes what was loaded if its ids and step match (a width change or a re-run
 loads again); a dataset error raised then is kept and raised by that next step,
 as its own. A dataset that draws from the global generators always loads on the
-training thread (see :mod:`planaria.randomness`).
+training thread (see :mod:`planaria.data.randomness`).
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from planaria.busy import current_thread_ids
-from planaria.collective import Collective
 from planaria.config import TrainSpec
-from planaria.data_plan import micro_batch_range
-from planaria.drain import live_workers
-from planaria.errors import Failure, PlanariaError, Work
-from planaria.faults import user_call
-from planaria.integrity import Served, dataset_fingerprint
-from planaria.randomness import probe_sample, serve_samples
+from planaria.control.drain import live_workers
+from planaria.data.integrity import Served, dataset_fingerprint
+from planaria.data.plan import micro_batch_range
+from planaria.data.randomness import probe_sample, serve_samples
+from planaria.faults.errors import Failure, PlanariaError, Work
+from planaria.faults.user_code import user_call
+from planaria.worker.busy import current_thread_ids
+from planaria.worker.collective import Collective
 from planaria.worker.replica_state import run_factory
 from planaria.worker.vitals import Vitals
 

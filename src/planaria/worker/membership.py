@@ -14,9 +14,9 @@ import logging
 import os
 from typing import Any
 
-from planaria import store_keys
-from planaria.collective import Collective
-from planaria.errors import StaleGeneration, StepAborted
+from planaria.faults.errors import StaleGeneration, StepAborted
+from planaria.wire import store_keys
+from planaria.worker.collective import Collective
 
 __all__ = ["Membership"]
 
@@ -27,7 +27,7 @@ class Membership:
     """The generation this worker is in and its process group for it."""
 
     def __init__(self, name: str, store: Any, *, sharded: bool) -> None:
-        """``sharded``: the worker is one of a replica of several (planaria.sharded)."""
+        """``sharded``: the worker is one of a replica of several (planaria.worker.sharded)."""
         self.name = name
         self.store = store
         self.sharded = sharded
@@ -92,7 +92,7 @@ class Membership:
 
         Not in a sharded replica: its workers would see the flag at different micro-batches
         and leave one another waiting in FSDP's collectives; they go on to the reduction,
-        which fails on all of them alike (planaria.sharded)."""
+        which fails on all of them alike (planaria.worker.sharded)."""
         comm = self.comm
         if comm is None or comm.world_size == 1 or self.sharded:
             return

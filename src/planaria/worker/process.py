@@ -13,8 +13,8 @@ from typing import Any
 
 import ray
 
-from planaria.links import local_endpoints, probe, stalled_connections
-from planaria.network import interface_address
+from planaria.control.links import local_endpoints, probe, stalled_connections
+from planaria.control.network import interface_address
 
 __all__ = [
     "gcs_address",
@@ -65,7 +65,7 @@ def gcs_address() -> str | None:
 
 def probe_peers(peers: dict[str, str], timeout_s: float) -> dict[str, Any]:
     """Which of ``peers`` (name → probe address) answer, and this process's TCP connections
-    whose bytes go unacked (planaria.links)."""
+    whose bytes go unacked (planaria.control.links)."""
     with ThreadPoolExecutor(max_workers=max(1, len(peers))) as pool:
         reached = dict(zip(peers, pool.map(lambda a: probe(a, timeout_s), peers.values()),
                            strict=True))

@@ -3,7 +3,7 @@
 A step's reduction sums, over every replica, the gradient (already scaled by
 ``n_microbatch / global_batch``, so the sum is the global batch's mean) together
 with the step's other sums: the module buffers' contributions
-(:class:`planaria.buffers.BufferSync`) and the run's status vector (the step's
+(:class:`planaria.worker.buffers.BufferSync`) and the run's status vector (the step's
 loss, sample counts and flags, :data:`planaria.worker.run_loop.STATUS`). The
 :class:`Reducer` is that seam; :func:`make_reducer` picks one of
 
@@ -14,7 +14,7 @@ loss, sample counts and flags, :data:`planaria.worker.run_loop.STATUS`). The
 - :class:`planaria.worker.reduce_sharded.ShardedReducer`: a sharded replica's
   (FSDP2 inside it), shard by shard across the replicas.
 
-The transport below them is :class:`planaria.collective.Collective`.
+The transport below them is :class:`planaria.worker.collective.Collective`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from planaria.collective import Collective
+from planaria.worker.collective import Collective
 
 __all__ = [
     "FP32_EXACT_COUNT",

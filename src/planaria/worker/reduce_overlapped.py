@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from planaria.collective import Collective
+from planaria.worker.collective import Collective
 from planaria.worker.reduce import FlatGradients, FlatReducer, global_norm
 
 __all__ = ["BUCKET_BYTES", "GradientBuckets", "OverlappedReducer"]

@@ -1,4 +1,4 @@
-"""A sharded replica's gradient reduction (see :mod:`planaria.sharded` for the layout).
+"""A sharded replica's gradient reduction (see :mod:`planaria.worker.sharded` for the layout).
 
 Each micro-batch's backward reduce-scatters the gradient inside the replica (FSDP2),
 then each worker all-reduces its shard of the summed gradient, with the step's
@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planaria.collective import Collective
-from planaria.errors import StepAborted
-from planaria.sharded import local
+from planaria.faults.errors import StepAborted
+from planaria.worker.collective import Collective
+from planaria.worker.sharded import local
 
 __all__ = ["ShardedReducer"]
 
@@ -99,7 +99,7 @@ class ShardedReducer:
         load failed raises its own error (the leader reports it); the others raise
         StepAborted: nobody waits in a collective the failed one never enters, and the
         replica stays whole (a failing sample then runs on another replica, see
-        planaria.attribution)."""
+        planaria.control.attribution)."""
         flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(flag)
         if ok and flag.item() > 0:

@@ -3,7 +3,7 @@
 Built from the spec's factories, each run with every global generator seeded from
 (spec seed, factory), so every replica builds the same state (invariant 8). In a
 sharded replica (``workers_per_replica`` > 1) the model is sharded over the
-replica's workers with FSDP2 (:mod:`planaria.sharded`). The gradient's reducer
+replica's workers with FSDP2 (:mod:`planaria.worker.sharded`). The gradient's reducer
 (:mod:`planaria.worker.reduce`) is built with the model: it owns the gradients.
 """
 
@@ -16,16 +16,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from planaria.buffers import BufferSync
 from planaria.config import TrainSpec
-from planaria.errors import PlanariaError, UserCodeError
-from planaria.faults import user_call
-from planaria.randomness import factory_seed, seed_globals
-from planaria.sharded import init_replica_group, shard_model
-from planaria.state import flatten_state, jsonable, model_checksum
+from planaria.data.randomness import factory_seed, seed_globals
+from planaria.faults.errors import PlanariaError, UserCodeError
+from planaria.faults.user_code import user_call
+from planaria.worker.buffers import BufferSync
 from planaria.worker.reduce import FlatGradients, FlatReducer, Reducer
 from planaria.worker.reduce_overlapped import OverlappedReducer
 from planaria.worker.reduce_sharded import ShardedReducer
+from planaria.worker.sharded import init_replica_group, shard_model
+from planaria.worker.state import flatten_state, jsonable, model_checksum
 
 __all__ = ["ReplicaShape", "ReplicaState", "run_factory"]
 
@@ -113,7 +113,7 @@ class ReplicaState:
         return FlatReducer(grads, gbs)
 
     def _shard(self) -> None:
-        """Shards the model over the replica's workers (planaria.sharded)."""
+        """Shards the model over the replica's workers (planaria.worker.sharded)."""
         params = {name for name, _ in self.model.named_parameters()}
         if any(name not in params for name in self.model.state_dict()):  # persistent buffers
             raise UserCodeError(
@@ -127,7 +127,8 @@ class ReplicaState:
         self.model = shard_model(self.model, shape.k, self.device, self.spec.shard)
 
     def flatten(self, *, whole: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The state's tensors by name and its JSON metadata (planaria.state.flatten_state)."""
+        """The state's tensors by name and its JSON metadata (see
+        planaria.worker.state.flatten_state)."""
         return flatten_state(self.model, self.optimizer, self.scheduler, whole=whole)
 
     def checksum(self) -> int:

@@ -25,7 +25,7 @@ non-finite step; it returns the per-step records. When it fails (a peer died, th
 generation was aborted), :meth:`RunLoop.settle` reports how far this
 worker got and drops a step whose collective did not complete here: the
 controller counts the furthest survivor's steps as committed and sends the state
-to any survivor behind (see :mod:`planaria.run_ahead`).
+to any survivor behind (see :mod:`planaria.control.run_ahead`).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from planaria import store_keys
-from planaria.data_plan import DataPlan, split_micro_batches
-from planaria.key_watch import KeyWatch
+from planaria.data.plan import DataPlan, split_micro_batches
+from planaria.wire import store_keys
 from planaria.worker.commit import Commits
 from planaria.worker.engine import FaultSeam, StepEngine
+from planaria.worker.key_watch import KeyWatch
 from planaria.worker.membership import Membership
 from planaria.worker.vitals import Vitals
 
@@ -53,7 +53,7 @@ STATUS = ("loss_sum", "samples", "leaving", "stop")
 step's metrics (``metric_keys``, in that order) follow."""
 STOP_POLL_S = 0.05
 """Rank 0 looks for the controller's stop request this often (one store read, made by its
-:class:`planaria.key_watch.KeyWatch` thread)."""
+:class:`planaria.worker.key_watch.KeyWatch` thread)."""
 STREAM_S = 0.25
 """Rank 0 publishes the records of the steps every rank has applied at most this often."""
 STREAMED = ("step", "t0", "t", "global_loss_sum", "global_samples", "global_metric_sums",
@@ -178,7 +178,7 @@ class RunLoop:
                 break
             done = step + 1
             self.commits.settle(done)  # applies the step now
-            vitals.committed_t = time.monotonic()  # progress is the heartbeat (planaria.liveness)
+            vitals.committed_t = time.monotonic()  # progress is the heartbeat (see liveness)
             hook = seam.hook
             if hook is not None:
                 hook(seam.owner, step, "applied")  # a fault injected after the apply

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from planaria.errors import PlanariaError
-from planaria.sharded import local
-from planaria.state import load_state, tensor_layout
+from planaria.faults.errors import PlanariaError
 from planaria.worker.commit import Commits
 from planaria.worker.membership import Membership
 from planaria.worker.replica_state import ReplicaState
+from planaria.worker.sharded import local
+from planaria.worker.state import load_state, tensor_layout
 from planaria.worker.vitals import Vitals
 
 __all__ = ["SMALL_TENSOR_BYTES", "StateTransfer", "nbytes", "transfer_plan"]

@@ -3,7 +3,7 @@
 Every part of the worker reports through one :class:`Vitals`: the phase it is in
 (``compute``, ``reduce``, ``send_state``, ...), a progress counter bumped at every
 phase change, micro-batch, sample loaded and chunk moved, and the preemption
-notice. A heartbeat thread (:func:`planaria.liveness.beat`) publishes them to the
+notice. A heartbeat thread (:func:`planaria.control.liveness.beat`) publishes them to the
 controller's store; the controller judges liveness and hangs from them.
 """
 
@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from planaria import store_keys
-from planaria.busy import BusyProbe
-from planaria.liveness import Heartbeat, beat, quiet_s
+from planaria.control.liveness import Heartbeat, beat, quiet_s
+from planaria.wire import store_keys
+from planaria.worker.busy import BusyProbe
 
 __all__ = ["Vitals"]
 
@@ -33,12 +33,12 @@ class Vitals:
         self.heartbeat_s = heartbeat_s
         self.phase = "starting"
         self.phase_step = -1
-        self.progress = 0  # see planaria.liveness
+        self.progress = 0  # see planaria.control.liveness
         self.preempting = False
         self.committed_t = -math.inf  # when the run last applied a step
         # What the threads work on: the training thread's micro-batch ("m<j>"), the
         # loader's sample ("i<id>"), and the threads whose CPU time and frames tell busy
-        # from hung (planaria.busy).
+        # from hung (planaria.worker.busy).
         self.work = ""
         self.loading = ""
         self.train_thread: tuple[int, int] | None = None
@@ -74,7 +74,7 @@ class Vitals:
         return threads
 
     def record(self, gap_s: float = 0.0) -> str:
-        """The heartbeat's record (:class:`planaria.liveness.Heartbeat`)."""
+        """The heartbeat's record (:class:`planaria.control.liveness.Heartbeat`)."""
         self.beats += 1  # changes every beat: the controller judges liveness on its own clock
         work = self.loading if self.phase == "loading" else self.work
         return Heartbeat(

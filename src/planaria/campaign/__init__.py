@@ -1,8 +1,0 @@
-"""Fault campaigns: seeded faults over the whole mix, checked against a fault-free reference.
-
-``planaria campaign SCRIPT.py[:SPEC] --faults N --seed S`` (see :mod:`planaria.campaign.runner`).
-"""
-
-from planaria.campaign.mix import KINDS, MixConfig, PlannedFault, PlannedRun, plan_campaign
-
-__all__ = ["KINDS", "MixConfig", "PlannedFault", "PlannedRun", "plan_campaign"]

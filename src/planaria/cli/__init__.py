@@ -1,0 +1,1 @@
+"""The ``planaria`` command and the spec files it runs."""

@@ -1,0 +1,3 @@
+"""What a run tells: the event log, metrics, goodput, reports, live progress, Prometheus,
+logging.
+"""

@@ -1,0 +1,3 @@
+"""What crosses between the controller and the workers: the store's keys and the calls'
+reports.
+"""

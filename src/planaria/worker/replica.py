@@ -1,0 +1,276 @@
+"""A sharded replica's leader: the one worker of k the controller talks to.
+
+With ``workers_per_replica=k`` the controller starts one worker per replica, the
+leader (shard index 0); the leader starts the replica's k - 1 other workers as
+Ray actors it owns, so that they die with it: a replica lives, fails, drains and
+is replaced as one (see :mod:`planaria.worker.sharded`). Each controller call that the
+replica's workers must all make (a join, a step, a run, a state transfer) goes
+to the others first and runs on the leader meanwhile (:func:`fans_out`); their
+answers are merged into one, so the controller's protocol is the same at any k.
+
+A worker of the replica that dies makes the leader's call fail as the replica's
+loss (``WorkerLost`` naming the leader: the controller evicts the replica and
+its owned workers go with it); one that hangs stalls the leader inside the
+replica's collectives, which the controller's hang detection finds on the leader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import zlib
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import ray
+
+from planaria.faults.errors import (
+    Failure,
+    InfrastructureError,
+    InternalError,
+    StepAborted,
+    UserCodeError,
+    WorkerLost,
+    is_death,
+)
+from planaria.wire import store_keys
+
+__all__ = ["FOLLOWER_SETTLE_S", "fans_out", "lane", "merge_records", "replica_failed"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+FOLLOWER_SETTLE_S = 10.0
+"""After the leader's own part of a call failed, how long it waits for the others' parts
+to end (theirs fail too, at once, when a worker of the replica died) to tell a death in
+the replica from another replica's failure."""
+
+
+def lane(group: str) -> Callable[[F], F]:
+    """``ray.method(concurrency_group=group)``, typed as what it is to the method's body.
+    Put it under :func:`fans_out`: Ray reads a method's lane from the function it wraps."""
+    return cast(Callable[[F], F], ray.method(concurrency_group=group))
+
+
+def fans_out(merge: Callable[[Any, list[Any]], Any] | None = None) -> Callable[[F], F]:
+    """Runs a worker method on the replica's other workers too, and merges the answers
+    (``merge(leader's, [others' in shard order])``; default: the leader's)."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            followers = getattr(self, "followers", None)
+            if not followers:
+                return fn(self, *args, **kwargs)
+            refs = [getattr(f, fn.__name__).remote(*args, **kwargs) for f in followers]
+            try:
+                mine = fn(self, *args, **kwargs)
+            except BaseException as err:
+                _raise_replica_error(self, refs, err)
+                raise
+            theirs = _gather(self, refs)
+            return merge(mine, theirs) if merge is not None else mine
+
+        return call  # type: ignore[return-value]
+
+    return decorate
+
+
+def replica_failed(store: Any, replica_key: str, index: int, err: Failure) -> None:
+    """A worker of a sharded replica other than the leader failed on its own during a step
+    (an error in the user's code, out of memory): the replica's other workers may already
+    wait for it in FSDP's collectives, which only its exit ends. It leaves its error for the
+    leader to report, and exits."""
+    record = {"type": type(err).__name__, "message": str(err.args[0]) if err.args else "",
+              "traceback": getattr(err, "remote_traceback", None)}
+    with contextlib.suppress(Exception):
+        store.set(store_keys.replica_failed(replica_key, index), json.dumps(record))
+    logging.getLogger("planaria.worker.replica").error("%s", record["message"])
+    os._exit(1)
+
+
+def _dead(worker: Any, index: int, err: BaseException) -> Failure:
+    """The replica's loss when worker ``index`` died, or the error it left (replica_failed)."""
+    name = worker.name
+    key = store_keys.replica_failed(worker.replica_key, index)
+    with contextlib.suppress(Exception):
+        if worker.store.check([key]):
+            record = json.loads(worker.store.get(key))
+            cls = {c.__name__: c for c in (UserCodeError, InfrastructureError)}.get(
+                record["type"], InternalError)
+            return cls(record["message"], remote_traceback=record["traceback"],
+                       workers=(name,))
+    return WorkerLost(f"worker {name}.{index} of replica {name} died: {str(err)[:300]}",
+                      workers=(name,))
+
+
+def _gather(worker: Any, refs: list[Any]) -> list[Any]:
+    """The other workers' answers; a death among them is the replica's loss."""
+    name = worker.name
+    out = []
+    first_error: BaseException | None = None
+    for i, ref in enumerate(refs, start=1):
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayTaskError as err:
+            cause = err.cause if isinstance(err.cause, BaseException) else err
+            if isinstance(cause, Failure) and cause.workers:
+                cause.workers = (name,)  # the controller knows the replica by its leader
+            first_error = first_error or cause
+            out.append(None)
+        except Exception as err:
+            if not is_death(err):
+                raise
+            raise _dead(worker, i, err) from None
+    if first_error is not None:
+        raise first_error
+    return out
+
+
+def _raise_replica_error(worker: Any, refs: list[Any], err: BaseException) -> None:
+    """The leader's part failed: if one of the others died, the replica is lost (the
+    leader's error, a broken collective inside the replica, is its consequence). An error
+    of the leader's own (its user code) is reported at once."""
+    if isinstance(err, Failure) and not isinstance(err, StepAborted):
+        return
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=FOLLOWER_SETTLE_S)
+    for i, ref in enumerate(refs, start=1):
+        if ref not in done:
+            continue
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as failed:
+            cause = failed.cause
+            if isinstance(cause, Failure):  # another worker's own failure (it could not load
+                cause.workers = (worker.name,)  # its samples): the replica's, named by it
+                raise cause from err
+        except Exception as other:
+            if is_death(other):
+                raise _dead(worker, i, other) from err
+
+
+# ---- merging the workers' answers -----------------------------------------------------------
+
+
+def merge_checksums(mine: int, theirs: list[int]) -> int:
+    """One checksum for the replica: its shards' in shard order."""
+    return zlib.crc32(b"".join(int(c).to_bytes(8, "little") for c in [mine, *theirs]))
+
+
+def _served(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the replica's workers were served, in shard order: ids and content digests."""
+    digests = [p.get("digests") for p in parts]
+    return {"ids": [i for p in parts for i in p["ids"]],
+            "digests": None if any(d is None for d in digests)
+            else [d for ds in digests if ds is not None for d in ds]}
+
+
+def merge_records(
+    mine: list[dict[str, Any]], theirs: list[list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """The leader's step records with every worker's served ids (ledger) and own metric
+    sums merged in, where their records of the step came back."""
+    by_step = [{r["step"]: r for r in recs} for recs in theirs]
+    out = []
+    for rec in mine:
+        parts = [rec, *(s[rec["step"]] for s in by_step if rec["step"] in s)]
+        if "ids" in rec:
+            rec = {**rec, **_served(parts)}
+        if "metric_sums" in rec:
+            sums: dict[str, float] = {}
+            for part in parts:
+                for k, v in part.get("metric_sums", {}).items():
+                    sums[k] = sums.get(k, 0.0) + v
+            rec = {**rec, "metric_sums": sums}
+        out.append(rec)
+    return out
+
+
+def merge_run(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**mine, "steps": merge_records(mine["steps"], [t["steps"] for t in theirs]),
+            "preempting": mine["preempting"] or any(t["preempting"] for t in theirs)}
+
+
+def merge_settled(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**mine, "steps": merge_records(mine["steps"], [t["steps"] for t in theirs])}
+
+
+def merge_join(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    dropped = mine.get("dropped")
+    if dropped is not None:
+        parts = [dropped, *(t["dropped"] for t in theirs if t.get("dropped"))]
+        dropped = {**dropped, **_served(parts)}
+    return {**mine, "dropped": dropped}
+
+
+def merge_meta(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A replica's state description: every shard's, for the joiner's workers in order."""
+    return {**mine, "shards": [mine, *theirs]}
+
+
+def merge_sum(mine: int, theirs: list[int]) -> int:
+    return mine + sum(theirs)
+
+
+def merge_setup(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**mine, "checksum": merge_checksums(mine["checksum"], [t["checksum"] for t in theirs]),
+            "param_bytes": mine["param_bytes"] + sum(t["param_bytes"] for t in theirs),
+            "follower_pids": [t["pid"] for t in theirs]}
+
+
+# ---- checkpoints: every worker of the replica saves and reads its own shard ----------------
+
+
+def merge_ckpt_start(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    parts = [mine, *theirs]
+    stalls = [p["stall_s"] for p in parts]
+    return {**mine, "busy": any(p.get("busy") for p in parts),
+            "stall_s": None if any(s is None for s in stalls) else max(stalls),
+            "bytes": sum(int(p["bytes"]) for p in parts)}
+
+
+def merge_hold(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A replica's workers under a hold: the replica is as far as its least advanced worker."""
+    parts = [mine, *theirs]
+    return {"steps_done": min(p["steps_done"] for p in parts),
+            "reduced": all(p["reduced"] for p in parts)}
+
+
+def merge_ckpt_poll(
+    mine: dict[str, Any] | None, theirs: list[dict[str, Any] | None]
+) -> dict[str, Any] | None:
+    """Every worker's shard record once all are written (None while one still writes)."""
+    parts = [mine, *theirs]
+    if any(p is None for p in parts):
+        return None
+    return {"records": [p["record"] for p in parts if p is not None],
+            "write_s": max(p["write_s"] for p in parts if p is not None),
+            "written_t": max((p.get("written_t") or 0.0) for p in parts if p is not None)}
+
+
+def _first_failure(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((p for p in parts if not p.get("ok", True)), None)
+
+
+def merge_probe(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    return _first_failure([mine, *theirs]) or mine
+
+
+def merge_ckpt_read(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    parts = [mine, *theirs]
+    failed = _first_failure(parts)
+    if failed is not None:
+        return failed
+    out = {**mine, "bytes": sum(p["bytes"] for p in parts),
+           "read_s": max(p["read_s"] for p in parts)}
+    mismatch = next((p["mismatch"] for p in parts if p.get("mismatch")), None)
+    if mismatch:
+        out["mismatch"] = mismatch
+    return out
+
+
+def merge_ckpt_apply(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**mine, "bcast_s": max(p["bcast_s"] for p in [mine, *theirs]),
+            "checksum": merge_checksums(mine["checksum"], [t["checksum"] for t in theirs])}
