@@ -76,9 +76,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "pairs": args.pairs}
     for name, get in (("ratio", lambda r: r["ratio"]), ("tiny_ratio", lambda r: r["tiny"]["ratio"]),
                       ("ratio_of_means", lambda r: r["ratio_of_means"]),
-                      ("tiny_ratio_of_means", lambda r: r["tiny"]["ratio_of_means"])):
+                      ("tiny_ratio_of_means", lambda r: r["tiny"]["ratio_of_means"]),
+                      ("train_step_ms", lambda r: r.get("train_step_ms"))):
         xa = [get(r) for r in runs["a"]]
         xb = [get(r) for r in runs["b"]]
+        if None in xa or None in xb:  # not measured on one side (--train-step-rounds 0)
+            continue
         out[name] = {"a": xa, "b": xb, "a_median": statistics.median(xa),
                      "b_median": statistics.median(xb),
                      "b_minus_a": statistics.median(xb) - statistics.median(xa),
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name}: A {out[name]['a_median']:.3f}, B {out[name]['b_median']:.3f}, B - A "
               f"{out[name]['b_minus_a']:+.3f} (95% interval {out[name]['b_minus_a_ci95'][0]:+.3f}"
               f" to {out[name]['b_minus_a_ci95'][1]:+.3f})")
+    out["runs"] = runs  # every run's own figures, as overhead.py printed them
     out["wall_s"] = time.time() - t0
     out["command"] = " ".join(["python", "bench/overhead_ab.py", *sys.argv[1:]])
     print(json.dumps(out), flush=True)
