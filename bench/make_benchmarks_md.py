@@ -295,6 +295,38 @@ def render_overhead_change(before: dict[str, Any], after: dict[str, Any] | None)
     return [*out, ""]
 
 
+AB_FIGURES = (("planaria ÷ DDP, `small` (median of a run's steps)", "ratio", ".3f"),
+              ("planaria ÷ DDP, `small` (ratio of means)", "ratio_of_means", ".3f"),
+              ("planaria ÷ DDP, `tiny`", "tiny_ratio", ".3f"),
+              ("one step's latency, `Job.train_step` (ms)", "train_step_ms", ".1f"))
+
+
+def render_overhead_ab(records: list[dict[str, Any]]) -> list[str]:
+    """``bench/overhead_ab.py``'s records: two commits' overhead runs alternating, each
+    figure's median per commit and B - A with its bootstrapped 95% interval."""
+    if not records:
+        return []
+    out = ["## Overhead at two commits, side by side (`bench/overhead_ab.py`)", "",
+           "Each record runs `bench/overhead.py --rounds 1` at commit A, then at commit B, "
+           "alternating, for its pairs; a run's figure is one observation. Estimator (chosen "
+           "before the runs): each commit's median, and B - A with a 95% interval "
+           "bootstrapped over the pairs. B is shown slower only where the whole interval "
+           "is above 0.", ""]
+    for rec in records:
+        out += [f"`{rec.get('command')}`: A `{rec['a']}`, B `{rec['b']}`, {rec['pairs']} "
+                f"pairs, {rec.get('date', 'n/a')}, {rec.get('machine', '')}", "",
+                "| figure | A | B | B - A | 95% interval |", "|---|---:|---:|---:|---|"]
+        for label, key, fmt in AB_FIGURES:
+            f = rec.get(key)
+            if not f:
+                continue
+            lo, hi = f["b_minus_a_ci95"]
+            out.append(f"| {label} | {_f(f['a_median'], fmt)} | {_f(f['b_median'], fmt)} | "
+                       f"{f['b_minus_a']:+{fmt}} | {lo:+{fmt}} to {hi:+{fmt}} |")
+        out.append("")
+    return out
+
+
 def render_overhead(rec: dict[str, Any]) -> list[str]:
     r = rec["result"]
     b = r.get("breakdown_ms") or {}
@@ -839,6 +871,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_overhead(rec)
         elif name == "overhead_before":
             out += render_overhead_change(rec, results.get("overhead"))
+            out += render_overhead_ab([json.loads(p.read_text()) for p in
+                                       sorted((RESULTS / "overhead-ab").glob("*.json"))])
             continue  # its own runs' outputs are in its record
         elif name == "recovery":
             out += render_recovery(rec)
