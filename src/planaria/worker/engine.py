@@ -253,7 +253,6 @@ class StepEngine:
         status[1] += sum(n for n, _ in loaded.batches)
         for i, key in enumerate(metric_keys):
             status[4 + i] += metric_sums.get(key, 0.0)
-        buffers = len(extra)  # the reducer may append the status to extra: not the buffers'
         try:
             norm = state.reducer.reduce(comm, status, extra, self._load_planned)
         except BaseException:
@@ -261,7 +260,7 @@ class StepEngine:
             raise
         if not self.sharded:  # a sharded replica's workers leave it: their hold (ckpt_freeze)
             self.commits.reduced_step = step  # answers "not reduced"
-        state.buffer_sync.reduced(extra[:buffers])
+        state.buffer_sync.reduced(extra)
         self.commits.grad_norm = norm
 
     def _result(self, step: int, loaded: Loaded, loss_sum: float, metric_sums: dict[str, float],

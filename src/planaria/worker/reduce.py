@@ -87,7 +87,8 @@ class Reducer(Protocol):
         """Sums the gradient, ``extra`` and ``status`` over the ranks (in place) and returns
         the reduced gradient's global L2 norm (NaN or inf if any element is). ``meanwhile``
         runs while the collective is in flight, if the reducer waits on one. A status that
-        does not travel inside the gradient's own buffers is appended to ``extra``."""
+        does not travel inside the gradient's own buffers is reduced beside ``extra``;
+        ``extra`` itself (the caller's list) is left as it is."""
         ...
 
     def close(self) -> None:
@@ -191,9 +192,8 @@ class FlatReducer:
         if in_tail:
             assert status is not None and tail is not None
             tail[: len(status)].copy_(status)
-        elif status is not None:
-            extra.append(status)
-        works = comm.allreduce_start(self.grads.reduced + extra)
+        beside = [status] if status is not None and not in_tail else []
+        works = comm.allreduce_start(self.grads.reduced + extra + beside)
         meanwhile()
         comm.wait_all(works)
         if in_tail:

@@ -168,15 +168,13 @@ class OverlappedReducer:
             return self.flat.reduce(comm, status, extra, meanwhile)
         if self.grads.tail is not None:
             self.grads.tail.zero_()
-        if status is not None:
-            extra.append(status)
         buckets = self.buckets
         if not buckets.armed:  # no micro-batch here: the same buckets, the same order
             buckets.arm(comm)
         buckets.launch_rest()
         meanwhile()
         buckets.finish()  # the buckets still in flight
-        comm.allreduce_sum(extra)
+        comm.allreduce_sum(extra if status is None else [*extra, status])
         return global_norm(self.grads.buffers)
 
     def close(self) -> None:
