@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from planaria.checkpoint.config import CheckpointConfig
+from planaria.checkpoint.coordinator import Checkpointer, save_under
 from planaria.config import RunConfig, TrainSpec
 from planaria.control import startup
 from planaria.control.attribution import Attribution
@@ -127,8 +128,6 @@ class Job:
         self.started = True
         checkpoints: Checkpoints | None = None  # the Checkpointer, as the parts see it
         if self.checkpoint_config is not None:
-            from planaria.checkpoint.coordinator import Checkpointer
-
             ck = Checkpointer(self, self.checkpoint_config)
             ck.on_start()
             self.checkpointer = checkpoints = ck
@@ -215,8 +214,6 @@ class Job:
                     "root=None is not valid: this job has no checkpoint root (checkpoint="
                     "None); give Job.save a root, or the job CheckpointConfig(...)"
                 )
-            from planaria.checkpoint.coordinator import save_under
-
             return save_under(self, root, storage_options)
         if root is None or self.checkpointer.root == (
                 root if "://" in root else os.path.abspath(root)):
