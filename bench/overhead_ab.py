@@ -4,8 +4,10 @@ than at A?
     python bench/overhead_ab.py --a /path/to/checkout-A --b /path/to/checkout-B --pairs 5
 
 Runs ``bench/overhead.py --rounds 1`` (planaria and DDP side by side, the ``small`` model
-and the ``tiny`` cross-check) from checkout A, then from checkout B, ``--pairs`` times,
-alternating, so that both see the same drift of the machine. Each run's ratio (planaria ÷
+and the ``tiny`` cross-check) from checkouts A and B, ``--pairs`` times, alternating, so
+that both see the same drift of the machine; the pairs alternate their order too (A then B,
+B then A, ...): on a machine whose load drifts within a pair, the side run second is not
+always the same one. Each run's ratio (planaria ÷
 DDP, pooled medians over its steady steps) is one observation. The estimator, chosen
 before the runs: the median of each checkout's ratios, and B's median minus A's with a 95%
 interval bootstrapped over the pairs (a pair's two runs resampled together). B is not
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
     t0 = time.time()
     for i in range(args.pairs):
-        for side, tree, extra in (("a", a, args.args_a), ("b", b, args.args_b)):
+        order = (("a", a, args.args_a), ("b", b, args.args_b))
+        for side, tree, extra in order if i % 2 == 0 else order[::-1]:
             r = _run(tree, extra.split(), Path(args.workdir) / f"{side}{i}")
             runs[side].append(r)
             print(f"  pair {i} {side.upper()} ({_commit(tree)}): ratio {r['ratio']:.3f} "
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name}: A {out[name]['a_median']:.3f}, B {out[name]['b_median']:.3f}, B - A "
               f"{out[name]['b_minus_a']:+.3f} (95% interval {out[name]['b_minus_a_ci95'][0]:+.3f}"
               f" to {out[name]['b_minus_a_ci95'][1]:+.3f})")
+    out["order"] = ["ab" if i % 2 == 0 else "ba" for i in range(args.pairs)]
     out["runs"] = runs  # every run's own figures, as overhead.py printed them
     out["wall_s"] = time.time() - t0
     out["command"] = " ".join(["python", "bench/overhead_ab.py", *sys.argv[1:]])
