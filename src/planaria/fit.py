@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from planaria.checkpoint.config import CheckpointConfig
+from planaria.checkpoint.coordinator import Checkpointer
 from planaria.config import RunConfig, TrainSpec, local_run_dir
 from planaria.control.job import Job, StepResult
 from planaria.control.policy import HangConfig, RecoveryPolicy
@@ -110,7 +111,7 @@ def _finish(job: Job, attempts: int = 5) -> dict[str, torch.Tensor]:
     for _ in range(attempts):
         try:
             if job.checkpointer is not None:
-                _save_final(job)
+                _save_final(job, job.checkpointer)
             state = job.model_state_dict()
             break
         except Failure as failure:
@@ -126,11 +127,10 @@ def _finish(job: Job, attempts: int = 5) -> dict[str, torch.Tensor]:
     return state
 
 
-def _save_final(job: Job) -> None:
+def _save_final(job: Job, ckpt: Checkpointer) -> None:
     """The final save; a failure to commit it is :class:`FinalSaveFailed`, which keeps the
     job open: its workers still hold the trained state, which the caller can save
     elsewhere (``err.job.save(root=...)``) before closing the job."""
-    ckpt = job.checkpointer
     try:
         ckpt.save_final()
     except CheckpointError as err:

@@ -22,6 +22,7 @@ from planaria.config import RunConfig, TrainSpec
 from planaria.control import startup
 from planaria.control.attribution import Attribution
 from planaria.control.calls import Calls
+from planaria.control.checkpoint_view import CheckpointView
 from planaria.control.commit_log import CommitLog, StepResult
 from planaria.control.departures import Departures
 from planaria.control.facade import Delegated
@@ -66,7 +67,8 @@ class Job:
         self.hang = hang or HangConfig()
         self.chaos = chaos
         self.checkpoint_config = checkpoint
-        self.checkpointer: Any = None  # a Checkpointer, with checkpoints on
+        self.checkpointer: Checkpointer | None = None  # with checkpoints on
+        self.checkpoint_view: CheckpointView | None = None  # the job, as checkpoints see it
         startup.check_config(spec, config, self.policy)
         self.run_dir = config.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -126,9 +128,12 @@ class Job:
         self.commit_log.plan = DataPlan(first.info["num_samples"], spec.global_batch_size,
                                         spec.seed)
         self.started = True
+        view = self.checkpoint_view = CheckpointView(
+            membership=self.membership, calls=self.calls, commit_log=self.commit_log,
+            log=self.log, hooks=self.fault_hooks, run_dir=self.run_dir)
         checkpoints: Checkpoints | None = None  # the Checkpointer, as the parts see it
         if self.checkpoint_config is not None:
-            ck = Checkpointer(self, self.checkpoint_config)
+            ck = Checkpointer(view, self.checkpoint_config)
             ck.on_start()
             self.checkpointer = checkpoints = ck
         self.parts = assemble(
@@ -137,6 +142,7 @@ class Job:
             fault_times=fault_times, hooks=self.fault_hooks, attribution=self.attribution,
             deadline=self.deadline, calls=self.calls, checkpoints=checkpoints,
             chaos=self.chaos, elapsed_s=lambda: self.elapsed_s)
+        view.counts = self.parts.recovery
         self.build_generation(self.members, reason="start")
         if self.checkpointer is not None:
             try:
@@ -206,7 +212,7 @@ class Job:
         lineage, so that a job given that root resumes from it; also what to do after a
         FinalSaveFailed. Raises CheckpointError if the save does not commit, a Failure if a
         worker fails meanwhile (recover from it as from a step's)."""
-        if not self.started or self.closed:
+        if not self.started or self.closed or self.checkpoint_view is None:
             raise ElasticRuntimeError("Job.save needs a started job that is not closed")
         if self.checkpointer is None:
             if root is None:
@@ -214,7 +220,7 @@ class Job:
                     "root=None is not valid: this job has no checkpoint root (checkpoint="
                     "None); give Job.save a root, or the job CheckpointConfig(...)"
                 )
-            return save_under(self, root, storage_options)
+            return save_under(self.checkpoint_view, root, storage_options)
         if root is None or self.checkpointer.root == (
                 root if "://" in root else os.path.abspath(root)):
             # Its own root, under its own lease (a second saver there would fence it off).
