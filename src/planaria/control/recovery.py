@@ -14,11 +14,10 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from planaria.checkpoint.errors import NoViableCheckpoint
-from planaria.control.attribution import Blame
 from planaria.control.blame import away_from, judge_raised, samples_of
+from planaria.control.decide import Action, decide
 from planaria.control.open_faults import OpenFault, OpenFaults
 from planaria.faults.errors import (
-    AllReplicasLost,
     ElasticRuntimeError,
     Failure,
     NonFiniteLoss,
@@ -198,7 +197,6 @@ class Recovery:
 
     def _handle_one(self, failure: Failure) -> None:
         group = self.membership
-        policy = self.policy
         judged = judge_raised(failure, self.attribution, self.membership.members,
                               self.membership.width)
         if judged is not None and judged[0] is not failure:
@@ -209,44 +207,46 @@ class Recovery:
             self.log.emit("attribution", fault_id=fault.fault_id, worker=",".join(failure.workers),
                          work=None if failure.work is None else failure.work.describe(),
                          how="raised", blame=judged[1].blame.value, reason=judged[1].reason)
-        if isinstance(failure, WorkFault):
+        gone = set(failure.workers)
+        decision = decide(
+            failure, blame=None if judged is None or judged[1] is None else judged[1].blame,
+            policy=self.policy, failures_before=self.failures,
+            evacuating=bool(self.departures.evacuating),
+            holders_left=any(h.has_state for h in group.members if h.name not in gone))
+        action = decision.action
+        if action is Action.WORK_FAULT:
+            assert isinstance(failure, WorkFault)
             self._work_fault(failure, fault)
             return
-        if isinstance(failure, Preempted) and self.departures.evacuating:
+        if action is Action.EVACUATE:
             self.evacuate(fault)
             return
-        if isinstance(failure, UserCodeError):
+        if action is Action.ABORT_USER_CODE:
             self.log.emit("action", fault_id=fault.fault_id, action="abort")
             self.faults.discard(fault)
             self._save_what_is_safe()
             raise failure
-        if isinstance(failure, NonFiniteLoss):
+        if action is Action.NONFINITE:
+            assert isinstance(failure, NonFiniteLoss)
             self._nonfinite(failure, fault)
             return
-        self.failures += 1
-        if self.failures > policy.max_failures:
-            self._abort(
-                f"{self.failures} failures, more than max_failures={policy.max_failures}", failure
-            )
-        if policy.retry_policy is not None and not policy.retry_policy(self.failures, failure):
-            self._abort("the retry_policy hook declined to retry", failure)
-        if judged is not None and judged[1] is not None and judged[1].blame is Blame.RETRY:
+        self.failures += decision.counted
+        if action is Action.RETRY_ELSEWHERE:
             self._retry_elsewhere(failure, fault)
             return
-        group.evict(failure.workers)
-        self._replace(failure.workers)
-        if isinstance(failure, AllReplicasLost) or not any(h.has_state for h in group.members):
-            self.log.emit("action", fault_id=fault.fault_id, action="restore")
-            self._restore(fault, keep_survivors=False)
+        if decision.evict:
+            group.evict(failure.workers)
+            self._replace(failure.workers)
+            # The no-holder restore is logged as "restore"; the rest as the policy names it.
+            self.log.emit("action", fault_id=fault.fault_id,
+                          action="restore" if action is Action.RESTORE
+                          and not decision.keep_survivors else self.policy.on_worker_lost)
+        if action is Action.ABORT:
+            self._abort(decision.reason, failure)
+        if action is Action.RESTORE:
+            self._restore(fault, keep_survivors=decision.keep_survivors)
             return
-        action = policy.on_worker_lost
-        self.log.emit("action", fault_id=fault.fault_id, action=action)
-        if action == "abort":
-            self._abort("on_worker_lost='abort'", failure)
-        if action == "restore":
-            self._restore(fault, keep_survivors=True)
-            return
-        self._continue(reason="resize", pause=action == "pause")
+        self._continue(reason="resize", pause=action is Action.PAUSE)
 
     def _nonfinite(self, failure: NonFiniteLoss, fault: OpenFault) -> None:
         group = self.membership
