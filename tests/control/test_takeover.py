@@ -115,6 +115,9 @@ def test_refused_for_a_run_dir_without_a_run_or_with_another_runs_ledger():
         rebuild(trio(), RunRecord(run_id=None))
     with pytest.raises(TakeoverRefused, match="ledger was last written by run run-b"):
         rebuild(trio(), record(ledger_run="run-b", ledger_steps=3))
+    # A job resumed in the run dir: the ledger is the earlier run's until it commits a step.
+    resumed = rebuild(trio(), record(ledger_run="run-0", ledger_steps=0, earlier_runs=("run-0",)))
+    assert resumed.ledger_steps == 0
 
 
 # ---- steps and holders: the reconciliation's rules ----------------------------------------
@@ -202,9 +205,9 @@ def test_the_run_dir_is_replayed_from_its_newest_run(tmp_path):
     ledger.commit(4, gen=1)
     ledger.commit(5, gen=1)
     got = read_run_record(tmp_path)
-    assert got == RunRecord(run_id=RUN, gen=1, members=("w1", "w0"), epoch=2, steps_done=6,
-                            last_skipped=3, skipped_samples=frozenset({7, 9}),
-                            ledger_run=RUN, ledger_steps=6)
+    assert got == RunRecord(run_id=RUN, earlier_runs=("old",), gen=1, members=("w1", "w0"),
+                            epoch=2, steps_done=6, last_skipped=3,
+                            skipped_samples=frozenset({7, 9}), ledger_run=RUN, ledger_steps=6)
     assert read_run_record(tmp_path / "nothing") == RunRecord(run_id=None)
 
 

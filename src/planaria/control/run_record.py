@@ -6,7 +6,8 @@ on: ``generation`` names each generation's members (and the lease epoch it was b
 under), ``step_committed`` and ``steps_committed_by_save`` commit steps, ``step_skipped``
 drops a step's update (it counts as done), ``restore`` sets the step count (a
 checkpoint's, or the seed's at 0), ``sample_skipped`` leaves samples out. The ledger
-(``ledger.jsonl``, opt-in) names the run that last wrote it and the steps it committed.
+(``ledger.jsonl``, opt-in) names the run that last wrote it (the newest run's, or an
+earlier one's until the newest commits a step) and the steps it committed.
 :mod:`planaria.control.takeover` rebuilds the controller's state from this and from the
 live workers' reports.
 """
@@ -29,6 +30,8 @@ class RunRecord:
 
     run_id: str | None
     """The newest ``run_start``'s run (None: no event log, or no run started in it)."""
+    earlier_runs: tuple[str, ...] = ()
+    """The runs started in the run dir before it (a job resumed there), oldest first."""
     gen: int = -1
     """The newest generation built (-1: none)."""
     members: tuple[str, ...] = ()
@@ -58,7 +61,8 @@ def read_run_record(run_dir: str | Path) -> RunRecord:
     if not starts:
         return RunRecord(run_id=None)
     run_id = str(events[starts[-1]]["run_id"])
-    fields: dict[str, Any] = {"run_id": run_id}
+    fields: dict[str, Any] = {"run_id": run_id, "earlier_runs": tuple(
+        str(events[i]["run_id"]) for i in starts[:-1])}
     steps, last_skipped, epoch = 0, -1, 0
     skipped: set[int] = set()
     for e in events[starts[-1]:]:

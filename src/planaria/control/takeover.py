@@ -7,7 +7,7 @@ that comes back after dying needs to take the workers over under a new lease epo
 :class:`TakeoverRefused` naming what does not fit. Its rules are the controller's own:
 
 - **One run.** Every worker that was told a lease follows the run the run dir's event log
-  started last, and the ledger, if any, was last written by that run.
+  started last, and the ledger, if any, was last written by a run that log started.
 - **Members** are the workers of the newest generation any of them entered, in rank
   order; that generation is at least the run dir's newest, and where it is that one,
   its members are among those the run dir names. Workers of older generations were
@@ -130,9 +130,9 @@ def _one_run(reports: Sequence[WorkerReport], run: RunRecord) -> str:
         if r.lease is not None and r.lease.run_id != run.run_id:
             raise TakeoverRefused(f"{r.name} follows run {r.lease.run_id}, the run dir is run "
                                   f"{run.run_id}'s: a run dir from another run")
-    if run.ledger_run not in (None, run.run_id):
+    if run.ledger_run not in (None, run.run_id, *run.earlier_runs):
         raise TakeoverRefused(f"the run dir's ledger was last written by run {run.ledger_run}, "
-                              f"its event log by run {run.run_id}")
+                              f"which its event log never started (its run: {run.run_id})")
     return run.run_id
 
 
