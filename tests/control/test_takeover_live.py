@@ -2,7 +2,7 @@
 after a fault and its recovery, what the live workers describe and the run dir record
 rebuilds the job's own membership and commit log; restored from it, under a new lease
 epoch that fences off the old one, the job trains on to the fault-free weights with every
-sample used once."""
+sample used once. A sharded replica describes itself as one."""
 
 from __future__ import annotations
 
@@ -78,3 +78,18 @@ def test_the_state_rebuilt_from_workers_and_run_dir_is_the_jobs_and_trains_on(tm
     assert [f["kind"] for f in of(evs, "fault")] == ["worker_lost"]
     assert of(evs, "generation")[-1]["epoch"] == 2
     assert all(e["gen"] > old_gen for e in of(evs, "step_committed") if e["step"] >= BEFORE)
+
+
+def test_a_sharded_replica_describes_itself_as_one(tmp_path):
+    from planaria.examples import tiny_gpt
+
+    spec = tiny_gpt.make_spec(dim=32, layers=2, global_batch_size=24)
+    config = RunConfig(steps=3, replicas=2, workers_per_replica=2, run_dir=tmp_path, ledger=True)
+    with Job(spec, config) as job:
+        run_to(job, 3)
+        reports = describe(job)
+        assert [r.workers for r in reports] == [2, 2]  # the leader's and its follower's, merged
+        assert all(r.steps_done == 3 and r.gen == job.gen for r in reports)
+        got = rebuild(reports, read_run_record(tmp_path))
+        assert got.members == tuple(job.names) and got.holders == got.members
+        assert got.steps_done == 3 and got.ledger_steps == 3 and got.next_gen == job.gen + 1
