@@ -23,6 +23,7 @@ from planaria.faults.errors import NonFiniteLoss
 from planaria.observe.loss_history import LossHistory
 
 if TYPE_CHECKING:
+    from planaria.control.takeover import Takeover
     from planaria.control.watchdog import StepDeadline
     from planaria.observe.events import EventLog
 
@@ -57,6 +58,7 @@ class CommitLog:
                  ledger_dir: Path | None, run_id: str) -> None:
         self.log = log
         self.deadline = deadline
+        self.run_id = run_id
         self.micro_batch_size = micro_batch_size
         self.ledger = (Ledger(ledger_dir, run_id=run_id, on_changed=self._served_changed)
                        if ledger_dir is not None else None)
@@ -123,6 +125,18 @@ class CommitLog:
                     self.ledger_step(s, served.get(s) or {}, gen=gen)
         self._steps_done = step
         return steps
+
+    def restore_from(self, takeover: Takeover) -> None:
+        """Takes over a run another controller committed (:mod:`planaria.control.takeover`):
+        its run (the ledger's records from now on are that run's), its steps, its newest
+        skipped step and the samples it skips."""
+        self.run_id = takeover.run_id
+        if self.ledger is not None:
+            self.ledger.run_id = takeover.run_id
+        self._steps_done = takeover.steps_done
+        self.last_skipped = takeover.last_skipped
+        self.skipped_samples = set(takeover.skipped_samples)
+        self._ledger_last = None
 
     def restart_at(self, step: int) -> None:
         """The state of ``step`` was restored (a checkpoint, or the seed's at 0): training

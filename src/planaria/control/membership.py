@@ -18,6 +18,7 @@ import torch
 
 from planaria.data.integrity import describe_mismatch
 from planaria.faults.errors import DataMismatch, ElasticRuntimeError, InternalError
+from planaria.wire.takeover import Lease
 
 if TYPE_CHECKING:
     from planaria.config import RunConfig
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from planaria.control.hooks import FaultHooks
     from planaria.control.pool import WorkerHandle, WorkerPool
     from planaria.control.protocols import Gather
+    from planaria.control.takeover import Takeover
     from planaria.control.watchdog import StepDeadline
     from planaria.observe.events import EventLog
 
@@ -52,10 +54,16 @@ class Membership:
         self.hooks = hooks
         self.gen = -1
         self.members: list[WorkerHandle] = []
+        self.lease_epoch = 1  # the run's first controller's; a takeover's is greater
 
     def connect(self, pool: WorkerPool, calls: Gather) -> None:
         self.pool = pool
         self.calls = calls
+
+    @property
+    def lease(self) -> Lease:
+        """This controller's lease, told to the workers with every join."""
+        return Lease(run_id=self.commit_log.run_id, epoch=self.lease_epoch)
 
     @property
     def width(self) -> int:
@@ -86,6 +94,21 @@ class Membership:
             if h.name in names:
                 h.has_state = holds
 
+    def restore_from(self, takeover: Takeover, handles: Sequence[WorkerHandle]) -> None:
+        """Takes over another controller's workers (:mod:`planaria.control.takeover`):
+        ``handles`` (those of ``takeover.members``) become the members in its rank order,
+        holding the state as it says, under its lease epoch; the next generation built is
+        ``takeover.next_gen``."""
+        by_name = {h.name: h for h in handles}
+        missing = [n for n in takeover.members if n not in by_name]
+        if missing:
+            raise ElasticRuntimeError(f"no handle for the members {missing} to take over")
+        self.members = [by_name[n] for n in takeover.members]
+        self.set_holding(takeover.holders, True)
+        self.set_holding(takeover.behind, False)
+        self.gen = takeover.next_gen - 1
+        self.lease_epoch = takeover.lease_epoch
+
     def kill_all(self) -> None:
         """Kills (and fences off) every member: the membership is empty."""
         for handle in self.members:
@@ -106,11 +129,12 @@ class Membership:
         # Each rank starts loading its share of the next step while the group forms.
         steps_done = self.commit_log.steps_done
         parts = self.commit_log.split(steps_done, len(members))
+        lease = self.lease
         refs = {
             h.name: h.actor.join.remote(
                 gen, rank, len(members), steps_done, timeouts, parts[rank],
                 skipped=self.commit_log.last_skipped,
-                skip=tuple(sorted(self.commit_log.skipped_samples)),
+                skip=tuple(sorted(self.commit_log.skipped_samples)), lease=lease,
             )
             for rank, h in enumerate(members)
         }
@@ -135,6 +159,7 @@ class Membership:
             world_size=len(members),
             build_s=time.time() - t0,
             reason=reason,
+            epoch=self.lease_epoch,
         )
         _mlog.info("generation %d: %s (%s)", gen, self.names, reason)
 

@@ -39,6 +39,7 @@ from planaria.control.drain import register_worker
 from planaria.control.links import ProbeServer
 from planaria.data.plan import micro_batch_range
 from planaria.wire import store_keys
+from planaria.wire.takeover import Lease, WorkerReport
 from planaria.worker import compile_cache as compile_cache_mod
 from planaria.worker import forkserver, process, replica
 from planaria.worker.ckpt_restore import CheckpointRestorer
@@ -239,6 +240,7 @@ class Worker:
         *,
         skipped: int = -1,
         skip: tuple[int, ...] | None = None,
+        lease: Lease | None = None,
     ) -> dict[str, Any]:
         """Enters generation ``gen``: settles the pending step, builds the new group.
 
@@ -247,8 +249,9 @@ class Worker:
         ``next_ids`` (this rank's share of the next step) start loading at once.
         Reports what a step attempt dropped here had been served (``dropped``),
         for the ledger. ``skip``: the samples the job skips (see WorkFault), from now on.
+        ``lease``: the controller's (a join under an older epoch than the newest is refused).
         """
-        self.membership.enter(gen)
+        self.membership.enter(gen, lease=lease)
         commits, loader = self.commits, self.loader
         pending = commits.pending
         commits.settle(steps_done, skipped, allow_behind=True)
@@ -477,3 +480,17 @@ class Worker:
     def dump_stack(self) -> str:
         """Every thread's Python stack (answers even while a step is running)."""
         return process.thread_stacks()
+
+    @fans_out(WorkerReport.merged)
+    @lane("control")
+    def describe(self) -> WorkerReport:
+        """What a controller taking this worker over needs (planaria.control.takeover):
+        generation, rank, steps done, the pending step, whether its state is whole, the
+        lease it was told. Beside any step, and cheap: no checksum of the weights."""
+        comm = self.membership.comm
+        return WorkerReport(
+            name=self.name, workers=1, gen=self.membership.gen,
+            rank=comm.rank if comm is not None else None,
+            steps_done=self.commits.steps_done, pending=self.commits.pending,
+            intact=not self.state.dirty, lease=self.membership.lease,
+            skipped_samples=tuple(sorted(self.loader.skipped_samples)))

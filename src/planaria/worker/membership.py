@@ -16,6 +16,7 @@ from typing import Any
 
 from planaria.faults.errors import StaleGeneration, StepAborted
 from planaria.wire import store_keys
+from planaria.wire.takeover import Lease
 from planaria.worker.collective import Collective
 
 __all__ = ["Membership"]
@@ -34,6 +35,7 @@ class Membership:
         self.gen = -1
         self.comm: Collective | None = None
         self.aborted_gen = -1  # the last generation the controller told to abort
+        self.lease: Lease | None = None  # the newest controller's, told at a join
 
     def refuse_if_fenced(self) -> None:
         """A call queued before this worker was evicted finds the fence and ends the process."""
@@ -41,14 +43,23 @@ class Membership:
             _log.warning("%s was fenced off by the controller; exiting", self.name)
             os._exit(0)
 
-    def enter(self, gen: int) -> None:
-        """A call that may start generation ``gen`` (join, settle_run): not an older one."""
+    def enter(self, gen: int, *, lease: Lease | None = None) -> None:
+        """A call that may start generation ``gen`` (join, settle_run): not an older one,
+        nor one from a controller under an older ``lease`` epoch than the newest told (a
+        controller that was taken over)."""
         self.refuse_if_fenced()
+        if lease is not None and self.lease is not None and lease.epoch < self.lease.epoch:
+            raise StaleGeneration(
+                f"{self.name} follows lease epoch {self.lease.epoch}, refused a join from "
+                f"epoch {lease.epoch}: that controller was taken over"
+            )
         if gen < self.gen:
             raise StaleGeneration(
                 f"{self.name} is in generation {self.gen}, refused call from {gen}"
             )
         self.gen = gen
+        if lease is not None:
+            self.lease = lease
 
     def check(self, gen: int) -> None:
         """A call of generation ``gen``, which must be this worker's."""

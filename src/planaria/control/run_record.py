@@ -1,0 +1,91 @@
+"""What a run dir says of the controller that wrote it: its run, its newest generation and
+lease epoch, the steps it committed, the samples it skipped.
+
+The event log (``events.jsonl``, always written) is replayed from the newest ``run_start``
+on: ``generation`` names each generation's members (and the lease epoch it was built
+under), ``step_committed`` and ``steps_committed_by_save`` commit steps, ``step_skipped``
+drops a step's update (it counts as done), ``restore`` sets the step count (a
+checkpoint's, or the seed's at 0), ``sample_skipped`` leaves samples out. The ledger
+(``ledger.jsonl``, opt-in) names the run that last wrote it (the newest run's, or an
+earlier one's until the newest commits a step) and the steps it committed.
+:mod:`planaria.control.takeover` rebuilds the controller's state from this and from the
+live workers' reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planaria.data.ledger import Ledger
+from planaria.observe.events import EVENTS_FILE, read_events
+
+__all__ = ["RunRecord", "read_run_record"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord:
+    """A run dir's record of its newest run (see the module doc)."""
+
+    run_id: str | None
+    """The newest ``run_start``'s run (None: no event log, or no run started in it)."""
+    earlier_runs: tuple[str, ...] = ()
+    """The runs started in the run dir before it (a job resumed there), oldest first."""
+    gen: int = -1
+    """The newest generation built (-1: none)."""
+    members: tuple[str, ...] = ()
+    """That generation's workers, in rank order."""
+    epoch: int = 0
+    """The newest lease epoch a generation was built under (0: none recorded)."""
+    steps_done: int = 0
+    """Steps committed (a skipped step counts: it is consumed)."""
+    last_skipped: int = -1
+    """The newest step whose update was dropped (a non-finite loss), -1: none."""
+    skipped_samples: frozenset[int] = frozenset()
+    """Samples left out from some step on (a fault of the work, skipped)."""
+    ledger_run: str | None = None
+    """The run of the ledger's newest record (None: no ledger, or an empty one)."""
+    ledger_steps: int | None = None
+    """Steps the ledger holds committed for ``run_id``: its newest commit record's step + 1
+    (None: no ledger)."""
+
+
+def read_run_record(run_dir: str | Path) -> RunRecord:
+    """The record of ``run_dir``'s newest run (an empty one where it has no event log)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / EVENTS_FILE).exists():
+        return RunRecord(run_id=None)
+    events = list(read_events(run_dir))
+    starts = [i for i, e in enumerate(events) if e["event"] == "run_start"]
+    if not starts:
+        return RunRecord(run_id=None)
+    run_id = str(events[starts[-1]]["run_id"])
+    fields: dict[str, Any] = {"run_id": run_id, "earlier_runs": tuple(
+        str(events[i]["run_id"]) for i in starts[:-1])}
+    steps, last_skipped, epoch = 0, -1, 0
+    skipped: set[int] = set()
+    for e in events[starts[-1]:]:
+        kind = e["event"]
+        if kind == "generation":
+            fields.update(gen=int(e["gen"]), members=tuple(e["workers"]))
+            epoch = max(epoch, int(e.get("epoch", 1)))
+        elif kind == "step_committed":
+            steps = int(e["step"]) + 1
+        elif kind == "steps_committed_by_save":
+            steps = max(steps, int(e["step"]))
+        elif kind == "step_skipped":
+            steps, last_skipped = int(e["step"]) + 1, int(e["step"])
+        elif kind == "restore":
+            steps = int(e["step"])
+        elif kind == "sample_skipped":
+            skipped.update(int(i) for i in e["samples"])
+    fields.update(epoch=epoch, steps_done=steps, last_skipped=last_skipped,
+                  skipped_samples=frozenset(skipped))
+    if (run_dir / Ledger.FILE).exists():
+        records = Ledger.read(run_dir)
+        commits = [int(r["step"]) for r in records
+                   if r["kind"] == "commit" and r.get("run") == run_id]
+        fields.update(ledger_run=records[-1].get("run") if records else None,
+                      ledger_steps=commits[-1] + 1 if commits else 0)
+    return RunRecord(**fields)
