@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,10 +61,13 @@ class TrainSpec:
 
     model: Callable[[], Any]
     """Builds the ``nn.Module``; called once per worker with the generators seeded from ``seed``."""
-    optimizer: Callable[[Iterable[Any]], Any]
-    """Builds the optimizer from the model's parameters."""
-    loss: Callable[[Any, Any], Any]
-    """(model, batch) → scalar loss (mean over the batch), or (loss, dict of float metrics)."""
+    optimizer: Callable[[Any], Any]
+    """Builds the optimizer: from the model's parameters (``model.parameters()``), or from the
+    model itself with ``optimizer_gets="model"``. Every parameter that requires a gradient
+    must be in one of its groups."""
+    loss: Callable[[Any, Any], Any] | None = None
+    """(model, batch) → scalar loss (mean over the batch), or (loss, dict of float metrics).
+    planaria runs its backward. Give this or ``train_step``, not both."""
     dataset: Callable[[], Any]
     """Builds the map-style dataset (``__len__`` and ``__getitem__``), the same on every worker:
     it runs with the generators seeded from ``seed``, and workers compare a fingerprint of it."""
@@ -74,6 +77,18 @@ class TrainSpec:
     """Samples per forward/backward. The global batch is global_batch_size / micro_batch_size
     micro-batches; each rank runs whole ones (best balanced when their number is a multiple
     of the width)."""
+    train_step: Callable[[Any, Any, Callable[..., None]], Any] | None = None
+    """The alternative to ``loss`` for a micro-batch that needs more than one backward
+    (several losses, a gradient penalty): ``train_step(model, batch, backward)`` runs its
+    forwards and calls ``backward(tensor, retain_graph=False)`` as often as it likes, then
+    returns the loss to log (a float or a scalar tensor; each term a mean over the batch),
+    or (loss, dict of float metrics). ``backward`` scales each tensor by the micro-batch's
+    share of the global batch (and by fp16's loss scale) before its backward, so the
+    reduced gradient stays the global batch's mean; planaria still owns the reduction,
+    clipping, the non-finite check and the update. A ``train_step`` that never calls
+    ``backward`` is an error (``UserCodeError``). Not yet with ``RunConfig(
+    overlap_reduction=True)`` (its reduction starts during the one backward) nor with
+    ``workers_per_replica > 1``: both are refused when the job starts."""
     lr_scheduler: Callable[[Any], Any] | None = None
     """Builds the LR scheduler from the optimizer; stepped once per committed step."""
     collate: Callable[[list[Any]], Any] | None = None
@@ -101,6 +116,12 @@ class TrainSpec:
     FSDP2's ``fully_shard`` over the replica's 1-D ``DeviceMesh`` (to the root last); None:
     every module holding parameters of its own is a unit, then the root (see
     :func:`planaria.worker.sharded.default_shard`)."""
+    optimizer_gets: str = "parameters"
+    """What ``optimizer`` is called with: ``"parameters"`` (``model.parameters()``, the
+    default) or ``"model"`` (the ``nn.Module``, to build parameter groups from
+    ``named_parameters()``, such as weight decay 0 for biases and norm weights). The model is
+    on its device and, with ``workers_per_replica > 1``, already sharded (FSDP2: its
+    parameters are DTensors, their names unchanged)."""
     extra_state: tuple[Callable[[Any, Any], dict[str, Any]],
                        Callable[[Any, Any, dict[str, Any]], None]] | None = None
     """State beyond the model, optimizer and scheduler (a GradScaler's scale, an EMA's
@@ -108,11 +129,18 @@ class TrainSpec:
     ``set(model, optimizer, state)``; saved in checkpoints and sent to joining replicas."""
 
     def __post_init__(self) -> None:
-        for name in ("model", "optimizer", "loss", "dataset"):
+        for name in ("model", "optimizer", "dataset"):
             check(callable(getattr(self, name)), name, getattr(self, name), "a callable")
-        for name in ("lr_scheduler", "collate", "shard"):
+        for name in ("loss", "train_step", "lr_scheduler", "collate", "shard"):
             value = getattr(self, name)
             check(value is None or callable(value), name, value, "a callable or None")
+        check((self.loss is None) != (self.train_step is None), "loss", self.loss,
+              "exactly one of loss=(model, batch) -> loss and train_step=(model, batch, "
+              "backward) -> loss: loss when planaria runs the one backward, train_step when "
+              "your function calls backward itself")
+        check(self.optimizer_gets in ("parameters", "model"), "optimizer_gets",
+              self.optimizer_gets, "'parameters' (optimizer(model.parameters())) or 'model' "
+              "(optimizer(model), for parameter groups by name)")
         check(
             isinstance(self.global_batch_size, int) and self.global_batch_size >= 1,
             "global_batch_size",

@@ -16,7 +16,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from planaria.worker.loader import Loaded, SampleLoader, to_device
 from planaria.worker.membership import Membership
 from planaria.worker.replica import replica_failed
 from planaria.worker.replica_state import ReplicaState
+from planaria.worker.train_step import StepBackward
 from planaria.worker.vitals import Vitals
 
 __all__ = ["FaultSeam", "StepEngine"]
@@ -66,6 +67,7 @@ class StepEngine:
         self.sharded = state.shape.k > 1
         self.last_attempt: dict[str, Any] | None = None  # what the last step was served
         self._load_planned = loader.load_planned  # bound once: run while the reduce is in flight
+        self._backward = StepBackward()  # a spec.train_step's backward, armed per micro-batch
 
     def step(
         self, gen: int, step: int, ids: np.ndarray, steps_done: int,
@@ -127,9 +129,13 @@ class StepEngine:
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.train()
         torch.manual_seed(self.spec.seed)
-        out = user_call("the loss function", self.spec.loss, self.state.compiled, batch)
-        loss = out[0] if isinstance(out, tuple) else out
-        user_call("backward", loss.backward)
+        if self.spec.train_step is not None:
+            self._backward.run(self.spec.train_step, self.state.compiled, batch, 1.0, None, None)
+        else:
+            loss_fn = cast(Callable[..., Any], self.spec.loss)
+            out = user_call("the loss function", loss_fn, self.state.compiled, batch)
+            loss = out[0] if isinstance(out, tuple) else out
+            user_call("backward", loss.backward)
         with torch.no_grad():
             for k, v in model.state_dict().items():
                 v.copy_(saved[k])
@@ -182,6 +188,9 @@ class StepEngine:
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
         gbs = self.spec.global_batch_size
+        train_step, backward = self.spec.train_step, self._backward
+        loss_fn = cast(Callable[..., Any], self.spec.loss)  # set when train_step is not
+        autocast_device = None if self.spec.precision is None else state.device.type
         last = len(loaded.batches) - 1
         # A sharded replica's workers run as many forwards as each other (FSDP's
         # collectives pair them): one with fewer micro-batches pads with a weightless one.
@@ -200,13 +209,18 @@ class StepEngine:
             # The micro-batch's own random stream: the same at any width, on any rank.
             seed_torch(micro_batch_seed(self.spec.seed, step, first + j))
             try:
-                with self._autocast():
-                    out = user_call("the loss function", self.spec.loss, state.compiled, batch)
-                loss, metrics = out if isinstance(out, tuple) else (out, {})
-                scaled = loss * (n / gbs)
-                if state.scaler is not None:
-                    scaled = state.scaler.scale(scaled)
-                user_call("backward", scaled.backward)
+                if train_step is not None:  # the user's step calls backward itself
+                    with self._autocast():
+                        loss, metrics = backward.run(train_step, state.compiled, batch,
+                                                     n / gbs, state.scaler, autocast_device)
+                else:
+                    with self._autocast():
+                        out = user_call("the loss function", loss_fn, state.compiled, batch)
+                    loss, metrics = out if isinstance(out, tuple) else (out, {})
+                    scaled = loss * (n / gbs)
+                    if state.scaler is not None:
+                        scaled = state.scaler.scale(scaled)
+                    user_call("backward", scaled.backward)
             except Failure as err:
                 err.work = Work(step=step, micro_batch=first + j)
                 raise

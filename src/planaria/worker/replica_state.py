@@ -27,7 +27,7 @@ from planaria.worker.reduce_sharded import ShardedReducer
 from planaria.worker.sharded import init_replica_group, shard_model
 from planaria.worker.state import flatten_state, jsonable, model_checksum
 
-__all__ = ["ReplicaShape", "ReplicaState", "run_factory"]
+__all__ = ["ReplicaShape", "ReplicaState", "check_optimizer", "run_factory"]
 
 T = TypeVar("T")
 
@@ -54,6 +54,38 @@ class ReplicaShape:
     """The replica's inner group's collective timeout."""
     overlap_reduction: bool
     """The gradient is reduced during the last backward (OverlappedReducer)."""
+
+
+def check_optimizer(optimizer: Any, model: torch.nn.Module, gets: str) -> None:
+    """Raises UserCodeError unless ``optimizer`` is an optimizer whose groups hold every
+    parameter of ``model`` that requires a gradient, and none of another model."""
+    factory = ("optimizer(model)" if gets == "model" else "optimizer(params)")
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g
+                                               for g in groups):
+        raise UserCodeError(
+            f"the optimizer factory returned {type(optimizer).__name__}, not an optimizer: "
+            f"{factory} must return a torch.optim.Optimizer (with param_groups), such as "
+            "torch.optim.AdamW(...)"
+        )
+    held = {id(p) for g in groups for p in g["params"]}
+    names = {id(p): name for name, p in model.named_parameters()}
+    missing = [name for name, p in model.named_parameters()
+               if p.requires_grad and id(p) not in held]
+    if missing:
+        raise UserCodeError(
+            f"the optimizer's param_groups miss {len(missing)} of the model's parameters "
+            f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): they would get "
+            "gradients and never be updated; put every parameter in one group (with "
+            "optimizer_gets='model', from model.named_parameters()), or set "
+            "requires_grad=False on those to freeze them"
+        )
+    if any(i not in names for i in held):
+        raise UserCodeError(
+            "the optimizer holds tensors that are not parameters of the model planaria built: "
+            f"{factory} must take the parameters from what it is given (the model on its "
+            "device, sharded with workers_per_replica > 1), not from a model of its own"
+        )
 
 
 class ReplicaState:
@@ -86,7 +118,9 @@ class ReplicaState:
         if self.shape.k > 1:
             self._shard()
         self.optimizer = run_factory("optimizer", spec.seed, spec.optimizer,
-                                     self.model.parameters())
+                                     self.model if spec.optimizer_gets == "model"
+                                     else self.model.parameters())
+        check_optimizer(self.optimizer, self.model, spec.optimizer_gets)
         self.scheduler = (
             run_factory("lr_scheduler", spec.seed, spec.lr_scheduler, self.optimizer)
             if spec.lr_scheduler
