@@ -67,7 +67,7 @@ class TrainSpec:
     must be in one of its groups."""
     loss: Callable[[Any, Any], Any] | None = None
     """(model, batch) → scalar loss (mean over the batch), or (loss, dict of float metrics).
-    planaria runs its backward. Give this or ``train_step``, not both."""
+    planaria runs its backward. Give this or ``forward_backward``, not both."""
     dataset: Callable[[], Any]
     """Builds the map-style dataset (``__len__`` and ``__getitem__``), the same on every worker:
     it runs with the generators seeded from ``seed``, and workers compare a fingerprint of it."""
@@ -77,15 +77,15 @@ class TrainSpec:
     """Samples per forward/backward. The global batch is global_batch_size / micro_batch_size
     micro-batches; each rank runs whole ones (best balanced when their number is a multiple
     of the width)."""
-    train_step: Callable[[Any, Any, Callable[..., None]], Any] | None = None
+    forward_backward: Callable[[Any, Any, Callable[..., None]], Any] | None = None
     """The alternative to ``loss`` for a micro-batch that needs more than one backward
-    (several losses, a gradient penalty): ``train_step(model, batch, backward)`` runs its
-    forwards and calls ``backward(tensor, retain_graph=False)`` as often as it likes, then
+    (several losses, a gradient penalty): ``forward_backward(model, batch, backward)`` runs
+    its forwards and calls ``backward(tensor, retain_graph=False)`` as often as it likes, then
     returns the loss to log (a float or a scalar tensor; each term a mean over the batch),
     or (loss, dict of float metrics). ``backward`` scales each tensor by the micro-batch's
     share of the global batch (and by fp16's loss scale) before its backward, so the
     reduced gradient stays the global batch's mean; planaria still owns the reduction,
-    clipping, the non-finite check and the update. A ``train_step`` that never calls
+    clipping, the non-finite check and the update. A ``forward_backward`` that never calls
     ``backward`` is an error (``UserCodeError``). Not yet with ``RunConfig(
     overlap_reduction=True)`` (its reduction starts during the one backward) nor with
     ``workers_per_replica > 1``: both are refused when the job starts."""
@@ -131,13 +131,13 @@ class TrainSpec:
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "dataset"):
             check(callable(getattr(self, name)), name, getattr(self, name), "a callable")
-        for name in ("loss", "train_step", "lr_scheduler", "collate", "shard"):
+        for name in ("loss", "forward_backward", "lr_scheduler", "collate", "shard"):
             value = getattr(self, name)
             check(value is None or callable(value), name, value, "a callable or None")
-        check((self.loss is None) != (self.train_step is None), "loss", self.loss,
-              "exactly one of loss=(model, batch) -> loss and train_step=(model, batch, "
-              "backward) -> loss: loss when planaria runs the one backward, train_step when "
-              "your function calls backward itself")
+        check((self.loss is None) != (self.forward_backward is None), "loss", self.loss,
+              "exactly one of loss=(model, batch) -> loss and forward_backward=(model, "
+              "batch, backward) -> loss: loss when planaria runs the one backward, "
+              "forward_backward when your function calls backward itself")
         check(self.optimizer_gets in ("parameters", "model"), "optimizer_gets",
               self.optimizer_gets, "'parameters' (optimizer(model.parameters())) or 'model' "
               "(optimizer(model), for parameter groups by name)")

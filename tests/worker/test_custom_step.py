@@ -1,5 +1,5 @@
-"""A micro-batch step that calls backward itself (``TrainSpec.train_step``) and an optimizer
-built from the model (``optimizer_gets="model"``: parameter groups by name)."""
+"""A micro-batch step that calls backward itself (``TrainSpec.forward_backward``) and an
+optimizer built from the model (``optimizer_gets="model"``: parameter groups by name)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import planaria
 from planaria import ConfigError, RecoveryPolicy, RunConfig, TrainSpec, UserCodeError
 from planaria.control.startup import check_config
 from planaria.examples.mlp import Regression
+from planaria.worker.custom_step import StepBackward
 from planaria.worker.replica_state import check_optimizer
 from planaria.worker.state import flatten_state, load_state
-from planaria.worker.train_step import StepBackward
 from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
 
 # The workers unpickle this module's helpers by value: they cannot import the tests package.
@@ -54,7 +54,7 @@ def two_losses(model: nn.Module, batch, backward):
 def make_spec(**overrides) -> TrainSpec:
     fields = dict(
         model=make_model, optimizer=adamw_with_no_decay_groups, optimizer_gets="model",
-        train_step=two_losses, dataset=lambda: Regression(n=N), global_batch_size=G,
+        forward_backward=two_losses, dataset=lambda: Regression(n=N), global_batch_size=G,
         micro_batch_size=M, grad_clip_norm=1.0, name="custom-step",
     )
     fields.update(overrides)
@@ -63,25 +63,25 @@ def make_spec(**overrides) -> TrainSpec:
 
 # ---- the spec's validation ---------------------------------------------------------------
 
-def test_loss_or_train_step_exactly_one():
+def test_loss_or_forward_backward_exactly_one():
     with pytest.raises(ConfigError, match="exactly one of loss"):
         make_spec(loss=lambda m, b: m(b[0]).mean())
     with pytest.raises(ConfigError, match="exactly one of loss"):
-        make_spec(train_step=None)
-    with pytest.raises(ConfigError, match="train_step"):
-        make_spec(train_step=3)
+        make_spec(forward_backward=None)
+    with pytest.raises(ConfigError, match="forward_backward"):
+        make_spec(forward_backward=3)
     with pytest.raises(ConfigError, match="optimizer_gets"):
         make_spec(optimizer_gets="named_parameters")
-    assert make_spec(train_step=None, loss=lambda m, b: m(b[0]).mean(),
+    assert make_spec(forward_backward=None, loss=lambda m, b: m(b[0]).mean(),
                      optimizer_gets="parameters").optimizer_gets == "parameters"
 
 
-def test_train_step_refused_where_not_supported(tmp_path):
+def test_forward_backward_refused_where_not_supported(tmp_path):
     policy = RecoveryPolicy()
     with pytest.raises(ConfigError, match="overlap_reduction=True is not valid"):
         check_config(make_spec(), RunConfig(steps=1, replicas=1, run_dir=tmp_path,
                                             overlap_reduction=True), policy)
-    with pytest.raises(ConfigError, match=r"spec\.train_step"):
+    with pytest.raises(ConfigError, match=r"spec\.forward_backward"):
         check_config(make_spec(), RunConfig(steps=1, replicas=1, run_dir=tmp_path,
                                             workers_per_replica=2), policy)
 
@@ -120,7 +120,7 @@ def test_param_groups_survive_flatten_and_load():
     assert_same_state(opt.state_dict()["state"], other_opt.state_dict()["state"], atol=0, rtol=0)
 
 
-# ---- the backward a train_step is handed -------------------------------------------------
+# ---- the backward a forward_backward is handed -------------------------------------------
 
 def test_backward_scales_each_call_by_the_share():
     """Two backwards at a share of 1/4: a quarter of the whole loss's gradient."""
@@ -150,11 +150,11 @@ def test_backward_scales_each_call_by_the_share():
         torch.testing.assert_close(got, 0.25 * full)
 
 
-def test_a_train_step_without_backward_is_an_error():
+def test_a_forward_backward_without_backward_is_an_error():
     with pytest.raises(UserCodeError, match="without calling backward"):
         StepBackward().run(lambda m, b, bw: m(b).mean(), make_model(), torch.randn(2, 32),
                            1.0, None, None)
-    with pytest.raises(UserCodeError, match="train_step function raised"):
+    with pytest.raises(UserCodeError, match="forward_backward function raised"):
         StepBackward().run(lambda m, b, bw: bw(None), make_model(), torch.randn(2, 32),
                            1.0, None, None)
 

@@ -68,11 +68,11 @@ def check_config(spec: TrainSpec, config: RunConfig, policy: RecoveryPolicy) -> 
         )
     micro_batches = spec.global_batch_size // spec.micro_batch_size
     _check_sharded(spec, config, micro_batches)
-    if spec.train_step is not None and config.overlap_reduction:
+    if spec.forward_backward is not None and config.overlap_reduction:
         raise ConfigError(
-            "overlap_reduction=True is not valid with spec.train_step: the overlapped "
-            "reduction starts during a micro-batch's one backward, and a train_step may call "
-            "backward several times; use overlap_reduction=False, or TrainSpec(loss=...)"
+            "overlap_reduction=True is not valid with spec.forward_backward: the overlapped "
+            "reduction starts during a micro-batch's one backward, and a forward_backward may "
+            "call backward several times; use overlap_reduction=False, or TrainSpec(loss=...)"
         )
     if config.replicas > micro_batches:
         raise ConfigError(
@@ -174,7 +174,7 @@ def _check_sharded(spec: TrainSpec, config: RunConfig, micro_batches: int) -> No
     unsupported = [
         ("spec.compile", spec.compile),
         ("spec.precision='fp16'", spec.precision == "fp16"),
-        ("spec.train_step", spec.train_step is not None),
+        ("spec.forward_backward", spec.forward_backward is not None),
     ]
     for what, used in unsupported:
         if used:

@@ -27,11 +27,11 @@ from planaria.faults.user_code import user_call
 from planaria.worker.busy import current_thread_ids
 from planaria.worker.collective import Collective
 from planaria.worker.commit import Commits
+from planaria.worker.custom_step import StepBackward
 from planaria.worker.loader import Loaded, SampleLoader, to_device
 from planaria.worker.membership import Membership
 from planaria.worker.replica import replica_failed
 from planaria.worker.replica_state import ReplicaState
-from planaria.worker.train_step import StepBackward
 from planaria.worker.vitals import Vitals
 
 __all__ = ["FaultSeam", "StepEngine"]
@@ -67,7 +67,7 @@ class StepEngine:
         self.sharded = state.shape.k > 1
         self.last_attempt: dict[str, Any] | None = None  # what the last step was served
         self._load_planned = loader.load_planned  # bound once: run while the reduce is in flight
-        self._backward = StepBackward()  # a spec.train_step's backward, armed per micro-batch
+        self._backward = StepBackward()  # spec.forward_backward's, armed per micro-batch
 
     def step(
         self, gen: int, step: int, ids: np.ndarray, steps_done: int,
@@ -129,8 +129,9 @@ class StepEngine:
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.train()
         torch.manual_seed(self.spec.seed)
-        if self.spec.train_step is not None:
-            self._backward.run(self.spec.train_step, self.state.compiled, batch, 1.0, None, None)
+        if self.spec.forward_backward is not None:
+            self._backward.run(self.spec.forward_backward, self.state.compiled, batch, 1.0,
+                               None, None)
         else:
             loss_fn = cast(Callable[..., Any], self.spec.loss)
             out = user_call("the loss function", loss_fn, self.state.compiled, batch)
@@ -188,8 +189,8 @@ class StepEngine:
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
         gbs = self.spec.global_batch_size
-        train_step, backward = self.spec.train_step, self._backward
-        loss_fn = cast(Callable[..., Any], self.spec.loss)  # set when train_step is not
+        forward_backward, backward = self.spec.forward_backward, self._backward
+        loss_fn = cast(Callable[..., Any], self.spec.loss)  # set when forward_backward is not
         autocast_device = None if self.spec.precision is None else state.device.type
         last = len(loaded.batches) - 1
         # A sharded replica's workers run as many forwards as each other (FSDP's
@@ -209,9 +210,9 @@ class StepEngine:
             # The micro-batch's own random stream: the same at any width, on any rank.
             seed_torch(micro_batch_seed(self.spec.seed, step, first + j))
             try:
-                if train_step is not None:  # the user's step calls backward itself
+                if forward_backward is not None:  # the user's step calls backward itself
                     with self._autocast():
-                        loss, metrics = backward.run(train_step, state.compiled, batch,
+                        loss, metrics = backward.run(forward_backward, state.compiled, batch,
                                                      n / gbs, state.scaler, autocast_device)
                 else:
                     with self._autocast():

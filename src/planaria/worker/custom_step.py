@@ -1,5 +1,5 @@
-"""A user's micro-batch step (``TrainSpec.train_step``): its forwards and its calls to
-``backward``, planaria's backward doing the scaling.
+"""A user's micro-batch step (``TrainSpec.forward_backward``): its forwards and its calls
+to ``backward``, planaria's backward doing the scaling.
 
 Each tensor handed to :class:`StepBackward` is scaled by the micro-batch's share of the
 global batch (``n / global_batch``) and by fp16's loss scale before its backward, as
@@ -21,7 +21,7 @@ __all__ = ["StepBackward"]
 
 
 class StepBackward:
-    """The ``backward(tensor, retain_graph=False)`` a ``train_step`` is handed; one per
+    """The ``backward(tensor, retain_graph=False)`` a ``forward_backward`` is handed; one per
     worker, armed again before each micro-batch (:meth:`run`)."""
 
     __slots__ = ("calls", "device_type", "scaler", "share")
@@ -43,20 +43,20 @@ class StepBackward:
                 scaled.backward(retain_graph=retain_graph)
         self.calls += 1
 
-    def run(self, train_step: Callable[..., Any], model: Any, batch: Any, share: float,
-            scaler: torch.amp.GradScaler | None, autocast_device: str | None
+    def run(self, forward_backward: Callable[..., Any], model: Any, batch: Any,
+            share: float, scaler: torch.amp.GradScaler | None, autocast_device: str | None
             ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """``train_step(model, batch, self)``: its loss (a detached tensor) and metrics.
+        """``forward_backward(model, batch, self)``: its loss (a detached tensor) and metrics.
 
         ``share`` is the micro-batch's share of the global batch; ``autocast_device`` the
         device type the forwards are autocast on (None: full precision)."""
         self.share, self.scaler, self.device_type, self.calls = (
             share, scaler, autocast_device, 0)
-        out = user_call("the train_step function", train_step, model, batch, self)
+        out = user_call("the forward_backward function", forward_backward, model, batch, self)
         if self.calls == 0:
             raise UserCodeError(
-                "the train_step function returned without calling backward: it must call "
-                "the backward(tensor) it is handed (its third argument) at least once, "
+                "the forward_backward function returned without calling backward: it must "
+                "call the backward(tensor) it is handed (its third argument) at least once, "
                 "or no gradient is computed; to have planaria run the backward of one "
                 "loss, give TrainSpec(loss=...) instead")
         loss, metrics = out if isinstance(out, tuple) else (out, {})
@@ -65,7 +65,7 @@ class StepBackward:
                 loss = torch.tensor(float(loss))
             except (TypeError, ValueError) as err:
                 raise UserCodeError(
-                    f"the train_step function returned {type(loss).__name__} as its loss: "
-                    "return the loss to log (a float or a scalar tensor), or (loss, "
+                    f"the forward_backward function returned {type(loss).__name__} as its "
+                    "loss: return the loss to log (a float or a scalar tensor), or (loss, "
                     "metrics)") from err
         return loss.detach(), metrics
