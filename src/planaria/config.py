@@ -86,9 +86,11 @@ class TrainSpec:
     share of the global batch (and by fp16's loss scale) before its backward, so the
     reduced gradient stays the global batch's mean; planaria still owns the reduction,
     clipping, the non-finite check and the update. A ``forward_backward`` that never calls
-    ``backward`` is an error (``UserCodeError``). Not yet with ``RunConfig(
-    overlap_reduction=True)`` (its reduction starts during the one backward) nor with
-    ``workers_per_replica > 1``: both are refused when the job starts."""
+    ``backward`` is an error (``UserCodeError``). Not with ``RunConfig(overlap_reduction=
+    True)``, whose reduction starts during the one backward (refused when the job starts).
+    With ``workers_per_replica > 1`` (FSDP2 frees a forward's gathered parameters after its
+    backward) each backward needs a forward of its own: no ``retain_graph``, no
+    ``torch.autograd.grad(..., create_graph=True)`` (a gradient penalty) there."""
     lr_scheduler: Callable[[Any], Any] | None = None
     """Builds the LR scheduler from the optimizer; stepped once per committed step."""
     collate: Callable[[list[Any]], Any] | None = None

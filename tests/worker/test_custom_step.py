@@ -39,13 +39,24 @@ def adamw_with_no_decay_groups(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def two_losses(model: nn.Module, batch, backward):
-    """A main loss, then a gradient penalty on the inputs from a second, noisy forward (the
-    noise from the micro-batch's seeded stream): two backwards."""
+    """A main loss, then a penalty on the outputs of a second forward, of noisy inputs (the
+    noise from the micro-batch's seeded stream): two forwards, two backwards."""
     x, y = batch
     main = nn.functional.mse_loss(model(x), y)
     backward(main)
-    noisy = (x + 0.1 * torch.randn_like(x)).requires_grad_(True)
-    (grad,) = torch.autograd.grad(model(noisy).sum(), noisy, create_graph=True)
+    penalty = model(x + 0.1 * torch.randn_like(x)).pow(2).mean()
+    backward(0.1 * penalty)
+    return main, {"penalty": float(penalty.detach())}
+
+
+def gradient_penalty(model: nn.Module, batch, backward):
+    """A main loss, then a penalty on the gradient of the outputs by the inputs (a second
+    backward through the graph of that gradient)."""
+    x, y = batch
+    main = nn.functional.mse_loss(model(x), y)
+    backward(main)
+    x = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
     penalty = grad.pow(2).sum(dim=1).mean()
     backward(0.01 * penalty)
     return main, {"penalty": float(penalty.detach())}
@@ -76,14 +87,11 @@ def test_loss_or_forward_backward_exactly_one():
                      optimizer_gets="parameters").optimizer_gets == "parameters"
 
 
-def test_forward_backward_refused_where_not_supported(tmp_path):
+def test_forward_backward_refused_with_overlap_reduction(tmp_path):
     policy = RecoveryPolicy()
     with pytest.raises(ConfigError, match="overlap_reduction=True is not valid"):
         check_config(make_spec(), RunConfig(steps=1, replicas=1, run_dir=tmp_path,
                                             overlap_reduction=True), policy)
-    with pytest.raises(ConfigError, match=r"spec\.forward_backward"):
-        check_config(make_spec(), RunConfig(steps=1, replicas=1, run_dir=tmp_path,
-                                            workers_per_replica=2), policy)
 
 
 # ---- the optimizer given the model -------------------------------------------------------
@@ -122,7 +130,8 @@ def test_param_groups_survive_flatten_and_load():
 
 # ---- the backward a forward_backward is handed -------------------------------------------
 
-def test_backward_scales_each_call_by_the_share():
+@pytest.mark.parametrize("forward_backward", [two_losses, gradient_penalty])
+def test_backward_scales_each_call_by_the_share(forward_backward):
     """Two backwards at a share of 1/4: a quarter of the whole loss's gradient."""
     torch.manual_seed(0)
     model, x, y = make_model(), torch.randn(8, 32), torch.randn(8, 1)
@@ -138,10 +147,10 @@ def test_backward_scales_each_call_by_the_share():
 
     def run_quarter() -> None:
         nonlocal loss, metrics
-        loss, metrics = backward.run(two_losses, model, (x, y), 0.25, None, None)
+        loss, metrics = backward.run(forward_backward, model, (x, y), 0.25, None, None)
 
     def whole() -> None:
-        two_losses(model, (x, y), lambda t: t.backward())
+        forward_backward(model, (x, y), lambda t: t.backward())
 
     quarter = grads_of(run_quarter)
     assert backward.calls == 2 and set(metrics or {}) == {"penalty"}
@@ -157,6 +166,9 @@ def test_a_forward_backward_without_backward_is_an_error():
     with pytest.raises(UserCodeError, match="forward_backward function raised"):
         StepBackward().run(lambda m, b, bw: bw(None), make_model(), torch.randn(2, 32),
                            1.0, None, None)
+    with pytest.raises(UserCodeError, match="in a sharded replica: FSDP2 frees"):
+        StepBackward(sharded=True).run(lambda m, b, bw: bw(None), make_model(),
+                                       torch.randn(2, 32), 1.0, None, None)
 
 
 def test_a_float_loss_and_autocast():
@@ -231,3 +243,26 @@ def test_a_compiled_model_with_two_backwards():
         StepBackward().run(step, model, (x, y), 0.5, None, None)
     for a, b in zip(eager.parameters(), compiled_copy.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_equal_in_sharded_replicas(tmp_path, width_one):
+    """Two replicas of two workers (FSDP2 inside): a forward for each backward."""
+    sharded = planaria.fit(make_spec(), steps=STEPS, replicas=2, workers_per_replica=2,
+                           run_dir=tmp_path)
+    assert_same_state(width_one.state_dict, sharded.state_dict)
+
+
+def test_fp16s_loss_scale_is_applied_to_each_backward():
+    torch.manual_seed(0)
+    model, x, y = make_model(), torch.randn(8, 32), torch.randn(8, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    torch.manual_seed(1)
+    StepBackward().run(two_losses, model, (x, y), 0.5, scaler, None)
+    scaled = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.manual_seed(1)
+    two_losses(model, (x, y), lambda t: t.backward())
+    for got, full in zip(scaled, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, 4.0 * full)

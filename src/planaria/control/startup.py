@@ -174,7 +174,6 @@ def _check_sharded(spec: TrainSpec, config: RunConfig, micro_batches: int) -> No
     unsupported = [
         ("spec.compile", spec.compile),
         ("spec.precision='fp16'", spec.precision == "fp16"),
-        ("spec.forward_backward", spec.forward_backward is not None),
     ]
     for what, used in unsupported:
         if used:

@@ -24,9 +24,15 @@ class StepBackward:
     """The ``backward(tensor, retain_graph=False)`` a ``forward_backward`` is handed; one per
     worker, armed again before each micro-batch (:meth:`run`)."""
 
-    __slots__ = ("calls", "device_type", "scaler", "share")
+    __slots__ = ("calls", "device_type", "scaler", "share", "what")
 
-    def __init__(self) -> None:
+    def __init__(self, *, sharded: bool = False) -> None:
+        # What an error raised in the user's function is said to come from.
+        self.what = "the forward_backward function" + (
+            " (in a sharded replica: FSDP2 frees a forward's gathered parameters after its "
+            "backward, so each backward needs a forward of its own, without retain_graph or "
+            "autograd.grad(create_graph=True); with those, use workers_per_replica=1)"
+            if sharded else "")
         self.share = 0.0
         self.scaler: torch.amp.GradScaler | None = None
         self.device_type: str | None = None
@@ -52,7 +58,7 @@ class StepBackward:
         device type the forwards are autocast on (None: full precision)."""
         self.share, self.scaler, self.device_type, self.calls = (
             share, scaler, autocast_device, 0)
-        out = user_call("the forward_backward function", forward_backward, model, batch, self)
+        out = user_call(self.what, forward_backward, model, batch, self)
         if self.calls == 0:
             raise UserCodeError(
                 "the forward_backward function returned without calling backward: it must "

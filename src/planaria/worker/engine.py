@@ -67,7 +67,7 @@ class StepEngine:
         self.sharded = state.shape.k > 1
         self.last_attempt: dict[str, Any] | None = None  # what the last step was served
         self._load_planned = loader.load_planned  # bound once: run while the reduce is in flight
-        self._backward = StepBackward()  # spec.forward_backward's, armed per micro-batch
+        self._backward = StepBackward(sharded=self.sharded)  # armed per micro-batch
 
     def step(
         self, gen: int, step: int, ids: np.ndarray, steps_done: int,
