@@ -266,3 +266,12 @@ def test_fp16s_loss_scale_is_applied_to_each_backward():
     two_losses(model, (x, y), lambda t: t.backward())
     for got, full in zip(scaled, (p.grad for p in model.parameters()), strict=True):
         torch.testing.assert_close(got, 4.0 * full)
+
+
+@pytest.mark.extended
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_equal_with_a_compiled_model(tmp_path, width_one):
+    """The workers compile the model (warmed up through forward_backward) and train as eager."""
+    compiled = planaria.fit(make_spec(compile=True), steps=STEPS, replicas=2, run_dir=tmp_path)
+    assert_same_state(width_one.state_dict, compiled.state_dict)
