@@ -106,12 +106,12 @@ class FakeFaults:
 
 
 class FakeHost:
-    """The job, faked: ``answer(ref)`` gives each gathered call's answer (a dict); the calls
+    """The job, faked: ``answer(ref)`` gives each gathered call's answer (its report); the calls
     gathered are kept in ``gathered`` and the hooks called in ``hooks``."""
 
     def __init__(self, run_dir: Path | str, names: tuple[str, ...] = (), *,
                  nodes: tuple[str, ...] | None = None, workers_per_replica: int = 1,
-                 answer: Callable[[FakeRef], dict[str, Any]] | None = None) -> None:
+                 answer: Callable[[FakeRef], Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.gen = 0
         self.members: list[FakeMember] = [

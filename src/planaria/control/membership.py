@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from planaria.control.protocols import Gather
     from planaria.control.watchdog import StepDeadline
     from planaria.observe.events import EventLog
+    from planaria.wire.reports import Joined
+    from planaria.wire.state_reports import StateMeta
 
 __all__ = ["Membership"]
 
@@ -114,14 +116,15 @@ class Membership:
             )
             for rank, h in enumerate(members)
         }
-        results = self.calls.gather(refs, deadline_s=self.config.join_timeout_s + 5, step=None)
+        results: dict[str, Joined] = self.calls.gather(
+            refs, deadline_s=self.config.join_timeout_s + 5, step=None)
         self.commit_log.ledger_dropped(results)
         for h in members:
-            behind = results[h.name]["steps_done"] != steps_done
+            behind = results[h.name].steps_done != steps_done
             # A restore overwrites every member's state: fresh replacements may be behind.
             if h.has_state and reason != "restore" and behind:
                 raise InternalError(
-                    f"{h.name} has {results[h.name]['steps_done']} steps, the job "
+                    f"{h.name} has {results[h.name].steps_done} steps, the job "
                     f"{steps_done}: its state is not the job's",
                     workers=(h.name,),
                 )
@@ -144,7 +147,7 @@ class Membership:
             raise InternalError("no member holds the state to send to the joiners")
         src = self.members[src_rank]
         t0 = time.time()
-        source = self.calls.gather(
+        source: StateMeta = self.calls.gather(
             {src.name: src.actor.state_meta.remote(self.gen)}, deadline_s=60, step=None
         )[src.name]
         refs = {src.name: src.actor.send_state.remote(self.gen, joiners)}
@@ -155,7 +158,7 @@ class Membership:
         # A transfer that moves bytes is busy: its deadline grows with them (a 30 GB shard on
         # 1 GbE takes minutes), and past it the workers are judged by their bytes moving.
         nbytes = sum(math.prod(shape) * getattr(torch, dtype).itemsize
-                     for shape, dtype in layouts(source))
+                     for shape, dtype in source.tensors())
         deadline = (self.config.collective_timeout_s
                     + len(joiners) * nbytes / self.config.min_transfer_bytes_per_s)
         sizes = self.calls.gather(refs, deadline_s=deadline, step=None)
@@ -283,11 +286,3 @@ class Membership:
                 "seed anything else from spec.seed, not from the process, host or clock) "
                 "and read the same files on every node"
             )
-
-
-def layouts(source: dict[str, Any]) -> list[tuple[list[int], str]]:
-    """Every tensor's (shape, dtype) in a state description (a sharded replica's: each
-    shard's)."""
-    parts = source.get("shards", [source])
-    return [(list(shape), str(dtype)) for part in parts
-            for shape, dtype in part["layout"].values()]

@@ -4,17 +4,21 @@ A worker builds the report of each call it answers; the controller reads it. A s
 replica's workers each build their own, and the replica's leader merges them into the
 replica's with the report's ``merge`` (the leader's first, then the others' in shard order),
 so the controller reads the same report whatever the number of workers per replica
-(:mod:`planaria.replica`).
+(:mod:`planaria.worker.replica`).
 
 Every report crosses a process boundary by Ray's serialisation: the classes live here, in
-the package both sides import, and hold plain values only (numbers, strings, tuples and
-mappings of them), never tensors or handles.
+the package both sides import, and hold plain values only (numbers, strings, sequences and
+mappings of them), never tensors or handles. Two reports also cross the controller's store
+as JSON, converted here and nowhere else: the step totals rank 0 streams while a run goes
+on (:func:`stream_chunk`) and a rank's served samples written to the run's ledger key
+before each step's collective (:func:`served_line`).
 """
 
 from __future__ import annotations
 
+import json
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -27,13 +31,25 @@ __all__ = [
     "Served",
     "Settled",
     "StepRecord",
+    "StepTotals",
     "merge_checksums",
+    "merge_records",
+    "merge_sum",
+    "read_served_lines",
+    "read_stream_chunk",
+    "served_line",
+    "stream_chunk",
 ]
 
 
 def merge_checksums(mine: int, theirs: Sequence[int]) -> int:
     """One checksum for a replica: its shards' checksums, in shard order."""
     return zlib.crc32(b"".join(int(c).to_bytes(8, "little") for c in [mine, *theirs]))
+
+
+def merge_sum(mine: int, theirs: Sequence[int]) -> int:
+    """A replica's count (of bytes sent, received): its workers' summed."""
+    return mine + sum(theirs)
 
 
 def _sums(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -47,10 +63,10 @@ def _sums(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Served:
     """What one rank's dataset served for a step: the ids ``dataset[i]`` was called with, in
-    order, and their content digests (``None`` where a part of the replica kept none)."""
+    order, and their content digests (None when digests are not recorded)."""
 
-    ids: tuple[int, ...]
-    digests: tuple[int, ...] | None
+    ids: Sequence[int]
+    digests: Sequence[int] | None
 
     @staticmethod
     def merge(parts: Sequence[Served]) -> Served:
@@ -63,10 +79,28 @@ class Served:
         )
 
 
+def served_line(step: int, worker: str, served: Served) -> str:
+    """``served`` as one line of a run's ledger key (JSON, see :func:`read_served_lines`)."""
+    digests = None if served.digests is None else [int(d) for d in served.digests]
+    return json.dumps({"step": step, "worker": worker, "ids": [int(i) for i in served.ids],
+                       "digests": digests}) + "\n"
+
+
+def read_served_lines(text: str) -> Iterator[tuple[int, str, Served]]:
+    """``(step, worker, served)`` of each line :func:`served_line` wrote."""
+    for line in text.splitlines():
+        if line:
+            rec = json.loads(line)
+            digests = rec.get("digests")
+            yield (int(rec["step"]), str(rec["worker"]),
+                   Served(ids=[int(i) for i in rec["ids"]],
+                          digests=None if digests is None else [int(d) for d in digests]))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Attempt:
     """A step attempt's samples on one worker, kept until the step commits: a survivor of a
-    failed step reports it when it joins the next generation (the ledger's ``served``)."""
+    failed step reports it when it joins the next generation (for the ledger)."""
 
     gen: int
     step: int
@@ -74,18 +108,13 @@ class Attempt:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StepRecord:
-    """One rank's record of a step it ran: its own part (``loss_sum``, ``samples``,
-    ``metric_sums``, ``served``) and the step's totals over every rank (``global_*``, known
-    to every rank once the step's reduction completed).
-
-    ``finite`` is False when the loss or the reduced gradient is not finite (the step was
-    not applied: the controller's policy decides); ``overflow`` when a loss scaler's scale
-    was too high (every replica skipped the update alike). ``leaving``: some rank got a
-    preemption notice by this step."""
+class StepTotals:
+    """A step as every rank knows it once its reduction completed: what the controller
+    commits it from. ``finite`` is False when the loss or the reduced gradient is not finite
+    (the step was not applied: the controller's policy decides); ``overflow`` when a loss
+    scaler's scale was too high (every replica skipped the update alike)."""
 
     step: int
-    worker: str
     t0: float
     """When the step started (Unix time)."""
     t: float
@@ -93,15 +122,8 @@ class StepRecord:
     grad_norm: float
     overflow: bool
     finite: bool
-    loss_sum: float
-    samples: int
-    metric_sums: Mapping[str, float]
-    served: Served
     data_wait_s: float
-    compute_s: float
-    reduce_s: float
-    preempting: bool
-    leaving: bool
+    """How long rank 0 waited for its samples."""
     global_loss_sum: float
     global_samples: int
     global_metric_sums: Mapping[str, float]
@@ -112,13 +134,35 @@ class StepRecord:
         n = self.global_samples
         return self.global_loss_sum / n if n else float("nan")
 
-    def streamed(self) -> dict[str, object]:
-        """The fields the leader publishes while its run goes on (JSON)."""
-        return {"step": self.step, "t0": self.t0, "t": self.t,
-                "global_loss_sum": self.global_loss_sum, "global_samples": self.global_samples,
-                "global_metric_sums": dict(self.global_metric_sums),
-                "grad_norm": self.grad_norm, "overflow": self.overflow,
-                "data_wait_s": self.data_wait_s, "finite": self.finite}
+    def to_json(self) -> dict[str, object]:
+        """The totals as JSON (the keys are the fields' names)."""
+        return {"step": self.step, "t0": self.t0, "t": self.t, "grad_norm": self.grad_norm,
+                "overflow": self.overflow, "finite": self.finite,
+                "data_wait_s": self.data_wait_s, "global_loss_sum": self.global_loss_sum,
+                "global_samples": self.global_samples,
+                "global_metric_sums": dict(self.global_metric_sums)}
+
+
+def stream_chunk(records: Sequence[StepTotals]) -> str:
+    """A chunk of the steps rank 0 streams while its run goes on: their totals, as JSON."""
+    return json.dumps([r.to_json() for r in records])
+
+
+def read_stream_chunk(raw: str | bytes) -> list[StepTotals]:
+    """The totals of a chunk :func:`stream_chunk` wrote."""
+    return [StepTotals(**rec) for rec in json.loads(raw)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepRecord(StepTotals):
+    """One rank's record of a step it ran: the step's totals, known to every rank, and this
+    rank's own part: what it was served, its own metric sums, and its timings (the time
+    it waited for its samples is ``data_wait_s``)."""
+
+    served: Served
+    metric_sums: Mapping[str, float]
+    compute_s: float
+    reduce_s: float
 
     def with_parts(self, parts: Sequence[StepRecord]) -> StepRecord:
         """This record (the leader's) with the replica's other workers' records of the same
@@ -146,9 +190,9 @@ class RunReport:
     """How a run of steps ended (``Worker.run``): ``until`` (it reached its end), ``stop``
     (the controller asked), ``leaving`` (a preemption notice), ``nonfinite``. ``steps``: the
     records of the steps it ran (rank 0 returns all; other ranks their last, or all with a
-    ledger)."""
+    ledger); ``preempting``: this worker got a preemption notice."""
 
-    steps: tuple[StepRecord, ...]
+    steps: Sequence[StepRecord]
     ended: RunEnd
     steps_done: int
     preempting: bool
@@ -164,7 +208,7 @@ class Settled:
     of the steps it applied in that run."""
 
     steps_done: int
-    steps: tuple[StepRecord, ...]
+    steps: Sequence[StepRecord]
 
     def merge(self, theirs: Sequence[Settled]) -> Settled:
         return replace(self, steps=merge_records(self.steps, [t.steps for t in theirs]))
@@ -188,13 +232,10 @@ class Joined:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Hold:
     """A worker held at a step boundary for a save beside a run (``ckpt_freeze``,
-    ``ckpt_advance``): its steps done, and whether its pending step's reduction completed."""
+    ``ckpt_advance``): its steps done."""
 
     steps_done: int
-    reduced: bool
 
     def merge(self, theirs: Sequence[Hold]) -> Hold:
         """A replica is as far as its least advanced worker."""
-        parts = [self, *theirs]
-        return Hold(steps_done=min(p.steps_done for p in parts),
-                    reduced=all(p.reduced for p in parts))
+        return Hold(steps_done=min([self.steps_done, *(t.steps_done for t in theirs)]))
