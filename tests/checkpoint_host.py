@@ -51,7 +51,7 @@ class FakeActor:
 class FakeMember:
     name: str
     actor: Any = None
-    info: dict[str, Any] = field(default_factory=dict)
+    node: str | None = None
     has_state: bool = True
 
 
@@ -115,7 +115,7 @@ class FakeHost:
         self.run_dir = Path(run_dir)
         self.gen = 0
         self.members: list[FakeMember] = [
-            FakeMember(n, FakeActor(n), {"node": nodes[i] if nodes else "node-0"})
+            FakeMember(n, FakeActor(n), nodes[i] if nodes else "node-0")
             for i, n in enumerate(names)]
         self.config = FakeLayout(workers_per_replica)
         self.steps_done = 0

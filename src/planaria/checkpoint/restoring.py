@@ -86,7 +86,7 @@ class RestorePath:
             return self.config.restore_strategy
         if not self.root.local:
             return "share"
-        nodes = {h.info.get("node") for h in self.host.members}
+        nodes = {h.node for h in self.host.members}
         return "read_all" if len(nodes) <= 1 else "share"
 
     def lost_steps_base(self, reason: str) -> int:

@@ -271,13 +271,14 @@ class Membership:
 
     def check_same_init(self, handles: list[WorkerHandle]) -> None:
         """The workers built the same initial parameters and the same dataset, or this raises."""
-        sums = {h.name: h.info["checksum"] for h in handles}
+        setups = {h.name: h.info for h in handles if h.info is not None}
+        sums = {name: s.checksum for name, s in setups.items()}
         if len(set(sums.values())) > 1:
             raise ElasticRuntimeError(
                 f"replicas built different initial parameters {sums}: make the model factory "
                 "deterministic (it runs with torch seeded from spec.seed)"
             )
-        problem = describe_mismatch({h.name: h.info["data_fingerprint"] for h in handles})
+        problem = describe_mismatch({name: s.data_fingerprint for name, s in setups.items()})
         if problem is not None:
             self.log.emit("data_mismatch", workers=[h.name for h in handles], reason=problem)
             raise DataMismatch(

@@ -1,5 +1,6 @@
-"""What the workers answer the controller's calls about a replica's state: its description
-for a joiner (``state_meta``) and its checkpoints (``ckpt_*``). One frozen dataclass per
+"""What the workers answer the controller's calls about a replica's state: its setup
+(``setup``), its description for a joiner (``state_meta``) and its checkpoints
+(``ckpt_*``). One frozen dataclass per
 report, merged across a sharded replica's workers as :mod:`planaria.wire.reports`' are
 (the leader's first, then the others' in shard order); plain values only.
 """
@@ -9,8 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from planaria.wire.reports import merge_checksums
+
 __all__ = [
     "RestoreRead",
+    "Setup",
     "ShardWritten",
     "Snapshot",
     "StateMeta",
@@ -20,6 +24,36 @@ __all__ = [
 
 Layout = Mapping[str, tuple[Sequence[int], str]]
 """Tensor name → (shape, dtype name without ``torch.``): enough to allocate its buffer."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Setup:
+    """A worker built (``Worker.setup``): where it runs, what it built (the parameters'
+    checksum and bytes, the dataset's size and fingerprint, the global generators its
+    ``dataset[i]`` draws from) and the timings of its start. A sharded replica's: the
+    leader's, with every shard's checksum and bytes, and its other workers' pids."""
+
+    pid: int
+    node: str
+    """The host's name."""
+    ray_node: str | None
+    """Ray's node id (None outside a Ray worker)."""
+    init_t: float
+    """When the process was up and had imported planaria (Unix time)."""
+    start: Mapping[str, float]
+    """How long each part of the setup took (``build_s``, ``data_s``, ``compile_s``,
+    ``setup_s``), and ``forked``: whether the process was forked from a warm one."""
+    checksum: int
+    param_bytes: int
+    num_samples: int
+    data_fingerprint: Mapping[str, object]
+    dataset_draws: Sequence[str]
+    follower_pids: Sequence[int] = ()
+
+    def merge(self, theirs: Sequence[Setup]) -> Setup:
+        return replace(self, checksum=merge_checksums(self.checksum, [t.checksum for t in theirs]),
+                       param_bytes=self.param_bytes + sum(t.param_bytes for t in theirs),
+                       follower_pids=tuple(t.pid for t in theirs))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -17,6 +17,10 @@ over the parts that do the work:
 - :class:`~planaria.worker.ckpt_save.CheckpointSaver` and
   :class:`~planaria.worker.ckpt_restore.CheckpointRestorer`: checkpoints.
 
+Each remote method answers a report of :mod:`planaria.wire.reports` or
+:mod:`planaria.wire.state_reports` (a frozen dataclass, or a count), which a sharded
+replica's leader merges with its other workers' (:func:`~planaria.worker.replica.fans_out`).
+
 Tests inject faults through ``loop_fault`` (see :class:`planaria.worker.engine.FaultSeam`).
 """
 
@@ -42,6 +46,7 @@ from planaria.wire import store_keys
 from planaria.wire.reports import Hold, Joined, RunReport, Settled, merge_checksums, merge_sum
 from planaria.wire.state_reports import (
     RestoreRead,
+    Setup,
     ShardWritten,
     Snapshot,
     StateMeta,
@@ -49,7 +54,7 @@ from planaria.wire.state_reports import (
     merge_written,
 )
 from planaria.worker import compile_cache as compile_cache_mod
-from planaria.worker import forkserver, process, replica
+from planaria.worker import forkserver, process
 from planaria.worker.ckpt_restore import CheckpointRestorer
 from planaria.worker.ckpt_save import CheckpointSaver, SaveOptions, probe_storage
 from planaria.worker.collective import connect_store
@@ -178,10 +183,10 @@ class Worker:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    @fans_out(replica.merge_setup)
+    @fans_out(Setup.merge)
     def setup(
         self, *, prebuild_optimizer_state: bool = False, compile_cache: bytes | None = None
-    ) -> dict[str, Any]:
+    ) -> Setup:
         """Builds model, optimizer, scheduler and dataset from the spec's factories.
 
         A replacement (``prebuild_optimizer_state``) also materialises its
@@ -206,20 +211,15 @@ class Worker:
         if prebuild_optimizer_state:
             self.commits.prebuild_optimizer_state()
         self.vitals.phase = "idle"
-        return {
-            "pid": os.getpid(),
-            "node": socket.gethostname(),
-            "ray_node": self.ray_node,
-            "checksum": self.state.checksum(),
-            "num_samples": num_samples,
-            "data_fingerprint": fingerprint,
-            "dataset_draws": sorted(self.loader.global_draws),
-            "param_bytes": self.state.nbytes(),
-            "threads": torch.get_num_threads(),
-            "init_t": self.init_t,
-            "start": {"build_s": t1 - t0, "data_s": t2 - t1, "compile_s": t3 - t2,
-                      "setup_s": time.time() - t0, "forked": forkserver.forked()},
-        }
+        return Setup(
+            pid=os.getpid(), node=socket.gethostname(), ray_node=self.ray_node,
+            init_t=self.init_t,
+            start={"build_s": t1 - t0, "data_s": t2 - t1, "compile_s": t3 - t2,
+                   "setup_s": time.time() - t0, "forked": forkserver.forked()},
+            checksum=self.state.checksum(), param_bytes=self.state.nbytes(),
+            num_samples=num_samples, data_fingerprint=fingerprint,
+            dataset_draws=sorted(self.loader.global_draws),
+        )
 
     def compile_cache(self) -> bytes | None:
         """This worker's compile cache, packed (None without ``spec.compile``)."""

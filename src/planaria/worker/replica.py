@@ -36,7 +36,6 @@ from planaria.faults.errors import (
     is_death,
 )
 from planaria.wire import store_keys
-from planaria.wire.reports import merge_checksums
 
 __all__ = ["FOLLOWER_SETTLE_S", "fans_out", "lane", "replica_failed"]
 
@@ -151,12 +150,3 @@ def _raise_replica_error(worker: Any, refs: list[Any], err: BaseException) -> No
         except Exception as other:
             if is_death(other):
                 raise _dead(worker, i, other) from err
-
-
-# ---- merging the workers' answers -----------------------------------------------------------
-
-
-def merge_setup(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {**mine, "checksum": merge_checksums(mine["checksum"], [t["checksum"] for t in theirs]),
-            "param_bytes": mine["param_bytes"] + sum(t["param_bytes"] for t in theirs),
-            "follower_pids": [t["pid"] for t in theirs]}
