@@ -72,6 +72,13 @@ import torch.distributed as dist  # noqa: E402
 
 from bench import common  # noqa: E402
 from planaria.wire import store_keys  # noqa: E402
+from planaria.wire.reports import (  # noqa: E402
+    RunReport,
+    Served,
+    StepRecord,
+    StepTotals,
+    read_stream_chunk,
+)
 
 
 @ray.remote(num_cpus=0)
@@ -135,7 +142,7 @@ class ProtocolWorker:
                 "compute_s": 0.0, "reduce_s": 0.0, "preempting": False}
 
     def run(self, gen: int, run_id: int, start: int, until: int, *, rank: int, step_s: float,
-            ids: Any) -> dict[str, Any]:
+            ids: Any) -> RunReport:
         """The autonomous loop's call: ``until - start`` steps of ``step_s`` each, records of
         the real loop's shape (rank 0 returns every one, the others their last)."""
         from planaria.worker.run_loop import STOP_POLL_S, STREAM_S, StepStream
@@ -146,20 +153,20 @@ class ProtocolWorker:
         # real one does; the records are the same.
         first = time.time()
 
-        def record(step: int) -> dict[str, Any]:
+        served = Served(ids=[int(i) for i in ids], digests=None)
+
+        def record(step: int) -> StepRecord:
             t0 = first + (step - start) * step_s
-            return {"grad_norm": 1.0, "overflow": False, "loss_sum": 0.5, "n": len(ids),
-                    "metric_sums": {}, "ids": ids, "digests": None, "data_wait_s": 0.0,
-                    "compute_s": step_s, "reduce_s": 0.0, "preempting": False,
-                    "step": step, "t0": t0, "t": t0 + step_s, "worker": f"w{rank}",
-                    "global_loss_sum": 32.0, "global_samples": 64, "leaving": False,
-                    "finite": True, "global_metric_sums": {}}
+            return StepRecord(step=step, t0=t0, t=t0 + step_s, grad_norm=1.0, overflow=False,
+                              finite=True, data_wait_s=0.0, global_loss_sum=32.0,
+                              global_samples=64, global_metric_sums={}, served=served,
+                              metric_sums={}, compute_s=step_s, reduce_s=0.0)
 
         key = store_keys.run_stop(gen, run_id)
         if rank == 0:
             self._keys.watch(key, STOP_POLL_S)
         self.phase, self.progress = "compute", self.progress + 1
-        records: list[dict[str, Any]] = []
+        records: list[StepRecord] = []
         stream = StepStream(self._store, gen, run_id) if rank == 0 else None
         end = first + step_s * (until - start)
         self._run_t = (first, end, step_s)
@@ -175,8 +182,8 @@ class ProtocolWorker:
         self._run_t = None
         records += [record(s) for s in range(start + len(records), until)]
         self.phase, self.step_no = "idle", until
-        return {"steps": records if rank == 0 else records[-1:], "ended": "until",
-                "steps_done": until, "preempting": False}
+        return RunReport(steps=records if rank == 0 else records[-1:], ended="until",
+                         steps_done=until, preempting=False)
 
 
 def _gather(refs: list[Any]) -> list[Any]:
@@ -227,11 +234,10 @@ def autonomous_runs(workers: list[Any], store: Any, repeats: int, short: int, lo
     log = EventLog(log_dir / f"events_{n}.jsonl")
     liveness = Liveness(store, timeout_s=3.0)
 
-    def record(rec: dict[str, Any]) -> None:  # Job.record_step's event-log line
-        log.emit("step_committed", t=rec["t"], step=rec["step"], gen=0, width=n,
-                 duration_s=rec["t"] - rec["t0"],
-                 loss=rec["global_loss_sum"] / rec["global_samples"],
-                 samples=rec["global_samples"], data_wait_s=0.0, metrics={})
+    def record(rec: StepTotals) -> None:  # Job.record_step's event-log line
+        log.emit("step_committed", t=rec.t, step=rec.step, gen=0, width=n,
+                 duration_s=rec.t - rec.t0, loss=rec.loss, samples=rec.global_samples,
+                 data_wait_s=0.0, metrics={})
 
     cpu: dict[int, list[float]] = {short: [], long: []}
     start = 0
@@ -243,8 +249,8 @@ def autonomous_runs(workers: list[Any], store: Any, repeats: int, short: int, lo
                              ids=parts[r])
                 for r, w in enumerate(workers)]
         results = _gather_polling(refs, names, stream.poll, liveness)
-        for rec in results[0]["steps"]:
-            if rec["step"] >= stream.recorded:
+        for rec in results[0].steps:
+            if rec.step >= stream.recorded:
                 record(rec)
         for chunk in range(stream.chunks):  # RunAhead._clear
             store.delete_key(store_keys.run_stream(0, run_id, chunk))
@@ -281,10 +287,10 @@ class _StreamReader:
         while self.chunks < count:
             raw = self.store.get(store_keys.run_stream(0, self.run_id, self.chunks))
             self.chunks += 1
-            for rec in json.loads(raw):
-                if rec["step"] >= self.recorded:
+            for rec in read_stream_chunk(raw):
+                if rec.step >= self.recorded:
                     self.record(rec)
-                    self.recorded = rec["step"] + 1
+                    self.recorded = rec.step + 1
 
 
 def _gather_polling(refs: list[Any], names: list[str], poll: Any, liveness: Any) -> list[Any]:

@@ -23,6 +23,7 @@ Every function starts (and shuts down) its own local Ray, so runs are independen
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -40,6 +41,7 @@ if str(_REPO) not in sys.path:
 
 from bench import common  # noqa: E402
 from bench.kill_harness import JsonlTail, KillHarness, Victim, step_period_s  # noqa: E402
+from planaria.wire.reports import RunReport  # noqa: E402
 from planaria.worker import Worker  # noqa: E402
 
 __all__ = [
@@ -82,13 +84,25 @@ def make_spec(size: str = "small", micro_batch_size: int = common.MICRO_BATCH) -
     )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TimedRunReport(RunReport):
+    """A run's report with the bench timings of :class:`TimedWorker` (the controller reads
+    it as the run's report)."""
+
+    apply_s: float
+    """The run's settles (the update applied)."""
+    call_s: float
+    """The whole call, worker side."""
+
+
 class TimedWorker(Worker):
     """planaria's worker with the bench timings (module level: Ray imports it by name).
 
     A worker applies a step's update (Adam) when it settles the step, once the step's
     reduction completed, outside the step's own timers; this adds ``apply_s`` (the run's
-    settles) and ``call_s`` (the whole call, worker side) to the run's result. Two
-    ``perf_counter`` calls per settle and per run: nothing else changes.
+    settles) and ``call_s`` (the whole call, worker side) to the run's report
+    (:class:`TimedRunReport`). Two ``perf_counter`` calls per settle and per run: nothing
+    else changes.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -103,13 +117,13 @@ class TimedWorker(Worker):
 
         self.commits.settle = timed  # type: ignore[method-assign]
 
-    def run(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def run(self, *args: Any, **kwargs: Any) -> TimedRunReport:
         t0 = time.perf_counter()
         self._bench_settle_s = 0.0
         out = super().run(*args, **kwargs)
-        out["apply_s"] = self._bench_settle_s
-        out["call_s"] = time.perf_counter() - t0
-        return out
+        return TimedRunReport(
+            **{f.name: getattr(out, f.name) for f in dataclasses.fields(RunReport)},
+            apply_s=self._bench_settle_s, call_s=time.perf_counter() - t0)
 
 
 @contextlib.contextmanager
@@ -151,11 +165,11 @@ def _timed_job_class() -> type:
         def _note_times(self, results: dict[str, Any], gather_s: float) -> None:
             times = {}
             for name, r in results.items():
-                if isinstance(r, dict) and "call_s" in r and len(r.get("steps") or ()) == 1:
-                    rec = r["steps"][0]
-                    times[name] = {**{k: float(rec[k]) for k in _TIMES},
-                                   "apply_s": r["apply_s"], "call_s": r["call_s"],
-                                   "gather_s": gather_s, "step": rec["step"]}
+                if isinstance(r, TimedRunReport) and len(r.steps) == 1:
+                    rec = r.steps[0]
+                    times[name] = {**{k: float(getattr(rec, k)) for k in _TIMES},
+                                   "apply_s": r.apply_s, "call_s": r.call_s,
+                                   "gather_s": gather_s, "step": rec.step}
             if times:
                 step_of = next(iter(times.values()))["step"]
                 self.__dict__.setdefault("worker_times", {})[step_of] = times

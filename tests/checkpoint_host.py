@@ -51,7 +51,7 @@ class FakeActor:
 class FakeMember:
     name: str
     actor: Any = None
-    info: dict[str, Any] = field(default_factory=dict)
+    node: str | None = None
     has_state: bool = True
 
 
@@ -106,16 +106,16 @@ class FakeFaults:
 
 
 class FakeHost:
-    """The job, faked: ``answer(ref)`` gives each gathered call's answer (a dict); the calls
+    """The job, faked: ``answer(ref)`` gives each gathered call's answer (its report); the calls
     gathered are kept in ``gathered`` and the hooks called in ``hooks``."""
 
     def __init__(self, run_dir: Path | str, names: tuple[str, ...] = (), *,
                  nodes: tuple[str, ...] | None = None, workers_per_replica: int = 1,
-                 answer: Callable[[FakeRef], dict[str, Any]] | None = None) -> None:
+                 answer: Callable[[FakeRef], Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.gen = 0
         self.members: list[FakeMember] = [
-            FakeMember(n, FakeActor(n), {"node": nodes[i] if nodes else "node-0"})
+            FakeMember(n, FakeActor(n), nodes[i] if nodes else "node-0")
             for i, n in enumerate(names)]
         self.config = FakeLayout(workers_per_replica)
         self.steps_done = 0

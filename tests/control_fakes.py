@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planaria.control.pool import WorkerHandle
+from planaria.wire.state_reports import Setup
 
 
 def handle(name: str, *, node: str | None = None, has_state: bool = True) -> WorkerHandle:
-    """A member as the controller sees it (no actor behind it)."""
-    info = {"ray_node": node} if node is not None else {}
+    """A member as the controller sees it (no actor behind it), set up on Ray node ``node``."""
+    info = Setup(pid=0, node="host", ray_node=node, init_t=0.0, start={}, checksum=0,
+                 param_bytes=0, num_samples=0, data_fingerprint={}, dataset_draws=())
     return WorkerHandle(name=name, actor=None, requested_t=0.0, info=info, has_state=has_state)
 
 

@@ -26,6 +26,7 @@ from planaria.checkpoint.failures import SaveFailures
 from planaria.checkpoint.layout import MARKER
 from planaria.checkpoint.newest import latest_viable, lineage_checkpoints
 from planaria.faults.errors import CheckpointError
+from planaria.wire.state_reports import RestoreRead, ShardWritten, Snapshot
 from tests.checkpoint_host import FakeHost, FakeLog, FakePlan, FakeRef, as_host
 
 STATE = {"w": torch.arange(32, dtype=torch.float32).reshape(8, 4), "b": torch.ones(4)}
@@ -67,15 +68,14 @@ def test_a_newer_checkpoint_whose_marker_is_unreadable_is_skipped_and_said_so(
 # ---- restoring into the members ----------------------------------------------------------------
 
 def restore_answers(bad_steps: tuple[int, ...] = (), mismatch: str | None = None):  # type: ignore[no-untyped-def]
-    def answer(ref: FakeRef) -> dict[str, Any]:
+    def answer(ref: FakeRef) -> RestoreRead | int:
         if ref.method == "ckpt_read":
             path = ref.args[1]
             if any(path.endswith(f"step_{s:09d}") for s in bad_steps):
-                return {"ok": False, "error": "shard-00001-of-00001.safetensors: checksum "
-                                              "mismatch"}
-            return {"ok": True, "mismatch": mismatch}
+                return RestoreRead(error="shard-00001-of-00001.safetensors: checksum mismatch")
+            return RestoreRead(mismatch=mismatch)
         if ref.method == "ckpt_apply":
-            return {"ok": True, "checksum": 7}
+            return 7  # the replica's checksum
         raise AssertionError(ref.method)
     return answer
 
@@ -148,18 +148,18 @@ def test_a_checkpoint_that_does_not_fit_is_refused_when_strict(tmp_path: Path) -
 
 # ---- saves ---------------------------------------------------------------------------------------
 
-def snapshot_answers(ref: FakeRef) -> dict[str, Any]:
+def snapshot_answers(ref: FakeRef) -> Snapshot:
     assert ref.method == "ckpt_start", ref.method
-    return {"bytes": 100, "meta": {"model": "fake"}}
+    return Snapshot(busy=False, nbytes=100, meta={"model": "fake"})
 
 
-def written(ref: FakeRef, root: str) -> dict[str, Any]:
+def written(ref: FakeRef, root: str) -> ShardWritten:
     """What writer ``ref.worker`` answers once its share of STATE is written."""
     step, index, width, save_id = ref.args[1:5] if ref.method == "ckpt_start" else (0, 0, 0, "")
     plans = plan_shards({k: (v.shape, v.dtype) for k, v in STATE.items()}, width)
     rec = write_shard(root, step, index, width, take_share(STATE, plans[index]),
                       save_id=save_id, fsync=False)
-    return {"record": rec.to_dict(), "written_t": time.time()}
+    return ShardWritten(records=[rec.to_dict()], written_t=time.time())
 
 
 def started(host: FakeHost) -> dict[str, FakeRef]:

@@ -15,6 +15,7 @@ from planaria.control.watchdog import StepDeadline
 from planaria.data.plan import DataPlan, Ledger
 from planaria.faults.errors import NonFiniteLoss
 from planaria.observe.events import EventLog
+from planaria.wire.reports import Attempt, Joined, Served, StepTotals
 
 
 class Recorder:
@@ -44,13 +45,16 @@ def commit_log(tmp_path, *, ledger: bool = True) -> tuple[CommitLog, Recorder]:
     return out, seen
 
 
-def rec(step: int, *, loss_sum: float = 8.0, samples: int = 16, **extra: Any) -> dict[str, Any]:
-    return {"step": step, "t0": 10.0 + step, "t": 10.5 + step, "global_samples": samples,
-            "global_loss_sum": loss_sum, "data_wait_s": 0.01, "grad_norm": 1.0, **extra}
+def rec(step: int, *, loss_sum: float = 8.0, samples: int = 16, **extra: Any) -> StepTotals:
+    fields: dict[str, Any] = {
+        "step": step, "t0": 10.0 + step, "t": 10.5 + step, "global_samples": samples,
+        "global_loss_sum": loss_sum, "data_wait_s": 0.01, "grad_norm": 1.0, "overflow": False,
+        "finite": True, "global_metric_sums": {}}
+    return StepTotals(**{**fields, **extra})
 
 
-def served(step: int, workers: tuple[str, ...] = ("w0", "w1")) -> dict[str, Any]:
-    return {w: {"ids": [step * 10 + i for i in range(2)], "digests": None} for w in workers}
+def served(step: int, workers: tuple[str, ...] = ("w0", "w1")) -> dict[str, Served]:
+    return {w: Served(ids=[step * 10 + i for i in range(2)], digests=None) for w in workers}
 
 
 def test_a_recorded_step_is_committed_with_its_totals(tmp_path):
@@ -85,7 +89,8 @@ def test_without_a_ledger_nothing_is_written(tmp_path):
     log, _ = commit_log(tmp_path, ledger=False)
     log.ledger_step(0, served(0), gen=0)
     log.ledger_served(1, served(1), gen=0)
-    log.ledger_dropped({"w0": {"dropped": {"gen": 0, "step": 1, "ids": [1], "digests": None}}})
+    log.ledger_dropped({"w0": Joined(steps_done=1, dropped=Attempt(
+        gen=0, step=1, served=Served(ids=[1], digests=None)))})
     assert log.ledger is None and not (tmp_path / Ledger.FILE).exists()
 
 
@@ -149,8 +154,10 @@ def test_steps_a_save_holds_are_committed_once_in_the_ledger(tmp_path):
 def test_survivors_report_of_a_dropped_attempt_is_recorded_unless_recorded_already(tmp_path):
     log, _ = commit_log(tmp_path)
     log.ledger_served(5, served(5, ("w0",)), gen=2)
-    dropped = {"w0": {"dropped": {"gen": 2, "step": 5, "ids": [50, 51], "digests": None}},
-               "w1": {"dropped": {"gen": 1, "step": 4, "ids": [40, 41], "digests": None}}}
+    dropped = {"w0": Joined(steps_done=5, dropped=Attempt(
+                   gen=2, step=5, served=Served(ids=[50, 51], digests=None))),
+               "w1": Joined(steps_done=5, dropped=Attempt(
+                   gen=1, step=4, served=Served(ids=[40, 41], digests=None)))}
     log.ledger_dropped(dropped)
     log.ledger.close()
     served_records = [(r["gen"], r["step"], r["worker"]) for r in Ledger.read(tmp_path)
@@ -169,7 +176,7 @@ def test_a_steps_samples_are_split_in_whole_micro_batches_once_the_plan_is_known
 
 def test_samples_served_again_with_other_content_are_reported(tmp_path):
     log, seen = commit_log(tmp_path)
-    log.ledger_served(0, {"w0": {"ids": [1, 2], "digests": [11, 12]}}, gen=0)
-    log.ledger_served(0, {"w1": {"ids": [1, 2], "digests": [11, 99]}}, gen=1)
+    log.ledger_served(0, {"w0": Served(ids=[1, 2], digests=[11, 12])}, gen=0)
+    log.ledger_served(0, {"w1": Served(ids=[1, 2], digests=[11, 99])}, gen=1)
     [changed] = seen.of("dataset_nondeterministic")
     assert (changed["step"], changed["samples"], changed["worker"]) == (0, [2], "w1")

@@ -91,7 +91,7 @@ def test_a_reclaim_wave_inside_a_step_is_saved_and_restored(tmp_path, reference,
               checkpoint=CheckpointConfig(every=100, fsync=False))
     marker = tmp_path / "noticed"
     with job:
-        pids = [p for h in job.members for p in (h.pid, *h.info.get("follower_pids", ()))]
+        pids = [p for h in job.members for p in (h.pid, *h.follower_pids)]
         install(job, "w0", NoticeEveryone(3, pids, str(marker)))
         kill_after_grace(marker, pids, grace_s=2.0)
         state = drive(job, STEPS)

@@ -126,8 +126,8 @@ def test_workers_on_a_node_ray_drains_leave_at_a_step_boundary(cluster, referenc
         spare_node = cluster.add_node(num_cpus=1)
         assert job.wait_for_spares(timeout_s=90) == 1
         spares.extend(h.name for h in job.pool.standby)
-        assert job.pool.standby[0].info["ray_node"] == spare_node.node_id
-        on_doomed.extend(h.name for h in job.members if h.info["ray_node"] == doomed.node_id)
+        assert job.pool.standby[0].ray_node == spare_node.node_id
+        on_doomed.extend(h.name for h in job.members if h.ray_node == doomed.node_id)
         gcs = ray._raylet.GcsClient(address=cluster.address)  # as `ray drain-node` does
         for node in (doomed, spare_node):
             nodes.append(node.node_id)
@@ -187,7 +187,7 @@ def test_a_sigterm_to_the_node_reaches_its_workers_through_the_hook(
         on_node: list[str] = []
 
         def sigterm_the_node(job: Job) -> None:
-            on_node.extend(h.name for h in job.members if h.info["ray_node"] == node_id)
+            on_node.extend(h.name for h in job.members if h.ray_node == node_id)
             hook.send_signal(signal.SIGTERM)
 
         state = _train(job, notice_at=5, notice=sigterm_the_node,

@@ -54,7 +54,7 @@ def _spec(precision: str) -> planaria.TrainSpec:
 def _scalers(job) -> list[dict]:
     """Every member's GradScaler state (after the pending step is applied)."""
     job.commit_all()
-    return [ray.get(h.actor.state_meta.remote(job.gen))["meta"]["grad_scaler"]
+    return [ray.get(h.actor.state_meta.remote(job.gen)).meta["grad_scaler"]
             for h in job.members]
 
 

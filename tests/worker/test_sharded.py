@@ -249,7 +249,7 @@ class _KillFollowerDuringSave:
         if phase == "save" and job.steps_done == self.step and not self.fired:
             self.fired = True
             handle = next(h for h in job.members if h.name == "w1")
-            os.kill(handle.info["follower_pids"][0], signal.SIGKILL)
+            os.kill(handle.follower_pids[0], signal.SIGKILL)
 
 
 @pytest.mark.extended

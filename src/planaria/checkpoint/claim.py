@@ -82,7 +82,7 @@ def probe_root(root: CheckpointRoot, members: Sequence[Member]) -> None:
     finally:
         with contextlib.suppress(OSError):
             st.remove(st.path(name))
-    bad = {n: r["error"] for n, r in results.items() if not r["ok"]}
+    bad = {n: r.error for n, r in results.items() if r.error is not None}
     if bad:
         raise CheckpointError(
             f"checkpoint root {root.root} is not readable from every worker ("

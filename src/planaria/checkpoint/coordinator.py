@@ -31,6 +31,7 @@ from planaria.checkpoint.root import CheckpointRoot
 from planaria.checkpoint.saving import SavePipeline
 from planaria.checkpoint.upkeep import RootUpkeep
 from planaria.faults.errors import Failure, WorkerLost
+from planaria.wire.reports import Hold
 
 __all__ = ["Checkpointer", "save_under"]
 
@@ -291,14 +292,16 @@ class Checkpointer:
         whether a snapshot was started (or a save in flight already holds that step)."""
         host, saves = self.host, self.saves
         gen = host.gen
-        answers = host.gather({h.name: h.actor.ckpt_freeze.remote(gen) for h in host.members},
-                              deadline_s=30.0, step=None)
-        target = max(a["steps_done"] for a in answers.values())
-        behind = [h for h in host.members if answers[h.name]["steps_done"] < target]
+        answers: dict[str, Hold] = host.gather(
+            {h.name: h.actor.ckpt_freeze.remote(gen) for h in host.members},
+            deadline_s=30.0, step=None)
+        target = max(a.steps_done for a in answers.values())
+        behind = [h for h in host.members if answers[h.name].steps_done < target]
         if behind:
-            done = host.gather({h.name: h.actor.ckpt_advance.remote(gen, target, 30.0)
-                                for h in behind}, deadline_s=35.0, step=None)
-            if any(d["steps_done"] != target for d in done.values()):
+            done: dict[str, Hold] = host.gather(
+                {h.name: h.actor.ckpt_advance.remote(gen, target, 30.0) for h in behind},
+                deadline_s=35.0, step=None)
+            if any(d.steps_done != target for d in done.values()):
                 _log.warning("could not align the replicas on step %d before they leave", target)
                 return False
         save = saves.inflight

@@ -8,7 +8,7 @@ a test provides a small fake.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,8 +34,7 @@ class Member(Protocol):
     ``ckpt_start_beside``, ``ckpt_wait``, ``ckpt_poll``, ``ckpt_freeze``, ``ckpt_advance``,
     ``ckpt_read`` and ``ckpt_apply`` on it with ``.remote(...)``
     (:mod:`planaria.worker.ckpt_save` and :mod:`planaria.worker.ckpt_restore` answer them).
-    ``info`` is what it reported when it
-    started; only ``info["node"]`` is read. ``has_state`` says it holds the committed
+    ``node`` is the host it runs on. ``has_state`` says it holds the committed
     state: a restore sets it (True once every member loaded a checkpoint, False when a
     restore failed part-way and the members' tensors may be half written).
     """
@@ -47,7 +46,7 @@ class Member(Protocol):
     def actor(self) -> Any: ...
 
     @property
-    def info(self) -> Mapping[str, Any]: ...
+    def node(self) -> str | None: ...
 
     has_state: bool
 

@@ -46,6 +46,7 @@ from planaria.checkpoint.restore import CheckpointInfo, read_manifest
 from planaria.checkpoint.root import CheckpointRoot
 from planaria.data.ledger import Ledger
 from planaria.faults.errors import StorageError
+from planaria.wire.state_reports import RestoreRead
 
 __all__ = ["Restore", "RestorePath"]
 
@@ -85,7 +86,7 @@ class RestorePath:
             return self.config.restore_strategy
         if not self.root.local:
             return "share"
-        nodes = {h.info.get("node") for h in self.host.members}
+        nodes = {h.node for h in self.host.members}
         return "read_all" if len(nodes) <= 1 else "share"
 
     def lost_steps_base(self, reason: str) -> int:
@@ -172,8 +173,8 @@ class RestorePath:
                                                       strict=self.config.strict)
                     for r, h in enumerate(members)}
             host.hook("restore", path=path)
-            results = host.gather(refs, deadline_s=deadline, step=None)
-            mismatch = next((r["mismatch"] for r in results.values() if r.get("mismatch")), None)
+            results: dict[str, RestoreRead] = host.gather(refs, deadline_s=deadline, step=None)
+            mismatch = next((r.mismatch for r in results.values() if r.mismatch), None)
             if mismatch and self.config.strict:
                 raise CheckpointMismatch(
                     f"{path} does not fit the job: {mismatch}. Restore it into the model it "
@@ -185,9 +186,9 @@ class RestorePath:
                              path, mismatch)
                 host.log.emit("checkpoint_mismatch", path=path, tensors=[mismatch],
                               data_plan=[])
-            failed = [r for r in results.values() if not r["ok"]]
-            storage = [r["error"] for r in failed if r.get("storage")]
-            problems = [r["error"] for r in failed if not r.get("storage")]
+            failed = [r for r in results.values() if r.error is not None]
+            storage = [r.error for r in failed if r.error is not None and r.storage]
+            problems = [r.error for r in failed if r.error is not None and not r.storage]
             if problems:
                 return "; ".join(dict.fromkeys(problems))
             if storage:
@@ -203,8 +204,7 @@ class RestorePath:
         if problem is not None:
             return problem
         refs = {h.name: h.actor.ckpt_apply.remote(host.gen, path, owners) for h in members}
-        applied = host.gather(refs, deadline_s=deadline, step=None)
-        sums = {name: r["checksum"] for name, r in applied.items()}
+        sums: dict[str, int] = host.gather(refs, deadline_s=deadline, step=None)
         if len(set(sums.values())) > 1:
             return f"the replicas' parameters differ after loading it (checksums {sums})"
         return None

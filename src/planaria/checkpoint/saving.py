@@ -34,6 +34,7 @@ from planaria.checkpoint.root import CheckpointRoot
 from planaria.checkpoint.upkeep import RootUpkeep
 from planaria.checkpoint.writer import ShardRecord
 from planaria.faults.errors import Failure, root_cause
+from planaria.wire.state_reports import ShardWritten, Snapshot
 
 __all__ = ["Save", "SavePipeline"]
 
@@ -148,19 +149,20 @@ class SavePipeline:
                       writers=list(save.writers), beside=beside is not None)
         host.hook("save", writers=list(save.writers))
         try:
-            results = host.gather(refs, deadline_s=self.config.timeout_s, step=None)
+            results: dict[str, Snapshot] = host.gather(refs, deadline_s=self.config.timeout_s,
+                                                       step=None)
         except Failure as failure:
             self.abandon(save, f"a writer failed during the snapshot: {failure}")
             raise
         save.wait_s, self.owed_wait_s = self.owed_wait_s, 0.0
         save.stall_s = time.time() - t1 + save.wait_s
-        save.nbytes = sum(int(r["bytes"]) for r in results.values())
-        busy = sorted(n for n, r in results.items() if r.get("busy"))
+        save.nbytes = sum(r.nbytes for r in results.values())
+        busy = sorted(n for n, r in results.items() if r.busy)
         if busy:  # never block a worker in an actor call on its writer: this save is dropped
             self.inflight = save
             self.abandon(save, f"writer {', '.join(busy)} still writes an earlier save")
             return
-        save.meta = {**results[host.members[0].name]["meta"], **ours}
+        save.meta = {**(results[host.members[0].name].meta or {}), **ours}
         if self.interval is not None:
             self.interval.observe_stall(save.stall_s)
         self.inflight = save
@@ -178,7 +180,7 @@ class SavePipeline:
         """A writer's answer (on a Ray thread): its records, or why it failed. The last one
         starts the commit on the committer thread at once."""
         try:
-            out = fut.result()
+            out: ShardWritten = fut.result()
         except BaseException as err:  # its write failed, or it died before it finished
             cause = root_cause(err)
             if isinstance(err, ray.exceptions.RayActorError):
@@ -191,9 +193,8 @@ class SavePipeline:
                     save.settled.set()
             return
         with save.lock:
-            save.records[name] = [ShardRecord.from_dict(r)
-                                  for r in out.get("records") or [out["record"]]]
-            save.written_t[name] = float(out.get("written_t") or time.time())
+            save.records[name] = [ShardRecord.from_dict(r) for r in out.records]
+            save.written_t[name] = out.written_t
             if (len(save.records) == len(save.writers) and save.commit is None
                     and save.failed is None):
                 save.commit = self._committer.submit(self._commit_now, save)

@@ -30,7 +30,7 @@ def judge_raised(failure: Failure, attribution: Attribution, members: list[Worke
     verdicts: list[tuple[str, Judgement]] = []
     for name, work, sig in raised:
         handle = next((h for h in members if h.name == name), None)
-        node = None if handle is None else handle.info.get("ray_node")
+        node = None if handle is None else handle.ray_node
         verdicts.append((name, attribution.judge(
             Sighting(name, work, sig, how="raised", node=node), width=width)))
     blamed_work = [(n, j) for n, j in verdicts if j.blame is Blame.WORK]
@@ -50,7 +50,7 @@ def judge_raised(failure: Failure, attribution: Attribution, members: list[Worke
         ), judgement
     to_blame = [n for n, j in verdicts if j.blame is Blame.WORKER]
     nodes = {j.node for _, j in verdicts if j.blame is Blame.WORKER and j.node}
-    to_blame += [h.name for h in members if nodes and h.info.get("ray_node") in nodes]
+    to_blame += [h.name for h in members if nodes and h.ray_node in nodes]
     if to_blame:
         failure.workers = tuple(dict.fromkeys(to_blame))
         return failure, next(j for _, j in verdicts if j.blame is Blame.WORKER)

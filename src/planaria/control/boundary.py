@@ -86,7 +86,7 @@ class BoundaryPlanner:
             return "join"
         if self.draining_nodes is not None:
             nodes = self.draining_nodes()
-            if nodes and any(h.info.get("ray_node") in nodes for h in self.roster.members):
+            if nodes and any(h.ray_node in nodes for h in self.roster.members):
                 return "drain"
         if self.chaos is not None and self.chaos.time_due(self.elapsed_s()):
             return "chaos"

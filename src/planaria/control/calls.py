@@ -358,7 +358,7 @@ class Calls:
         handle = next((h for h in self.roster.members if h.name == name), None)
         judgement = self.attribution.judge(
             Sighting(name, work, f"hung:{hb.phase}", how="hung",
-                     node=None if handle is None else handle.info.get("ray_node")),
+                     node=None if handle is None else handle.ray_node),
             width=self.roster.width)
         self.log.emit("attribution", worker=name, work=None if work is None else work.describe(),
                       how="hung", blame=judgement.blame.value, reason=judgement.reason)

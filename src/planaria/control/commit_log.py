@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from planaria.data.plan import DataPlan, Ledger, split_micro_batches
 from planaria.faults.errors import NonFiniteLoss
 from planaria.observe.loss_history import LossHistory
+from planaria.wire.reports import Joined, Served, StepTotals
 
 if TYPE_CHECKING:
     from planaria.control.takeover import Takeover
@@ -79,20 +80,20 @@ class CommitLog:
 
     # ---- commits -----------------------------------------------------------------------------
 
-    def record_step(self, rec: dict[str, Any], *, gen: int, width: int) -> StepResult:
+    def record_step(self, rec: StepTotals, *, gen: int, width: int) -> StepResult:
         """Records a step a run applied (:mod:`planaria.control.run_ahead`) as committed at its
-        ``t`` (events, losses, open faults), from one rank's record of it, which holds the
-        step's totals. The ledger is the caller's (:meth:`ledger_step`): it is written when
-        the run ends."""
-        step, t = rec["step"], rec["t"]
-        if rec.get("overflow"):
+        ``t`` (events, losses, open faults), from its totals (one rank's record of it, or
+        what rank 0 streamed). The ledger is the caller's (:meth:`ledger_step`): it is
+        written when the run ends."""
+        step, t = rec.step, rec.t
+        if rec.overflow:
             # fp16: the loss scale was too high. Not a fault: every replica skipped the
             # update and backed the scale off at apply, as a GradScaler does.
-            self.log.emit("step_overflow", step=step, grad_norm=rec["grad_norm"], t=t)
-        n = int(rec["global_samples"])
-        loss = rec["global_loss_sum"] / n if n else math.nan
-        metrics = {k: v / max(1, n) for k, v in rec.get("global_metric_sums", {}).items()}
-        duration = max(1e-9, t - rec["t0"])
+            self.log.emit("step_overflow", step=step, grad_norm=rec.grad_norm, t=t)
+        n = rec.global_samples
+        loss = rec.loss
+        metrics = {k: v / max(1, n) for k, v in rec.global_metric_sums.items()}
+        duration = max(1e-9, t - rec.t0)
         self._steps_done = step + 1
         self.deadline.observe(duration)
         result = StepResult(step, loss, width, duration, n / duration, metrics)
@@ -100,7 +101,7 @@ class CommitLog:
         self.log.emit(
             "step_committed", t=t, step=step, gen=gen, width=width,
             duration_s=duration, loss=loss, samples=n, samples_per_s=result.samples_per_s,
-            data_wait_s=rec["data_wait_s"], metrics=metrics,
+            data_wait_s=rec.data_wait_s, metrics=metrics,
         )
         self.on_commit(step, t)
         return result
@@ -110,7 +111,8 @@ class CommitLog:
         done (their records were recorded already, or were not returned)."""
         self._steps_done = max(self._steps_done, step)
 
-    def commit_saved(self, step: int, served: dict[int, dict[str, Any]], *, gen: int) -> list[int]:
+    def commit_saved(self, step: int, served: Mapping[int, Mapping[str, Served]], *,
+                     gen: int) -> list[int]:
         """The steps up to ``step`` were applied and saved beside, but never reported (the
         leavers were gone before their run settled): they are committed, in the ledger too
         (``served``: {step: {worker: record}}). Returns the steps committed."""
@@ -143,15 +145,13 @@ class CommitLog:
         goes on from there."""
         self._steps_done = step
 
-    def record_nonfinite(self, rec: dict[str, Any], per_worker: dict[str, Any], *,
+    def record_nonfinite(self, rec: StepTotals, per_worker: Mapping[str, Served], *,
                          gen: int) -> None:
         """A run stopped at a non-finite step (applied nowhere): raises NonFiniteLoss, and
         the policy decides."""
-        step = rec["step"]
+        step = rec.step
         self.ledger_served(step, per_worker, gen=gen)
-        n = int(rec["global_samples"])
-        loss = rec["global_loss_sum"] / n if n else math.nan
-        grad_norm = float(rec["grad_norm"])
+        loss, grad_norm = rec.loss, rec.grad_norm
         what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
         raise NonFiniteLoss(f"{what} at step {step}", step=step)
 
@@ -190,7 +190,7 @@ class CommitLog:
 
     # ---- the ledger --------------------------------------------------------------------------
 
-    def ledger_step(self, step: int, served: dict[str, Any], *, gen: int) -> None:
+    def ledger_step(self, step: int, served: Mapping[str, Served], *, gen: int) -> None:
         """The ledger's records of a step an autonomous run committed: what each rank was
         served, then the commit."""
         if self.ledger is None:
@@ -198,26 +198,24 @@ class CommitLog:
         self.ledger_served(step, served, gen=gen)
         self.ledger.commit(step, gen=gen)
 
-    def ledger_served(self, step: int, served: dict[str, Any], *, gen: int) -> None:
+    def ledger_served(self, step: int, served: Mapping[str, Served], *, gen: int) -> None:
         """Records what each rank's dataset served in this attempt (before it may commit):
-        ``served`` maps each worker, in rank order, to its report (``ids``, ``digests``)."""
+        ``served`` maps each worker, in rank order, to what it was served."""
         if self.ledger is None:
             return
-        for name, r in served.items():
-            self.ledger.served(step, gen=gen, worker=r.get("worker", name), ids=r["ids"],
-                               digests=r.get("digests"))
+        for name, s in served.items():
+            self.ledger.served(step, gen=gen, worker=name, ids=s.ids, digests=s.digests)
         self._ledger_last = (gen, step)
 
-    def ledger_dropped(self, joined: dict[str, Any]) -> None:
+    def ledger_dropped(self, joined: Mapping[str, Joined]) -> None:
         """Records what survivors were served in a step attempt that failed (from their join)."""
         if self.ledger is None:
             return
         for name, r in joined.items():
-            d = r.get("dropped")
-            if d and (d["gen"], d["step"]) != self._ledger_last:  # not recorded already
-                self.ledger.served(
-                    d["step"], gen=d["gen"], worker=name, ids=d["ids"], digests=d["digests"]
-                )
+            d = r.dropped
+            if d and (d.gen, d.step) != self._ledger_last:  # not recorded already
+                self.ledger.served(d.step, gen=d.gen, worker=name, ids=d.served.ids,
+                                   digests=d.served.digests)
 
     def _served_changed(self, step: int, gen: int, worker: str, ids: list[int]) -> None:
         """The ledger saw samples of ``step`` served again with other content."""

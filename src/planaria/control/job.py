@@ -125,7 +125,8 @@ class Job:
             attribution=self.attribution, log=self.log, departures=self.departures)
         first = self.membership.start_members(timeout_s=max(120.0, cfg.join_timeout_s))
         rt.learn_from(first)  # the dataset's fingerprint, the compile cache; spares start
-        self.commit_log.plan = DataPlan(first.info["num_samples"], spec.global_batch_size,
+        assert first.info is not None
+        self.commit_log.plan = DataPlan(first.info.num_samples, spec.global_batch_size,
                                         spec.seed)
         self.started = True
         view = self.checkpoint_view = CheckpointView(

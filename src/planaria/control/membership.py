@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from planaria.control.takeover import Takeover
     from planaria.control.watchdog import StepDeadline
     from planaria.observe.events import EventLog
+    from planaria.wire.reports import Joined
+    from planaria.wire.state_reports import StateMeta
 
 __all__ = ["Membership"]
 
@@ -138,14 +140,15 @@ class Membership:
             )
             for rank, h in enumerate(members)
         }
-        results = self.calls.gather(refs, deadline_s=self.config.join_timeout_s + 5, step=None)
+        results: dict[str, Joined] = self.calls.gather(
+            refs, deadline_s=self.config.join_timeout_s + 5, step=None)
         self.commit_log.ledger_dropped(results)
         for h in members:
-            behind = results[h.name]["steps_done"] != steps_done
+            behind = results[h.name].steps_done != steps_done
             # A restore overwrites every member's state: fresh replacements may be behind.
             if h.has_state and reason != "restore" and behind:
                 raise InternalError(
-                    f"{h.name} has {results[h.name]['steps_done']} steps, the job "
+                    f"{h.name} has {results[h.name].steps_done} steps, the job "
                     f"{steps_done}: its state is not the job's",
                     workers=(h.name,),
                 )
@@ -169,7 +172,7 @@ class Membership:
             raise InternalError("no member holds the state to send to the joiners")
         src = self.members[src_rank]
         t0 = time.time()
-        source = self.calls.gather(
+        source: StateMeta = self.calls.gather(
             {src.name: src.actor.state_meta.remote(self.gen)}, deadline_s=60, step=None
         )[src.name]
         refs = {src.name: src.actor.send_state.remote(self.gen, joiners)}
@@ -180,7 +183,7 @@ class Membership:
         # A transfer that moves bytes is busy: its deadline grows with them (a 30 GB shard on
         # 1 GbE takes minutes), and past it the workers are judged by their bytes moving.
         nbytes = sum(math.prod(shape) * getattr(torch, dtype).itemsize
-                     for shape, dtype in layouts(source))
+                     for shape, dtype in source.tensors())
         deadline = (self.config.collective_timeout_s
                     + len(joiners) * nbytes / self.config.min_transfer_bytes_per_s)
         sizes = self.calls.gather(refs, deadline_s=deadline, step=None)
@@ -293,13 +296,14 @@ class Membership:
 
     def check_same_init(self, handles: list[WorkerHandle]) -> None:
         """The workers built the same initial parameters and the same dataset, or this raises."""
-        sums = {h.name: h.info["checksum"] for h in handles}
+        setups = {h.name: h.info for h in handles if h.info is not None}
+        sums = {name: s.checksum for name, s in setups.items()}
         if len(set(sums.values())) > 1:
             raise ElasticRuntimeError(
                 f"replicas built different initial parameters {sums}: make the model factory "
                 "deterministic (it runs with torch seeded from spec.seed)"
             )
-        problem = describe_mismatch({h.name: h.info["data_fingerprint"] for h in handles})
+        problem = describe_mismatch({name: s.data_fingerprint for name, s in setups.items()})
         if problem is not None:
             self.log.emit("data_mismatch", workers=[h.name for h in handles], reason=problem)
             raise DataMismatch(
@@ -308,11 +312,3 @@ class Membership:
                 "seed anything else from spec.seed, not from the process, host or clock) "
                 "and read the same files on every node"
             )
-
-
-def layouts(source: dict[str, Any]) -> list[tuple[list[int], str]]:
-    """Every tensor's (shape, dtype) in a state description (a sharded replica's: each
-    shard's)."""
-    parts = source.get("shards", [source])
-    return [(list(shape), str(dtype)) for part in parts
-            for shape, dtype in part["layout"].values()]

@@ -114,7 +114,7 @@ class Notices:
             return
         draining = self.departures.draining
         for handle in self.roster.members:
-            node = handle.info.get("ray_node")
+            node = handle.ray_node
             if node in nodes and handle.name not in draining:
                 draining.add(handle.name)
                 deadline = nodes[node] / 1000 if nodes[node] else None

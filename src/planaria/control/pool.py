@@ -10,8 +10,8 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -24,6 +24,7 @@ from planaria.data.integrity import describe_mismatch
 from planaria.faults.errors import DataMismatch, UserCodeError
 from planaria.observe.events import EventLog
 from planaria.wire import store_keys
+from planaria.wire.state_reports import Setup
 from planaria.worker import CONCURRENCY_GROUPS, Worker, forkserver
 
 __all__ = ["WorkerHandle", "WorkerPool", "warm_start_enabled"]
@@ -58,13 +59,28 @@ class WorkerHandle:
     attempt: int = 1
     setup_ref: Any = None
     ready_t: float | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    info: Setup | None = None  # what it reported once set up
     has_state: bool = False
     spare: bool = False  # started as a standby worker (see WorkerPool.replenish)
 
     @property
     def pid(self) -> int | None:
-        return self.info.get("pid")
+        return None if self.info is None else self.info.pid
+
+    @property
+    def node(self) -> str | None:
+        """The host it runs on (None until it is set up)."""
+        return None if self.info is None else self.info.node
+
+    @property
+    def ray_node(self) -> str | None:
+        """Ray's id of the node it runs on (None until it is set up)."""
+        return None if self.info is None else self.info.ray_node
+
+    @property
+    def follower_pids(self) -> tuple[int, ...]:
+        """A sharded replica's other workers' pids."""
+        return () if self.info is None else tuple(self.info.follower_pids)
 
 
 class WorkerPool:
@@ -105,7 +121,7 @@ class WorkerPool:
         self.last_start_error: str | None = None
         self._retry_at: list[tuple[float, WorkerHandle]] = []
         self.local_node = socket.gethostname()
-        self.data_fingerprint: dict[str, Any] | None = None  # the job's, once it has started
+        self.data_fingerprint: Mapping[str, object] | None = None  # the job's, once it has started
         self.compile_cache: bytes | None = None  # a running worker's (spec.compile), for new ones
         # Two lanes: steps and state in the default one, stack dumps (mid-step) in "control".
         remote: Any = ray.remote
@@ -259,7 +275,7 @@ class WorkerPool:
         for handle in [h for h in self.starting if h.setup_ref in done]:
             self.starting.remove(handle)
             try:
-                handle.info = ray.get(handle.setup_ref)
+                info: Setup = ray.get(handle.setup_ref)
             except Exception as err:
                 cause = getattr(err, "cause", None) or err
                 if isinstance(cause, UserCodeError):
@@ -267,20 +283,21 @@ class WorkerPool:
                     raise cause from None
                 self._failed_start(handle, err)
                 continue
+            handle.info = info
             self._check_data(handle)
             handle.ready_t = time.time()
             ready_s = handle.ready_t - handle.requested_t
-            start = dict(handle.info.get("start") or {})
-            if "init_t" in handle.info:  # two clocks when the worker is on another node
-                start["process_s"] = max(0.0, handle.info["init_t"] - handle.requested_t)
+            start = dict(info.start)
+            # Two clocks when the worker is on another node.
+            start["process_s"] = max(0.0, info.init_t - handle.requested_t)
             self.log.emit(
                 "worker_started",
                 worker=handle.name,
-                pid=handle.pid,
-                node=handle.info.get("node"),
-                ray_node=handle.info.get("ray_node"),
+                pid=info.pid,
+                node=info.node,
+                ray_node=info.ray_node,
                 ready_s=ready_s,
-                follower_pids=handle.info.get("follower_pids"),
+                follower_pids=list(info.follower_pids) or None,
                 warm=self.compile_cache is not None if self.spec.compile else None,
                 **start,
             )
@@ -294,10 +311,11 @@ class WorkerPool:
         return ready
 
     def _check_data(self, handle: WorkerHandle) -> None:
-        if self.data_fingerprint is None:
+        info = handle.info
+        if self.data_fingerprint is None or info is None:
             return  # the job compares its first workers with each other
         problem = describe_mismatch(
-            {"the job": self.data_fingerprint, handle.name: handle.info["data_fingerprint"]}
+            {"the job": self.data_fingerprint, handle.name: info.data_fingerprint}
         )
         if problem is None:
             return
@@ -325,7 +343,7 @@ class WorkerPool:
     def drop_spares_on(self, nodes: set[str]) -> list[str]:
         """Releases the standby spares on draining Ray nodes (they would leave with them) and
         starts others in their place; returns their names."""
-        gone = [h for h in self.standby if h.info.get("ray_node") in nodes]
+        gone = [h for h in self.standby if h.ray_node in nodes]
         for handle in gone:
             self.standby.remove(handle)
             self.log.emit("spare_lost", worker=handle.name, error="its Ray node is draining")
@@ -360,8 +378,8 @@ class WorkerPool:
             self.fence(handle.name)
         if self.placement is not None:
             self.placement.free(handle.name)
-        pids = [handle.pid, *handle.info.get("follower_pids", ())]
-        if handle.info.get("node") == self.local_node:
+        pids = [handle.pid, *handle.follower_pids]
+        if handle.node == self.local_node:
             for pid in pids:  # a sharded replica's own workers run on the leader's node
                 if pid is not None:
                     with contextlib.suppress(ProcessLookupError):

@@ -42,13 +42,23 @@ faults land inside runs as they do in production.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from planaria.faults.errors import Failure, NonFiniteLoss, Preempted
 from planaria.wire import store_keys
+from planaria.wire.reports import (
+    RunReport,
+    Served,
+    Settled,
+    StepRecord,
+    StepTotals,
+    read_served_lines,
+    read_stream_chunk,
+)
 
 if TYPE_CHECKING:
     from planaria.control.boundary import BoundaryPlanner
@@ -132,7 +142,7 @@ class RunAhead:
         if self.chaos is not None:
             self.chaos.during_step(start)
         try:
-            results = self.calls.gather(
+            results: dict[str, RunReport] = self.calls.gather(
                 refs, deadline_s=self.hang.ceiling_s * (stop - start), step=None,
                 poll=self._poll,
             )
@@ -143,8 +153,8 @@ class RunAhead:
             self._clear(gen, run_id, len(members))
         head = results[members[0].name]
         self.log.emit("run_ahead", gen=gen, start=start, until=stop,
-                      steps=head["steps_done"] - start, ended=head["ended"],
-                      why=self._why if head["ended"] == "stop" else None, width=len(members),
+                      steps=head.steps_done - start, ended=head.ended,
+                      why=self._why if head.ended == "stop" else None, width=len(members),
                       started_t=self._started_t)
         return self._record(results, members)
 
@@ -163,7 +173,7 @@ class RunAhead:
         _log.debug("run %d ends early: %s", self.run_id, why)
         self.store.set(store_keys.run_stop(self.membership.gen, self.run_id), why)
 
-    def _commit(self, rec: dict[str, Any]) -> StepResult:
+    def _commit(self, rec: StepTotals) -> StepResult:
         return self.commit_log.record_step(rec, gen=self.membership.gen,
                                            width=self.membership.width)
 
@@ -179,8 +189,8 @@ class RunAhead:
             while self._chunks < count:
                 raw = store.get(store_keys.run_stream(gen, self.run_id, self._chunks))
                 self._chunks += 1
-                for rec in json.loads(raw):
-                    if rec["step"] >= self.commit_log.steps_done:
+                for rec in read_stream_chunk(raw):
+                    if rec.step >= self.commit_log.steps_done:
                         self._streamed.append(self._commit(rec))
         except Exception:  # progress only: the run's result brings every record anyway
             _log.debug("could not read run %d's stream", self.run_id, exc_info=True)
@@ -200,7 +210,7 @@ class RunAhead:
 
     # ---- recording ---------------------------------------------------------------------------
 
-    def _record(self, results: dict[str, Any], members: list[Any]) -> list[StepResult]:
+    def _record(self, results: dict[str, RunReport], members: list[Any]) -> list[StepResult]:
         """Records a run's steps from rank 0's records (O(1) per step; O(workers) per step
         only with a ledger, whose records come from every rank); the steps streamed
         already are not recorded again (but enter the ledger here)."""
@@ -208,34 +218,36 @@ class RunAhead:
         head = results[members[0].name]
         ledger = log.ledger is not None
         out: list[StepResult] = list(self._streamed)
-        if log.metric_keys is None and head["steps"]:
-            self._name_metrics(head["steps"][0], [results[h.name]["steps"] for h in members])
-        for i, rec in enumerate(head["steps"]):
-            served = {h.name: results[h.name]["steps"][i] for h in members} if ledger else {}
-            if not rec["finite"]:
+        steps = list(head.steps)
+        if log.metric_keys is None and steps:
+            steps[0] = self._name_metrics(steps[0], [results[h.name].steps for h in members])
+        for i, rec in enumerate(steps):
+            served = ({h.name: results[h.name].steps[i].served for h in members} if ledger
+                      else {})
+            if not rec.finite:
                 # raises NonFiniteLoss: the policy decides
                 log.record_nonfinite(rec, served, gen=gen)
             if ledger:
-                log.ledger_step(rec["step"], served, gen=gen)
-            if rec["step"] >= log.steps_done:
+                log.ledger_step(rec.step, served, gen=gen)
+            if rec.step >= log.steps_done:
                 out.append(self._commit(rec))
         last = out[-1].step if out else log.steps_done
         for h in members:
-            self.notices.reported(h.name, results[h.name]["preempting"], last)
+            self.notices.reported(h.name, results[h.name].preempting, last)
         return out
 
-    def _name_metrics(self, rec: dict[str, Any], records: list[list[dict[str, Any]]]) -> None:
+    def _name_metrics(self, rec: StepRecord, records: list[Sequence[StepRecord]]) -> StepRecord:
         """The job's first run (one step, before the loss's metrics are known): its metrics
         are the sums of every rank's own (each returns its record of a run of one), and
-        their names are the ones later runs sum on the status."""
+        their names are the ones later runs sum on the status. Returns ``rec`` with them."""
         sums: dict[str, float] = {}
         for recs in records:
-            mine = next((r for r in recs if r["step"] == rec["step"]), None)
-            for k, v in (mine or {}).get("metric_sums", {}).items():
+            mine = next((r for r in recs if r.step == rec.step), None)
+            for k, v in (mine.metric_sums if mine is not None else {}).items():
                 sums[k] = sums.get(k, 0.0) + v
-        rec["global_metric_sums"] = sums
-        if rec["finite"]:
+        if rec.finite:
             self.commit_log.metric_keys = tuple(sorted(sums))
+        return replace(rec, global_metric_sums=sums)
 
     def _reconcile(self, failure: Failure, start: int, stop: int, members: list[Any]) -> None:
         """After a failed run: commits what the furthest survivor applied, marks the
@@ -245,7 +257,7 @@ class RunAhead:
         # Workers leaving on a notice (every holder at once: Departures.evacuating) are
         # alive: they settle like survivors, so that the steps they applied are recorded.
         lost = set() if isinstance(failure, Preempted) else set(failure.workers)
-        answers: dict[str, Any] = {}
+        answers: dict[str, Settled] = {}
         for _ in range(MAX_SETTLE_ATTEMPTS):
             survivors = [h for h in membership.members if h.name not in lost]
             if not survivors:
@@ -260,24 +272,24 @@ class RunAhead:
                 lost |= set(again.workers) or {h.name for h in survivors}
                 failure.workers = tuple(dict.fromkeys([*failure.workers, *again.workers]))
         gen = membership.gen
-        committed = max((a["steps_done"] for a in answers.values()), default=start)
+        committed = max((a.steps_done for a in answers.values()), default=start)
         committed = max(committed, start)
-        ahead = next((a for a in answers.values() if a["steps_done"] == committed), None)
+        ahead = next((a for a in answers.values() if a.steps_done == committed), None)
         served = self._served_from_store(members) if log.ledger is not None else {}
         if ahead is not None:
-            for rec in ahead["steps"]:
-                if not start <= rec["step"] < committed:
+            for rec in ahead.steps:
+                if not start <= rec.step < committed:
                     continue
                 if log.ledger is not None:
-                    log.ledger_step(rec["step"], served.get(rec["step"]) or {}, gen=gen)
-                if rec["step"] >= log.steps_done:
+                    log.ledger_step(rec.step, served.get(rec.step) or {}, gen=gen)
+                if rec.step >= log.steps_done:
                     self._commit(rec)
         log.advance_to(committed)
         log.ledger_served(committed, served.get(committed) or {}, gen=gen)  # the broken attempt
         behind = []
         for h in membership.members:
             a = answers.get(h.name)
-            if a is not None and a["steps_done"] < committed:
+            if a is not None and a.steps_done < committed:
                 behind.append(h.name)
                 _log.info("%s is a step behind after the failure: it receives the state",
                           h.name)
@@ -307,9 +319,9 @@ class RunAhead:
                       "them holds them")
         return steps
 
-    def _served_from_store(self, members: list[Any]) -> dict[int, dict[str, dict[str, Any]]]:
-        """{step: {worker: record}} from the ledger keys the run's workers appended to."""
-        out: dict[int, dict[str, dict[str, Any]]] = {}
+    def _served_from_store(self, members: list[Any]) -> dict[int, dict[str, Served]]:
+        """{step: {worker: served}} from the ledger keys the run's workers appended to."""
+        out: dict[int, dict[str, Served]] = {}
         for rank in range(len(members)):
             key = store_keys.run_ledger(self.membership.gen, self.run_id, rank)
             try:
@@ -319,8 +331,6 @@ class RunAhead:
             except Exception:
                 _log.warning("could not read %s: its ledger records are lost", key)
                 continue
-            for line in raw.splitlines():
-                if line:
-                    rec = json.loads(line)
-                    out.setdefault(int(rec["step"]), {})[rec["worker"]] = rec
+            for step, worker, served in read_served_lines(raw):
+                out.setdefault(step, {})[worker] = served
         return out

@@ -107,9 +107,10 @@ class Runtime:
         """What the job's first worker (set up) tells the pool: the dataset's fingerprint
         (replacements must build the same), its compile cache (with
         ``share_compile_cache``); spares start now, once the members are up."""
-        self.pool.data_fingerprint = first.info["data_fingerprint"]
-        if first.info.get("dataset_draws"):  # each worker found it at setup, and loads so
-            drawn = first.info["dataset_draws"]
+        assert first.info is not None
+        self.pool.data_fingerprint = first.info.data_fingerprint
+        if first.info.dataset_draws:  # each worker found it at setup, and loads so
+            drawn = list(first.info.dataset_draws)
             self.log.emit("dataset_global_rng", generators=drawn, loader_thread=False,
                           message=describe_global_draws(drawn))
         if self.spec.compile and self.config.share_compile_cache:

@@ -28,7 +28,7 @@ reported to ``on_changed`` (a dataset that is not deterministic: see
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +68,8 @@ class Ledger:
         *,
         gen: int,
         worker: str,
-        ids: list[int],
-        digests: list[int] | None = None,
+        ids: Sequence[int],
+        digests: Sequence[int] | None = None,
     ) -> None:
         entry: dict[str, Any] = {
             "kind": "served",

@@ -17,6 +17,10 @@ over the parts that do the work:
 - :class:`~planaria.worker.ckpt_save.CheckpointSaver` and
   :class:`~planaria.worker.ckpt_restore.CheckpointRestorer`: checkpoints.
 
+Each remote method answers a report of :mod:`planaria.wire.reports` or
+:mod:`planaria.wire.state_reports` (a frozen dataclass, or a count), which a sharded
+replica's leader merges with its other workers' (:func:`~planaria.worker.replica.fans_out`).
+
 Tests inject faults through ``loop_fault`` (see :class:`planaria.worker.engine.FaultSeam`).
 """
 
@@ -39,9 +43,19 @@ from planaria.control.drain import register_worker
 from planaria.control.links import ProbeServer
 from planaria.data.plan import micro_batch_range
 from planaria.wire import store_keys
+from planaria.wire.reports import Hold, Joined, RunReport, Settled, merge_checksums, merge_sum
+from planaria.wire.state_reports import (
+    RestoreRead,
+    Setup,
+    ShardWritten,
+    Snapshot,
+    StateMeta,
+    StorageProbe,
+    merge_written,
+)
 from planaria.wire.takeover import Lease, WorkerReport
 from planaria.worker import compile_cache as compile_cache_mod
-from planaria.worker import forkserver, process, replica
+from planaria.worker import forkserver, process
 from planaria.worker.ckpt_restore import CheckpointRestorer
 from planaria.worker.ckpt_save import CheckpointSaver, SaveOptions, probe_storage
 from planaria.worker.collective import connect_store
@@ -170,10 +184,10 @@ class Worker:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    @fans_out(replica.merge_setup)
+    @fans_out(Setup.merge)
     def setup(
         self, *, prebuild_optimizer_state: bool = False, compile_cache: bytes | None = None
-    ) -> dict[str, Any]:
+    ) -> Setup:
         """Builds model, optimizer, scheduler and dataset from the spec's factories.
 
         A replacement (``prebuild_optimizer_state``) also materialises its
@@ -198,20 +212,15 @@ class Worker:
         if prebuild_optimizer_state:
             self.commits.prebuild_optimizer_state()
         self.vitals.phase = "idle"
-        return {
-            "pid": os.getpid(),
-            "node": socket.gethostname(),
-            "ray_node": self.ray_node,
-            "checksum": self.state.checksum(),
-            "num_samples": num_samples,
-            "data_fingerprint": fingerprint,
-            "dataset_draws": sorted(self.loader.global_draws),
-            "param_bytes": self.state.nbytes(),
-            "threads": torch.get_num_threads(),
-            "init_t": self.init_t,
-            "start": {"build_s": t1 - t0, "data_s": t2 - t1, "compile_s": t3 - t2,
-                      "setup_s": time.time() - t0, "forked": forkserver.forked()},
-        }
+        return Setup(
+            pid=os.getpid(), node=socket.gethostname(), ray_node=self.ray_node,
+            init_t=self.init_t,
+            start={"build_s": t1 - t0, "data_s": t2 - t1, "compile_s": t3 - t2,
+                   "setup_s": time.time() - t0, "forked": forkserver.forked()},
+            checksum=self.state.checksum(), param_bytes=self.state.nbytes(),
+            num_samples=num_samples, data_fingerprint=fingerprint,
+            dataset_draws=sorted(self.loader.global_draws),
+        )
 
     def compile_cache(self) -> bytes | None:
         """This worker's compile cache, packed (None without ``spec.compile``)."""
@@ -219,7 +228,7 @@ class Worker:
             return None
         return compile_cache_mod.pack(self.compile_dir)
 
-    @fans_out(replica.merge_checksums)
+    @fans_out(merge_checksums)
     def reinit(self, gen: int) -> int:
         """Back to the initial state (after a restore that failed part-way); returns checksum."""
         self.membership.check(gen)
@@ -228,7 +237,7 @@ class Worker:
         self.state.dirty = False
         return self.state.checksum()
 
-    @fans_out(replica.merge_join)
+    @fans_out(Joined.merge)
     def join(
         self,
         gen: int,
@@ -241,7 +250,7 @@ class Worker:
         skipped: int = -1,
         skip: tuple[int, ...] | None = None,
         lease: Lease | None = None,
-    ) -> dict[str, Any]:
+    ) -> Joined:
         """Enters generation ``gen``: settles the pending step, builds the new group.
 
         A worker with no state yet (a replacement) may be behind ``steps_done``;
@@ -258,7 +267,7 @@ class Worker:
         attempt, self.engine.last_attempt = self.engine.last_attempt, None
         dropped = (
             attempt
-            if attempt and attempt["step"] == pending and commits.steps_done <= attempt["step"]
+            if attempt and attempt.step == pending and commits.steps_done <= attempt.step
             else None
         )
         loader.prefetch_on = loader.want_prefetch()
@@ -272,7 +281,7 @@ class Worker:
         self.membership.join(gen, rank, world_size, backend=self.backend, timeouts=timeouts,
                              shard_index=self.shard_index)
         self.vitals.phase = "idle"
-        return {"steps_done": commits.steps_done, "dropped": dropped}
+        return Joined(steps_done=commits.steps_done, dropped=dropped)
 
     @fans_out()
     def shutdown(self) -> None:
@@ -284,7 +293,7 @@ class Worker:
 
     # ---- steps ---------------------------------------------------------------------------------
 
-    @fans_out(replica.merge_run)
+    @fans_out(RunReport.merge)
     def run(
         self,
         gen: int,
@@ -297,14 +306,14 @@ class Worker:
         ledger: bool = False,
         metric_keys: tuple[str, ...] = (),
         horizon: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> RunReport:
         """Runs steps ``start`` .. ``until - 1`` on its own (:meth:`RunLoop.run
         <planaria.worker.run_loop.RunLoop.run>`)."""
         return self.loop.run(gen, run_id, start, until, plan=plan, skipped=skipped,
                              ledger=ledger, metric_keys=metric_keys, horizon=horizon)
 
-    @fans_out(replica.merge_settled)
-    def settle_run(self, gen: int) -> dict[str, Any]:
+    @fans_out(Settled.merge)
+    def settle_run(self, gen: int) -> Settled:
         """After a failed run: drops a step whose collective did not complete here, and
         reports how far this worker got and the records of the steps it applied."""
         return self.loop.settle(gen)
@@ -319,25 +328,24 @@ class Worker:
 
     # ---- state: hot-join -----------------------------------------------------------------------
 
-    @fans_out(replica.merge_meta)
-    def state_meta(self, gen: int) -> dict[str, Any]:
+    @fans_out(StateMeta.merge)
+    def state_meta(self, gen: int) -> StateMeta:
         """What a joiner needs besides tensors: the layout, the JSON metadata, steps done."""
         self.membership.check(gen)
         return self.transfer.meta()
 
-    @fans_out(replica.merge_sum)
+    @fans_out(merge_sum)
     def send_state(self, gen: int, dsts: list[int]) -> int:
         """Sends the whole state to ranks ``dsts`` over the generation's group; returns bytes."""
         self.membership.check(gen)
         return self.transfer.send(dsts)
 
-    @fans_out(replica.merge_sum)
-    def recv_state(self, gen: int, src: int, source: dict[str, Any]) -> int:
-        """Receives the state sent by rank ``src`` straight into this replica's live tensors."""
+    @fans_out(merge_sum)
+    def recv_state(self, gen: int, src: int, source: StateMeta) -> int:
+        """Receives the state sent by rank ``src`` straight into this replica's live tensors
+        (a sharded replica's worker: its counterpart's part)."""
         self.membership.check(gen)
-        if "shards" in source:  # a sharded replica's: this worker's counterpart's part
-            source = source["shards"][self.shard_index]
-        return self.transfer.receive(src, source)
+        return self.transfer.receive(src, source.part(self.shard_index))
 
     @fans_out()
     def get_state(self, gen: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -346,20 +354,20 @@ class Worker:
         self.membership.check(gen)
         return self.state.copies(self.commits.steps_done)
 
-    @fans_out(replica.merge_checksums)
+    @fans_out(merge_checksums)
     def checksum(self, gen: int) -> int:
         self.membership.check(gen)
         return self.state.checksum()
 
     # ---- checkpoints (planaria.checkpoint.coordinator's Checkpointer calls these) --------------
 
-    @fans_out(replica.merge_ckpt_start)
+    @fans_out(Snapshot.merge)
     def ckpt_start(
         self, gen: int, step: int, index: int, num_shards: int, save_id: str, root: str,
         storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
         attempts: int = 3, staging_budget_bytes: int | None = None, direct_io: bool = True,
         describe: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> Snapshot:
         """Snapshots shard ``index`` of ``num_shards`` of the settled state after ``step``
         steps and starts writing it under ``root`` (:meth:`CheckpointSaver.start
         <planaria.worker.ckpt_save.CheckpointSaver.start>`). ``describe`` (writer 0's: the
@@ -369,21 +377,21 @@ class Worker:
             root=root, storage_options=storage_options, fsync=fsync, attempts=attempts,
             staging_budget_bytes=staging_budget_bytes, direct_io=direct_io), describe)
 
-    @fans_out(replica.merge_hold)
+    @fans_out(Hold.merge)
     @lane("ckpt")
-    def ckpt_freeze(self, gen: int) -> dict[str, Any]:
+    def ckpt_freeze(self, gen: int) -> Hold:
         """Beside the steps: no step from now on is applied (a hold) until ckpt_advance or
-        ckpt_release; returns ``steps_done`` and whether the pending step is reduced here.
+        ckpt_release; returns the steps done.
         The training thread goes on computing and waits, before its next apply, in phase
         ``held``; an abort of the generation drops the held step."""
         self.membership.check(gen)
         return self.commits.freeze()
 
-    @fans_out(replica.merge_hold)
+    @fans_out(Hold.merge)
     @lane("ckpt")
-    def ckpt_advance(self, gen: int, to: int, timeout_s: float) -> dict[str, Any]:
+    def ckpt_advance(self, gen: int, to: int, timeout_s: float) -> Hold:
         """Under a hold: lets the steps before ``to`` be applied, and waits (bounded) until
-        they are: every replica then holds step ``to``'s state. Returns ``steps_done``."""
+        they are: every replica then holds step ``to``'s state. Returns the steps done."""
         self.membership.check(gen)
         return self.commits.advance(to, timeout_s)
 
@@ -393,58 +401,58 @@ class Worker:
         """Ends a hold: the training thread applies its steps again."""
         self.commits.release()
 
-    @fans_out(replica.merge_ckpt_start)
+    @fans_out(Snapshot.merge)
     @lane("ckpt")
     def ckpt_start_beside(
         self, gen: int, step: int, index: int, num_shards: int, save_id: str, root: str,
         storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
         attempts: int = 3, staging_budget_bytes: int | None = None, direct_io: bool = True,
         describe: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> Snapshot:
         """As :meth:`ckpt_start`, but beside the steps, under a hold (:meth:`ckpt_freeze`)."""
         self.membership.check(gen)
         return self.saver.start_beside(step, index, num_shards, save_id, SaveOptions(
             root=root, storage_options=storage_options, fsync=fsync, attempts=attempts,
             staging_budget_bytes=staging_budget_bytes, direct_io=direct_io), describe)
 
-    @fans_out(replica.merge_ckpt_poll)
-    def ckpt_poll(self, save_id: str) -> dict[str, Any] | None:
+    @fans_out(merge_written)
+    def ckpt_poll(self, save_id: str) -> ShardWritten | None:
         """The shard record of save ``save_id`` once written (None while writing). Not fenced
         by generation: it only reads what this worker's writer did, and the controller
         matches records to the save by ``save_id``."""
         return self.saver.poll(save_id)
 
-    @fans_out(replica.merge_ckpt_poll)
+    @fans_out(merge_written)
     @lane("ckpt")
-    def ckpt_wait(self, save_id: str, timeout_s: float) -> dict[str, Any]:
+    def ckpt_wait(self, save_id: str, timeout_s: float) -> ShardWritten:
         """Waits, beside the steps (its own concurrency group), until this worker's shard of
         save ``save_id`` is written and read back, and returns its record: the controller
         commits the save the moment the last writer's answer arrives."""
         return self.saver.wait(save_id, timeout_s)
 
-    @fans_out(replica.merge_probe)
+    @fans_out(StorageProbe.merge)
     def ckpt_probe(
         self, root: str, name: str, storage_options: Mapping[str, Any] | None, size: int
-    ) -> dict[str, Any]:
+    ) -> StorageProbe:
         """Reads the file ``name`` the controller wrote under ``root``. Not fenced: it reads."""
         return probe_storage(root, name, storage_options, size)
 
-    @fans_out(replica.merge_ckpt_read)
+    @fans_out(RestoreRead.merge)
     def ckpt_read(
         self, gen: int, path: str, names: list[str] | None,
         storage_options: Mapping[str, Any] | None = None, *, strict: bool = True,
-    ) -> dict[str, Any]:
+    ) -> RestoreRead:
         """Phase 1 of a restore (:meth:`CheckpointRestorer.read
         <planaria.worker.ckpt_restore.CheckpointRestorer.read>`)."""
         self.membership.check(gen)
         return self.restorer.read(path, names, storage_options, strict=strict)
 
-    @fans_out(replica.merge_ckpt_apply)
+    @fans_out(merge_checksums)
     def ckpt_apply(
         self, gen: int, path: str, owners: dict[str, int] | None = None
-    ) -> dict[str, Any]:
+    ) -> int:
         """Phase 2 of a restore (:meth:`CheckpointRestorer.apply
-        <planaria.worker.ckpt_restore.CheckpointRestorer.apply>`)."""
+        <planaria.worker.ckpt_restore.CheckpointRestorer.apply>`); returns the checksum."""
         self.membership.check(gen)
         return self.restorer.apply(path, owners)
 

@@ -15,7 +15,6 @@ reported as such (the controller retries them).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +26,7 @@ from planaria.checkpoint.compat import compare_layouts
 from planaria.checkpoint.device_load import load_to_device
 from planaria.checkpoint.dtypes import DTYPES, dtype_name
 from planaria.faults.errors import PlanariaError
+from planaria.wire.state_reports import RestoreRead
 from planaria.worker.commit import Commits
 from planaria.worker.loader import SampleLoader
 from planaria.worker.membership import Membership
@@ -60,12 +60,12 @@ def broadcast_units(layout: Layout, owners: Mapping[str, int]) -> list[tuple[int
     return units
 
 
-def _read_failure(err: Exception) -> dict[str, Any]:
+def _read_failure(err: Exception) -> RestoreRead:
     """What :meth:`CheckpointRestorer.read` reports for an error while reading."""
     if isinstance(err, CheckpointError):
-        return {"ok": False, "error": str(err)}
+        return RestoreRead(error=str(err))
     if is_storage_error(err):
-        return {"ok": False, "storage": True, "error": f"{type(err).__name__}: {err}"}
+        return RestoreRead(error=f"{type(err).__name__}: {err}", storage=True)
     raise err
 
 
@@ -91,19 +91,18 @@ class CheckpointRestorer:
         self.live: dict[str, torch.Tensor] | None = None
 
     def read(self, path: str, names: list[str] | None,
-             storage_options: Mapping[str, Any] | None, *, strict: bool) -> dict[str, Any]:
+             storage_options: Mapping[str, Any] | None, *, strict: bool) -> RestoreRead:
         """Phase 1: checks the checkpoint at ``path`` fits this replica, then reads tensors
         ``names`` (None: all) into the live tensors, verifying every byte.
 
-        Returns ``ok``; ``mismatch`` (naming the tensors) if the checkpoint's tensors
-        differ from the replica's (with ``strict`` nothing is read, else only the tensors
-        that match are); ``error`` (naming the file at fault) and ``storage`` when the
-        checkpoint is not usable; else ``bytes`` and ``read_s``.
+        Reports a ``mismatch`` (naming the tensors) if the checkpoint's tensors differ
+        from the replica's (with ``strict`` nothing is read, else only the tensors that
+        match are); an ``error`` (naming the file at fault), ``storage`` or not, when the
+        checkpoint is not usable.
         """
         state = self.state
         self.staged = None
         self.vitals.set_phase("ckpt_read", -1)
-        t0 = time.perf_counter()
         try:
             if not state.optimizer.state:  # so that the optimizer state too lands in touched memory
                 self.commits.prebuild_optimizer_state()
@@ -121,7 +120,7 @@ class CheckpointRestorer:
             mine.update({n: (whole, mine[n][1]) for n, (whole, _) in origins.items()})
             diff = compare_layouts(saved, mine)
             if diff and strict:
-                return {"ok": False, "mismatch": "; ".join(diff), "error": "; ".join(diff)}
+                return RestoreRead(error="; ".join(diff), mismatch="; ".join(diff))
             if diff:
                 names = [n for n in (names if names is not None else saved)
                          if n in mine and mine[n] == saved[n]]
@@ -136,11 +135,7 @@ class CheckpointRestorer:
             self.vitals.set_phase("idle", -1)
         layout = {n: (t.shape, DTYPES[t.dtype]) for n, t in manifest.tensors.items()}
         self.staged = (path, tensors, meta, layout)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        out: dict[str, Any] = {"ok": True, "bytes": nbytes, "read_s": time.perf_counter() - t0}
-        if diff:
-            out["mismatch"] = "; ".join(diff)
-        return out
+        return RestoreRead(mismatch="; ".join(diff) if diff else None)
 
     def _load_into_live(
         self,
@@ -174,21 +169,19 @@ class CheckpointRestorer:
         tensors.update(moved)
         return tensors, meta
 
-    def apply(self, path: str, owners: dict[str, int] | None) -> dict[str, Any]:
+    def apply(self, path: str, owners: dict[str, int] | None) -> int:
         """Phase 2: loads what :meth:`read` read. With ``owners`` (tensor name → the rank
         that read it) every tensor is first broadcast from its owner over this generation's
-        process group. Returns ``steps_done``, ``bcast_s`` and the model's checksum."""
+        process group. Returns the model's checksum."""
         if self.staged is None or self.staged[0] != path:
             raise PlanariaError(f"{self.name} has not read {path}")
         _, tensors, meta, layout = self.staged
         self.staged = None
         state = self.state
-        t0 = time.perf_counter()
         live = self.live or {}
         if owners is not None:
             self.vitals.set_phase("ckpt_bcast", -1)
             tensors = self._broadcast(tensors, layout, owners, live)
-        bcast_s = time.perf_counter() - t0
         with torch.no_grad():  # model tensors not filled in place (a layout mismatch) are copied
             for name, tensor in tensors.items():
                 target = live.get(name)
@@ -208,8 +201,7 @@ class CheckpointRestorer:
         self.commits.drop_pending()
         self.commits.steps_done = int(meta["steps_done"])
         self.vitals.set_phase("idle", self.commits.steps_done)
-        return {"steps_done": self.commits.steps_done, "bcast_s": bcast_s,
-                "checksum": state.checksum()}
+        return state.checksum()
 
     def _broadcast(
         self,

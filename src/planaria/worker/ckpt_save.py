@@ -16,6 +16,7 @@ the training thread may compute the next step (see :mod:`planaria.worker.commit`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from planaria.checkpoint import AsyncShardWriter, plan_shards
 from planaria.checkpoint.plan import ShardPlan, plan_row_shards
 from planaria.checkpoint.storage import Storage
 from planaria.faults.errors import PlanariaError
+from planaria.wire.state_reports import ShardWritten, Snapshot, StorageProbe
 from planaria.worker.commit import Commits
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.state import jsonable, shard_origins
@@ -65,14 +67,14 @@ class CheckpointSaver:
         self.save_id: str | None = None  # the save the writer writes
 
     def start(self, step: int, index: int, num_shards: int, save_id: str, options: SaveOptions,
-              describe: dict[str, Any] | None) -> dict[str, Any]:
+              describe: dict[str, Any] | None) -> Snapshot:
         """Snapshots shard ``index`` of ``num_shards`` of the state after ``step`` steps and
         starts writing it; returns once the snapshot is taken (``busy``, and nothing saved,
         while the previous write still runs: the controller drops the save)."""
         self.state.refuse_if_dirty(self.name, "be saved")
         if self.writer is not None and self.writer.busy:
             # Never block in an actor call on the writer: the controller drops this save.
-            return {"busy": True, "stall_s": None, "bytes": 0, "meta": None}
+            return Snapshot(busy=True, nbytes=0, meta=None)
         commits = self.commits
         if commits.pending is not None or commits.steps_done != step:
             raise PlanariaError(
@@ -85,7 +87,7 @@ class CheckpointSaver:
                               self.state.flatten())
 
     def start_beside(self, step: int, index: int, num_shards: int, save_id: str,
-                     options: SaveOptions, describe: dict[str, Any] | None) -> dict[str, Any]:
+                     options: SaveOptions, describe: dict[str, Any] | None) -> Snapshot:
         """As :meth:`start`, but beside the steps, under a hold: the committed state of step
         ``step`` is snapshotted while the training thread may be computing the next step
         (its module buffers, in flux, are taken as committed: see BufferSync.committed)."""
@@ -93,7 +95,7 @@ class CheckpointSaver:
         state.refuse_if_dirty(self.name, "be saved")
         with state.lock:
             if self.writer is not None and self.writer.busy:
-                return {"busy": True, "stall_s": None, "bytes": 0, "meta": None}
+                return Snapshot(busy=True, nbytes=0, meta=None)
             if self.commits.steps_done != step:
                 raise PlanariaError(f"{self.name} cannot snapshot step {step} beside its steps: "
                                     f"it has {self.commits.steps_done} steps done")
@@ -109,7 +111,7 @@ class CheckpointSaver:
         self, step: int, index: int, num_shards: int, save_id: str, options: SaveOptions,
         describe: dict[str, Any] | None, state: tuple[dict[str, torch.Tensor], dict[str, Any]],
         *, phase: bool = True,
-    ) -> dict[str, Any]:
+    ) -> Snapshot:
         """Copies this worker's share of ``state`` into the writer's staging and starts its
         write (see :meth:`start`)."""
         tensors, meta = state
@@ -128,7 +130,7 @@ class CheckpointSaver:
             self.save_id = save_id
         if phase:
             self.vitals.set_phase("idle", step)
-        return {"stall_s": stall, "bytes": plan.nbytes, "meta": meta if first else None}
+        return Snapshot(busy=False, nbytes=plan.nbytes, meta=meta if first else None)
 
     def _plan(self, tensors: Mapping[str, torch.Tensor], index: int, num_shards: int
               ) -> ShardPlan:
@@ -153,23 +155,24 @@ class CheckpointSaver:
             raise PlanariaError(f"{self.name} is not writing save {save_id}")
         return writer
 
-    def poll(self, save_id: str) -> dict[str, Any] | None:
+    def poll(self, save_id: str) -> ShardWritten | None:
         """The shard record of save ``save_id`` once written (None while writing); raises
         the write's error if it failed."""
         writer = self._writing(save_id)
         record = writer.poll()
         if record is None:
             return None
-        return {"record": record.to_dict(), "write_s": writer.last_write_s}
+        return ShardWritten(records=[record.to_dict()],
+                            written_t=writer.last_written_t or time.time())
 
-    def wait(self, save_id: str, timeout_s: float) -> dict[str, Any]:
+    def wait(self, save_id: str, timeout_s: float) -> ShardWritten:
         """Waits until this worker's shard of save ``save_id`` is written and read back, and
         returns its record. Raises the write's error, or ``TimeoutError`` past
         ``timeout_s``."""
         writer = self._writing(save_id)
         record = writer.result(timeout_s)
-        return {"record": record.to_dict(), "write_s": writer.last_write_s,
-                "written_t": writer.last_written_t}
+        return ShardWritten(records=[record.to_dict()],
+                            written_t=writer.last_written_t or time.time())
 
     def _writer(self, root: str, storage_options: Mapping[str, Any] | None, fsync: bool
                 ) -> AsyncShardWriter:
@@ -183,14 +186,14 @@ class CheckpointSaver:
 
 
 def probe_storage(root: str, name: str, storage_options: Mapping[str, Any] | None, size: int
-                  ) -> dict[str, Any]:
-    """Reads the file ``name`` the controller wrote under ``root``: ``ok``, or ``error`` (a
+                  ) -> StorageProbe:
+    """Reads the file ``name`` the controller wrote under ``root``: ok, or an ``error`` (a
     root this worker cannot reach, e.g. a local path on another node)."""
     try:
         st = Storage(root, storage_options)
         got = len(st.read_bytes(st.path(name)))
     except Exception as err:
-        return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+        return StorageProbe(error=f"{type(err).__name__}: {err}")
     if got != size:
-        return {"ok": False, "error": f"read {got} bytes of {name}, the controller wrote {size}"}
-    return {"ok": True}
+        return StorageProbe(error=f"read {got} bytes of {name}, the controller wrote {size}")
+    return StorageProbe()

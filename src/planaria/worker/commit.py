@@ -16,10 +16,10 @@ import logging
 import math
 import threading
 import time
-from typing import Any
 
 from planaria.faults.errors import PlanariaError, StepAborted
 from planaria.faults.user_code import user_call
+from planaria.wire.reports import Hold
 from planaria.worker.membership import Membership
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.vitals import Vitals
@@ -40,7 +40,6 @@ class Commits:
         self.vitals = vitals
         self.steps_done = 0
         self.pending: int | None = None
-        self.reduced_step = -1  # the newest step whose reduction completed here
         self.grad_norm = 0.0  # the pending step's reduced gradient's
         self.hold = threading.Condition(state.lock)
         self.hold_below: int | None = None  # while set, no step at or past it is applied
@@ -131,14 +130,13 @@ class Commits:
 
     # ---- a hold: a save beside the steps ------------------------------------------------------
 
-    def freeze(self) -> dict[str, Any]:
+    def freeze(self) -> Hold:
         """No step from now on is applied until :meth:`advance` or :meth:`release`."""
         with self.hold:
             self.hold_below = self.steps_done
-            return {"steps_done": self.steps_done,
-                    "reduced": self.pending is not None and self.reduced_step >= self.pending}
+            return Hold(steps_done=self.steps_done)
 
-    def advance(self, to: int, timeout_s: float) -> dict[str, Any]:
+    def advance(self, to: int, timeout_s: float) -> Hold:
         """Lets the steps before ``to`` be applied and waits (bounded) until they are."""
         end = time.monotonic() + timeout_s
         with self.hold:
@@ -148,7 +146,7 @@ class Commits:
                 if self.membership.aborted:
                     break
                 self.hold.wait(0.02)
-            return {"steps_done": self.steps_done, "reduced": True}
+            return Hold(steps_done=self.steps_done)
 
     def release(self) -> None:
         with self.hold:

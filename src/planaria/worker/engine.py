@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from planaria.data.randomness import micro_batch_seed, seed_torch
 from planaria.faults.errors import Failure, PlanariaError, StepAborted, Work
 from planaria.faults.user_code import user_call
+from planaria.wire.reports import Attempt, Served
 from planaria.worker.busy import current_thread_ids
 from planaria.worker.collective import Collective
 from planaria.worker.commit import Commits
@@ -34,7 +36,22 @@ from planaria.worker.replica import replica_failed
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.vitals import Vitals
 
-__all__ = ["FaultSeam", "StepEngine"]
+__all__ = ["FaultSeam", "StepComputed", "StepEngine"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepComputed:
+    """A step computed and reduced here, not applied yet: this rank's part of its record
+    (:class:`planaria.wire.reports.StepRecord`). ``grad_norm`` is the reduced gradient's
+    (an fp16 step's unscaled); ``overflow``: a loss scaler's scale was too high."""
+
+    grad_norm: float
+    overflow: bool
+    metric_sums: Mapping[str, float]
+    served: Served
+    data_wait_s: float
+    compute_s: float
+    reduce_s: float
 
 
 class FaultSeam:
@@ -65,15 +82,15 @@ class StepEngine:
         self.vitals = vitals
         self.seam = seam
         self.sharded = state.shape.k > 1
-        self.last_attempt: dict[str, Any] | None = None  # what the last step was served
+        self.last_attempt: Attempt | None = None  # what the last step was served
         self._load_planned = loader.load_planned  # bound once: run while the reduce is in flight
         self._backward = StepBackward(sharded=self.sharded)  # armed per micro-batch
 
     def step(
         self, gen: int, step: int, ids: np.ndarray, steps_done: int,
         next_ids: np.ndarray | None, *, skipped: int, status: torch.Tensor,
-        metric_keys: tuple[str, ...], record_served: Callable[[int, dict[str, Any]], None] | None,
-    ) -> dict[str, Any]:
+        metric_keys: tuple[str, ...], record_served: Callable[[Attempt], None] | None,
+    ) -> StepComputed:
         """Computes step ``step`` on ``ids`` and reduces the gradient; applies nothing yet.
 
         ``steps_done`` is the run's count of committed steps: if this worker's pending
@@ -82,8 +99,8 @@ class StepEngine:
         as done. ``status`` (see :mod:`planaria.worker.run_loop`) is summed over the ranks
         in the gradient's own all-reduce, in place, the sums of ``metric_keys`` after its
         fixed slots. ``next_ids`` (this rank's share of the next step) load on the loader
-        thread, or on this one while the reduction is in flight. ``record_served(step,
-        attempt)``, if given, is called once the share is loaded, before the reduction.
+        thread, or on this one while the reduction is in flight. ``record_served(attempt)``,
+        if given, is called once the share is loaded, before the reduction.
         """
         self.state.refuse_if_dirty(self.name, "step")
         self.vitals.train_thread = current_thread_ids()
@@ -116,7 +133,7 @@ class StepEngine:
         t1 = time.perf_counter()
         self._reduce(step, loaded, first, count, comm, status, metric_keys, loss_sum,
                      metric_sums)
-        return self._result(step, loaded, loss_sum, metric_sums, t0, t1, data_wait_s)
+        return self._result(step, metric_sums, t0, t1, data_wait_s)
 
     def warm_compile(self) -> None:
         """Compiles now, off the critical path: one forward and backward of a micro-batch of
@@ -143,7 +160,7 @@ class StepEngine:
         self.commits.drop_pending()
 
     def _load(self, gen: int, step: int, ids: np.ndarray, first: int,
-              record_served: Callable[[int, dict[str, Any]], None] | None) -> Loaded:
+              record_served: Callable[[Attempt], None] | None) -> Loaded:
         """This rank's share, loaded (or taken from what was loaded ahead)."""
         self.vitals.set_phase("loading", step)
         reducer = self.state.reducer
@@ -159,10 +176,10 @@ class StepEngine:
         hook = self.seam.hook
         if hook is not None:
             hook(self.seam.owner, step, "loaded")  # a fault injected before the compute
-        self.last_attempt = {"gen": gen, "step": step, "ids": served.ids,
-                             "digests": served.digests}
+        self.last_attempt = attempt = Attempt(gen=gen, step=step, served=Served(
+            ids=served.ids, digests=served.digests if served.digests_on else None))
         if record_served is not None:  # the run's ledger, before the collective
-            record_served(step, self.last_attempt)
+            record_served(attempt)
         return loaded
 
     def _plan_ahead(self, next_ids: np.ndarray | None, step: int, first: int,
@@ -273,14 +290,13 @@ class StepEngine:
         except BaseException:
             self.membership.abort_generation(step)  # no peer waits on this rank next
             raise
-        if not self.sharded:  # a sharded replica's workers leave it: their hold (ckpt_freeze)
-            self.commits.reduced_step = step  # answers "not reduced"
         state.buffer_sync.reduced(extra)
         self.commits.grad_norm = norm
 
-    def _result(self, step: int, loaded: Loaded, loss_sum: float, metric_sums: dict[str, float],
-                t0: float, t1: float, data_wait_s: float) -> dict[str, Any]:
-        """The step's record; an fp16 step's norm unscaled, and whether it overflowed."""
+    def _result(self, step: int, metric_sums: dict[str, float], t0: float, t1: float,
+                data_wait_s: float) -> StepComputed:
+        """This rank's part of the step's record; an fp16 step's norm unscaled, and whether
+        it overflowed."""
         overflow = False
         scaler = self.state.scaler
         if scaler is not None:  # the buffers hold scaled gradients
@@ -289,16 +305,10 @@ class StepEngine:
             overflow = not math.isfinite(self.commits.grad_norm)
         t2 = time.perf_counter()
         self.vitals.set_phase("idle", step)
-        return {
-            "grad_norm": self.commits.grad_norm,
-            "overflow": overflow,
-            "loss_sum": loss_sum,
-            "n": int(sum(n for n, _ in loaded.batches)),
-            "metric_sums": metric_sums,
-            "ids": loaded.served.ids,  # what dataset[i] was called with, not an echo of ids
-            "digests": loaded.served.digests,
-            "data_wait_s": data_wait_s,
-            "compute_s": t1 - t0 - data_wait_s,
-            "reduce_s": t2 - t1,
-            "preempting": self.vitals.preempting,
-        }
+        attempt = self.last_attempt
+        assert attempt is not None
+        return StepComputed(
+            grad_norm=self.commits.grad_norm, overflow=overflow, metric_sums=metric_sums,
+            served=attempt.served,  # what dataset[i] was called with, not an echo of ids
+            data_wait_s=data_wait_s, compute_s=t1 - t0 - data_wait_s, reduce_s=t2 - t1,
+        )

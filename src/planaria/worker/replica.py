@@ -21,7 +21,6 @@ import functools
 import json
 import logging
 import os
-import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -38,9 +37,10 @@ from planaria.faults.errors import (
 )
 from planaria.wire import store_keys
 
-__all__ = ["FOLLOWER_SETTLE_S", "fans_out", "lane", "merge_records", "replica_failed"]
+__all__ = ["FOLLOWER_SETTLE_S", "fans_out", "lane", "replica_failed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
 
 FOLLOWER_SETTLE_S = 10.0
 """After the leader's own part of a call failed, how long it waits for the others' parts
@@ -54,9 +54,10 @@ def lane(group: str) -> Callable[[F], F]:
     return cast(Callable[[F], F], ray.method(concurrency_group=group))
 
 
-def fans_out(merge: Callable[[Any, list[Any]], Any] | None = None) -> Callable[[F], F]:
+def fans_out(merge: Callable[[R, list[R]], R] | None = None) -> Callable[[F], F]:
     """Runs a worker method on the replica's other workers too, and merges the answers
-    (``merge(leader's, [others' in shard order])``; default: the leader's)."""
+    (``merge(leader's, [others' in shard order])``, e.g. a report's own ``merge``, see
+    :mod:`planaria.wire.reports`; default: the leader's)."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
@@ -149,128 +150,3 @@ def _raise_replica_error(worker: Any, refs: list[Any], err: BaseException) -> No
         except Exception as other:
             if is_death(other):
                 raise _dead(worker, i, other) from err
-
-
-# ---- merging the workers' answers -----------------------------------------------------------
-
-
-def merge_checksums(mine: int, theirs: list[int]) -> int:
-    """One checksum for the replica: its shards' in shard order."""
-    return zlib.crc32(b"".join(int(c).to_bytes(8, "little") for c in [mine, *theirs]))
-
-
-def _served(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """What the replica's workers were served, in shard order: ids and content digests."""
-    digests = [p.get("digests") for p in parts]
-    return {"ids": [i for p in parts for i in p["ids"]],
-            "digests": None if any(d is None for d in digests)
-            else [d for ds in digests if ds is not None for d in ds]}
-
-
-def merge_records(
-    mine: list[dict[str, Any]], theirs: list[list[dict[str, Any]]]
-) -> list[dict[str, Any]]:
-    """The leader's step records with every worker's served ids (ledger) and own metric
-    sums merged in, where their records of the step came back."""
-    by_step = [{r["step"]: r for r in recs} for recs in theirs]
-    out = []
-    for rec in mine:
-        parts = [rec, *(s[rec["step"]] for s in by_step if rec["step"] in s)]
-        if "ids" in rec:
-            rec = {**rec, **_served(parts)}
-        if "metric_sums" in rec:
-            sums: dict[str, float] = {}
-            for part in parts:
-                for k, v in part.get("metric_sums", {}).items():
-                    sums[k] = sums.get(k, 0.0) + v
-            rec = {**rec, "metric_sums": sums}
-        out.append(rec)
-    return out
-
-
-def merge_run(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {**mine, "steps": merge_records(mine["steps"], [t["steps"] for t in theirs]),
-            "preempting": mine["preempting"] or any(t["preempting"] for t in theirs)}
-
-
-def merge_settled(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {**mine, "steps": merge_records(mine["steps"], [t["steps"] for t in theirs])}
-
-
-def merge_join(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    dropped = mine.get("dropped")
-    if dropped is not None:
-        parts = [dropped, *(t["dropped"] for t in theirs if t.get("dropped"))]
-        dropped = {**dropped, **_served(parts)}
-    return {**mine, "dropped": dropped}
-
-
-def merge_meta(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A replica's state description: every shard's, for the joiner's workers in order."""
-    return {**mine, "shards": [mine, *theirs]}
-
-
-def merge_sum(mine: int, theirs: list[int]) -> int:
-    return mine + sum(theirs)
-
-
-def merge_setup(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {**mine, "checksum": merge_checksums(mine["checksum"], [t["checksum"] for t in theirs]),
-            "param_bytes": mine["param_bytes"] + sum(t["param_bytes"] for t in theirs),
-            "follower_pids": [t["pid"] for t in theirs]}
-
-
-# ---- checkpoints: every worker of the replica saves and reads its own shard ----------------
-
-
-def merge_ckpt_start(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    parts = [mine, *theirs]
-    stalls = [p["stall_s"] for p in parts]
-    return {**mine, "busy": any(p.get("busy") for p in parts),
-            "stall_s": None if any(s is None for s in stalls) else max(stalls),
-            "bytes": sum(int(p["bytes"]) for p in parts)}
-
-
-def merge_hold(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A replica's workers under a hold: the replica is as far as its least advanced worker."""
-    parts = [mine, *theirs]
-    return {"steps_done": min(p["steps_done"] for p in parts),
-            "reduced": all(p["reduced"] for p in parts)}
-
-
-def merge_ckpt_poll(
-    mine: dict[str, Any] | None, theirs: list[dict[str, Any] | None]
-) -> dict[str, Any] | None:
-    """Every worker's shard record once all are written (None while one still writes)."""
-    parts = [mine, *theirs]
-    if any(p is None for p in parts):
-        return None
-    return {"records": [p["record"] for p in parts if p is not None],
-            "write_s": max(p["write_s"] for p in parts if p is not None),
-            "written_t": max((p.get("written_t") or 0.0) for p in parts if p is not None)}
-
-
-def _first_failure(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return next((p for p in parts if not p.get("ok", True)), None)
-
-
-def merge_probe(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    return _first_failure([mine, *theirs]) or mine
-
-
-def merge_ckpt_read(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    parts = [mine, *theirs]
-    failed = _first_failure(parts)
-    if failed is not None:
-        return failed
-    out = {**mine, "bytes": sum(p["bytes"] for p in parts),
-           "read_s": max(p["read_s"] for p in parts)}
-    mismatch = next((p["mismatch"] for p in parts if p.get("mismatch")), None)
-    if mismatch:
-        out["mismatch"] = mismatch
-    return out
-
-
-def merge_ckpt_apply(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {**mine, "bcast_s": max(p["bcast_s"] for p in [mine, *theirs]),
-            "checksum": merge_checksums(mine["checksum"], [t["checksum"] for t in theirs])}

@@ -30,7 +30,6 @@ to any survivor behind (see :mod:`planaria.control.run_ahead`).
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Any
@@ -40,13 +39,22 @@ import torch
 
 from planaria.data.plan import DataPlan, split_micro_batches
 from planaria.wire import store_keys
+from planaria.wire.reports import (
+    Attempt,
+    RunEnd,
+    RunReport,
+    Settled,
+    StepRecord,
+    served_line,
+    stream_chunk,
+)
 from planaria.worker.commit import Commits
-from planaria.worker.engine import FaultSeam, StepEngine
+from planaria.worker.engine import FaultSeam, StepComputed, StepEngine
 from planaria.worker.key_watch import KeyWatch
 from planaria.worker.membership import Membership
 from planaria.worker.vitals import Vitals
 
-__all__ = ["STATUS", "STOP_POLL_S", "STREAMED", "STREAM_S", "RunLoop", "StepStream"]
+__all__ = ["STATUS", "STOP_POLL_S", "STREAM_S", "RunLoop", "StepStream"]
 
 STATUS = ("loss_sum", "samples", "leaving", "stop")
 """The status vector summed in every step's all-reduce, in this order; the sums of the
@@ -56,9 +64,6 @@ STOP_POLL_S = 0.05
 :class:`planaria.worker.key_watch.KeyWatch` thread)."""
 STREAM_S = 0.25
 """Rank 0 publishes the records of the steps every rank has applied at most this often."""
-STREAMED = ("step", "t0", "t", "global_loss_sum", "global_samples", "global_metric_sums",
-            "grad_norm", "overflow", "data_wait_s", "finite")
-"""The fields of a streamed step record."""
 
 
 class RunLoop:
@@ -78,14 +83,14 @@ class RunLoop:
         self.seam = seam
         self.leads = leads
         self.store = membership.store
-        self.records: list[dict[str, Any]] = []  # the last run's, settled by settle()
+        self.records: list[StepRecord] = []  # the last run's, settled by settle()
         self._ledger: tuple[int, int, int] | None = None  # (gen, run_id, rank) with a ledger
         self._record_served = self.record_served  # bound once: the engine calls it per step
 
     def run(
         self, gen: int, run_id: int, start: int, until: int, *, plan: tuple[int, int, int],
         skipped: int, ledger: bool, metric_keys: tuple[str, ...], horizon: int | None,
-    ) -> dict[str, Any]:
+    ) -> RunReport:
         """Runs steps ``start`` .. ``until - 1`` (or fewer, see the module doc) on its own.
 
         ``plan`` is the data plan's (num_samples, global_batch_size, seed); ``skipped``
@@ -94,10 +99,9 @@ class RunLoop:
         the status. Each step loads the next one's share ahead, the run's last step too,
         up to ``horizon`` (the job's step count; ``until`` if None): a run of one step
         (``Job.train_step``) finds its share loaded by the run before.
-        Returns ``{"steps": [record, ...], "ended": "until" | "stop" | "leaving" |
-        "nonfinite", "steps_done": n, "preempting": bool}``; only rank 0 (every rank
-        with a ledger) returns its records, which hold the step's totals: the
-        controller's work per step does not grow with the number of workers.
+        Returns how the run ended; only rank 0 (every rank with a ledger) returns all its
+        records, which hold the step's totals: the controller's work per step does not grow
+        with the number of workers.
         """
         self.records = []  # the last run's, settled by settle(), go with it
         self.membership.check(gen)
@@ -128,18 +132,18 @@ class RunLoop:
         self.vitals.set_phase("idle", self.commits.steps_done)
         if rank != 0 and not ledger:
             records = records[-1:]  # its last step only: how far it got
-        return {"steps": records, "ended": ended, "steps_done": self.commits.steps_done,
-                "preempting": self.vitals.preempting}
+        return RunReport(steps=records, ended=ended, steps_done=self.commits.steps_done,
+                         preempting=self.vitals.preempting)
 
     def _run(
         self, gen: int, run_id: int, start: int, until: int, data_plan: DataPlan, key: str,
         skipped: int, metric_keys: tuple[str, ...], horizon: int,
-    ) -> str:
+    ) -> RunEnd:
         comm = self.membership.comm
         assert comm is not None
         width, rank, mbs = comm.world_size, comm.rank, self.spec.micro_batch_size
         device = getattr(comm, "device", None) or torch.device("cpu")
-        ended = "until"
+        ended: RunEnd = "until"
         done = start  # the steps this run counts as committed (the first step settles)
         step = start
         stream = StepStream(self.store, gen, run_id) if rank == 0 and self.leads else None
@@ -160,20 +164,18 @@ class RunLoop:
             status[2] = float(vitals.preempting)
             status[3] = float(stop_seen)
             t0 = time.time()
-            r = self.engine.step(gen, step, ids, done, nxt, skipped=skipped, status=status,
+            c = self.engine.step(gen, step, ids, done, nxt, skipped=skipped, status=status,
                                  metric_keys=metric_keys, record_served=record_served)
             skipped = -1
             hook = seam.hook
             if hook is not None:
                 hook(seam.owner, step, "reduced")  # a fault injected after the reduction
             loss_sum, samples, leaving, stop, *metric_sums = status.tolist()
-            finite = math.isfinite(loss_sum) and (r["overflow"] or math.isfinite(r["grad_norm"]))
-            r.update(step=step, t0=t0, worker=self.name, global_loss_sum=loss_sum,
-                     global_samples=int(samples), leaving=leaving > 0, finite=finite,
-                     global_metric_sums=dict(zip(metric_keys, metric_sums, strict=True)))
+            finite = math.isfinite(loss_sum) and (c.overflow or math.isfinite(c.grad_norm))
+            global_metric_sums = dict(zip(metric_keys, metric_sums, strict=True))
             if not finite:
-                r["t"] = time.time()
-                records.append(r)
+                records.append(_record(step, t0, c, finite=False, loss_sum=loss_sum,
+                                       samples=int(samples), metric_sums=global_metric_sums))
                 ended = "nonfinite"  # not applied: the controller's policy decides
                 break
             done = step + 1
@@ -182,8 +184,8 @@ class RunLoop:
             hook = seam.hook
             if hook is not None:
                 hook(seam.owner, step, "applied")  # a fault injected after the apply
-            r["t"] = time.time()
-            records.append(r)
+            records.append(_record(step, t0, c, finite=True, loss_sum=loss_sum,
+                                   samples=int(samples), metric_sums=global_metric_sums))
             if stream is not None:
                 # This step's reduction completed: every rank applied the steps before it.
                 stream.publish(records, len(records) - 1)
@@ -196,26 +198,37 @@ class RunLoop:
                 break
         return ended
 
-    def settle(self, gen: int) -> dict[str, Any]:
+    def settle(self, gen: int) -> Settled:
         """After a failed run: drops a step whose collective did not complete here, and
         reports how far this worker got and the records of the steps it applied."""
         self.membership.enter(gen)  # a newer generation may be forming
         if self.commits.pending is not None:
             self.commits.drop_pending()
         records, self.records = self.records, []
-        return {"steps_done": self.commits.steps_done, "steps": records}
+        return Settled(steps_done=self.commits.steps_done, steps=records)
 
-    def record_served(self, step: int, attempt: dict[str, Any]) -> None:
-        """With a ledger, what this rank was served for ``step``, into the store before the
-        step's collective: a committed step's record outlives the worker."""
+    def record_served(self, attempt: Attempt) -> None:
+        """With a ledger, what this rank was served for the attempt's step, into the store
+        before the step's collective: a committed step's record outlives the worker."""
         hook = self._ledger
         if hook is None:
             return
         gen, run_id, rank = hook
-        line = json.dumps({"step": step, "worker": self.name,
-                           "ids": [int(i) for i in attempt["ids"]],
-                           "digests": attempt.get("digests")})
-        self.store.append(store_keys.run_ledger(gen, run_id, rank), line + "\n")
+        self.store.append(store_keys.run_ledger(gen, run_id, rank),
+                          served_line(attempt.step, self.name, attempt.served))
+
+
+def _record(step: int, t0: float, c: StepComputed, *, finite: bool, loss_sum: float,
+            samples: int, metric_sums: dict[str, float]) -> StepRecord:
+    """The record of step ``step``: this rank's part ``c`` and the step's totals over every
+    rank (``loss_sum``, ``samples``, ``metric_sums``, off the reduced status); its ``t`` is
+    now, when it was applied or found not finite."""
+    return StepRecord(
+        step=step, t0=t0, t=time.time(), grad_norm=c.grad_norm, overflow=c.overflow,
+        finite=finite, data_wait_s=c.data_wait_s, global_loss_sum=loss_sum,
+        global_samples=samples, global_metric_sums=metric_sums, served=c.served,
+        metric_sums=c.metric_sums, compute_s=c.compute_s, reduce_s=c.reduce_s,
+    )
 
 
 class StepStream:
@@ -229,12 +242,12 @@ class StepStream:
         self.chunks = 0
         self.last = time.monotonic()
 
-    def publish(self, records: list[dict[str, Any]], upto: int) -> None:
+    def publish(self, records: list[StepRecord], upto: int) -> None:
         """``records[:upto]`` that were not published yet, if ``STREAM_S`` has passed."""
         if upto <= self.sent or time.monotonic() - self.last < STREAM_S:
             return
-        chunk = [{k: r[k] for k in STREAMED} for r in records[self.sent:upto]]
-        self.store.set(store_keys.run_stream(self.gen, self.run_id, self.chunks), json.dumps(chunk))
+        self.store.set(store_keys.run_stream(self.gen, self.run_id, self.chunks),
+                       stream_chunk(records[self.sent:upto]))
         self.chunks += 1
         self.store.set(store_keys.run_stream(self.gen, self.run_id), str(self.chunks))
         self.sent, self.last = upto, time.monotonic()

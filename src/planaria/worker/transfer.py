@@ -11,11 +11,10 @@ layout.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from planaria.faults.errors import PlanariaError
+from planaria.wire.state_reports import StateMeta
 from planaria.worker.commit import Commits
 from planaria.worker.membership import Membership
 from planaria.worker.replica_state import ReplicaState
@@ -57,13 +56,12 @@ class StateTransfer:
         self.membership = membership
         self.vitals = vitals
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> StateMeta:
         """What a joiner needs besides tensors: the layout, the JSON metadata, steps done."""
         tensors, meta = self.state.flatten()
-        meta = self.state.with_extra_state(meta)
-        return {"layout": tensor_layout(tensors), "meta": meta,
-                "steps_done": self.commits.steps_done,
-                "on_host": sorted(k for k, v in tensors.items() if v.device.type == "cpu")}
+        return StateMeta(layout=tensor_layout(tensors), meta=self.state.with_extra_state(meta),
+                         steps_done=self.commits.steps_done,
+                         on_host=sorted(k for k, v in tensors.items() if v.device.type == "cpu"))
 
     def send(self, dsts: list[int]) -> int:
         """Sends the whole state to ranks ``dsts`` over the generation's group; returns bytes."""
@@ -85,7 +83,7 @@ class StateTransfer:
         self.vitals.set_phase("idle", steps_done)
         return sum(nbytes(b) for b in buffers) * len(dsts)
 
-    def receive(self, src: int, source: dict[str, Any]) -> int:
+    def receive(self, src: int, source: StateMeta) -> int:
         """Receives the state sent by rank ``src`` (described by ``source``, the source's
         :meth:`meta`) into this replica's live tensors; returns bytes."""
         comm = self.membership.comm
@@ -93,12 +91,13 @@ class StateTransfer:
         state = self.state
         self.vitals.set_phase("recv_state", -1)
         live, _ = state.flatten()
-        on_host = set(source.get("on_host", ()))
+        on_host = set(source.on_host)
         tensors: dict[str, torch.Tensor] = {}
-        for name, (shape, dtype) in source["layout"].items():
+        for name, (shape, dtype) in source.layout.items():
             target = live.get(name)
             want = getattr(torch, dtype)
-            fits = target is not None and list(target.shape) == shape and target.dtype == want
+            fits = (target is not None and list(target.shape) == list(shape)
+                    and target.dtype == want)
             if not fits and name.startswith("model/"):
                 raise PlanariaError(f"{name}: the joiner's model does not match the source's")
             if target is None or not fits or not target.is_contiguous():
@@ -129,9 +128,9 @@ class StateTransfer:
                 if name in model_live and model_live[name].data_ptr() != tensor.data_ptr():
                     model_live[name].copy_(tensor)
         optim = {k: v for k, v in tensors.items() if k.startswith("optim/")}
-        load_state(None, state.optimizer, state.scheduler, optim, source["meta"])
-        state.set_extra_state(source["meta"])
+        load_state(None, state.optimizer, state.scheduler, optim, source.meta)
+        state.set_extra_state(source.meta)
         self.commits.drop_pending()
-        self.commits.steps_done = int(source["steps_done"])
+        self.commits.steps_done = source.steps_done
         self.vitals.set_phase("idle", self.commits.steps_done)
         return sum(nbytes(tensors[k]) for k in big) + sum(nbytes(f) for f in flats)

@@ -334,7 +334,7 @@ class Injector:
 
     @staticmethod
     def _state_bytes(job: InjectedJob) -> int:
-        return max((int(h.info.get("param_bytes", 0)) for h in job.members), default=0)
+        return max(((h.info.param_bytes if h.info else 0) for h in job.members), default=0)
 
     def _id(self, fault: PlannedFault, role: str) -> str:
         return self.log.fault_id(fault, role)

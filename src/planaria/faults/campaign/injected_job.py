@@ -7,12 +7,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 from planaria.config import RunConfig, TrainSpec
 from planaria.control.policy import HangConfig
 from planaria.data.plan import DataPlan
+from planaria.wire.state_reports import Setup
 
 __all__ = ["InjectedJob", "InjectedWorker"]
 
@@ -28,8 +29,8 @@ class InjectedWorker(Protocol):
         """Its process (None until it is started)."""
 
     @property
-    def info(self) -> Mapping[str, Any]:
-        """What it reported when it became ready (``param_bytes`` among it)."""
+    def info(self) -> Setup | None:
+        """What it reported when it became ready (None before)."""
 
 
 class _Pool(Protocol):
