@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from planaria.control.reconcile import reconcile
 from planaria.faults.errors import Failure, NonFiniteLoss, Preempted
 from planaria.wire import store_keys
 from planaria.wire.reports import (
@@ -272,27 +273,18 @@ class RunAhead:
                 lost |= set(again.workers) or {h.name for h in survivors}
                 failure.workers = tuple(dict.fromkeys([*failure.workers, *again.workers]))
         gen = membership.gen
-        committed = max((a.steps_done for a in answers.values()), default=start)
-        committed = max(committed, start)
-        ahead = next((a for a in answers.values() if a.steps_done == committed), None)
+        outcome = reconcile(answers, start=start, members=membership.names)
+        committed, behind = outcome.committed, list(outcome.behind)
         served = self._served_from_store(members) if log.ledger is not None else {}
-        if ahead is not None:
-            for rec in ahead.steps:
-                if not start <= rec.step < committed:
-                    continue
-                if log.ledger is not None:
-                    log.ledger_step(rec.step, served.get(rec.step) or {}, gen=gen)
-                if rec.step >= log.steps_done:
-                    self._commit(rec)
+        for rec in outcome.applied:
+            if log.ledger is not None:
+                log.ledger_step(rec.step, served.get(rec.step) or {}, gen=gen)
+            if rec.step >= log.steps_done:
+                self._commit(rec)
         log.advance_to(committed)
         log.ledger_served(committed, served.get(committed) or {}, gen=gen)  # the broken attempt
-        behind = []
-        for h in membership.members:
-            a = answers.get(h.name)
-            if a is not None and a.steps_done < committed:
-                behind.append(h.name)
-                _log.info("%s is a step behind after the failure: it receives the state",
-                          h.name)
+        for name in behind:
+            _log.info("%s is a step behind after the failure: it receives the state", name)
         membership.set_holding(behind, False)  # its collective did not complete
         self.log.emit("run_ahead", gen=gen, start=start, until=stop, steps=committed - start,
                       ended="failed", why=failure.kind, width=len(members),
