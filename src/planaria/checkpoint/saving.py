@@ -33,6 +33,7 @@ from planaria.checkpoint.reaper import POLL_S, AbandonedSaves
 from planaria.checkpoint.root import CheckpointRoot
 from planaria.checkpoint.upkeep import RootUpkeep
 from planaria.checkpoint.writer import ShardRecord
+from planaria.faults import points
 from planaria.faults.errors import Failure, root_cause
 
 __all__ = ["Save", "SavePipeline"]
@@ -171,6 +172,7 @@ class SavePipeline:
             ref = actor.ckpt_wait.remote(save.save_id, deadline)
             save.waits[name] = ref
             ref.future().add_done_callback(functools.partial(self.on_written, save, name))
+        points.hit("checkpoint.save_started", step=step, reason=reason)
 
     # ---- committing --------------------------------------------------------------------------
 
@@ -227,10 +229,13 @@ class SavePipeline:
         lease = self.root.lease
         stale = time.time() - lease.renewed_t > self.config.lease_ttl_s / 3
         self.root.call(lease.renew if stale else lease.check, "checking the lease")
-        return commit_checkpoint(
+        points.hit("checkpoint.before_commit", step=save.step)
+        path = commit_checkpoint(
             self.root.root, save.step, records, save.meta, world_size=len(records),
             storage_options=self.root.options, run_id=self.root.run_id,
         )
+        points.hit("checkpoint.after_commit", step=save.step, path=path)
+        return path
 
     # ---- the save in flight, on the main thread ----------------------------------------------
 

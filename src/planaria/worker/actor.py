@@ -17,7 +17,8 @@ over the parts that do the work:
 - :class:`~planaria.worker.ckpt_save.CheckpointSaver` and
   :class:`~planaria.worker.ckpt_restore.CheckpointRestorer`: checkpoints.
 
-Tests inject faults through ``loop_fault`` (see :class:`planaria.worker.engine.FaultSeam`).
+Tests inject faults at the worker's named fault points (:meth:`Worker.arm_fault`, see
+:mod:`planaria.faults.points`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from planaria.config import TrainSpec
 from planaria.control.drain import register_worker
 from planaria.control.links import ProbeServer
 from planaria.data.plan import micro_batch_range
+from planaria.faults.points import WORKER_POINTS, FaultPoints
 from planaria.wire import store_keys
 from planaria.worker import compile_cache as compile_cache_mod
 from planaria.worker import forkserver, process, replica
@@ -45,7 +47,7 @@ from planaria.worker.ckpt_restore import CheckpointRestorer
 from planaria.worker.ckpt_save import CheckpointSaver, SaveOptions, probe_storage
 from planaria.worker.collective import connect_store
 from planaria.worker.commit import Commits
-from planaria.worker.engine import FaultSeam, StepEngine
+from planaria.worker.engine import StepEngine
 from planaria.worker.key_watch import KeyWatch
 from planaria.worker.loader import SampleLoader
 from planaria.worker.membership import Membership
@@ -99,7 +101,7 @@ class Worker:
         self.backend = backend or ("nccl" if use_gpu else "gloo")
         if self.backend == "nccl":
             process.nccl_survives_errors()
-        self.seam = FaultSeam(self)
+        self.faults = FaultPoints(WORKER_POINTS, worker=self)
 
         def connect() -> Any:
             return connect_store(store_host, store_port, timeout_s=30)
@@ -123,11 +125,11 @@ class Worker:
                                    shard_index=shard_index, threads=threads,
                                    record_digests=record_digests, prefetch=prefetch)
         self.engine = StepEngine(name, self.state, self.commits, self.loader, self.membership,
-                                 self.vitals, self.seam)
+                                 self.vitals, self.faults)
         # A run's stop key is polled off the training thread, by rank 0 alone (key_watch).
         self.keys = KeyWatch(connect)
         self.loop = RunLoop(name, self.engine, self.commits, self.membership, self.vitals,
-                            self.keys, self.seam, leads=shard_index == 0)
+                            self.keys, self.faults, leads=shard_index == 0)
         self.transfer = StateTransfer(name, self.state, self.commits, self.membership,
                                       self.vitals)
         self.saver = CheckpointSaver(name, self.state, self.commits, self.vitals)
@@ -158,14 +160,20 @@ class Worker:
                 for i in range(1, self.k)
             ]
 
-    @property
-    def loop_fault(self) -> Callable[[Any, int, str], None] | None:
-        """The fault seam's hook, called as ``loop_fault(worker, step, phase)`` (FaultSeam)."""
-        return self.seam.hook
-
-    @loop_fault.setter
-    def loop_fault(self, hook: Callable[[Any, int, str], None] | None) -> None:
-        self.seam.hook = hook
+    @ray.method(concurrency_group="control")
+    def arm_fault(self, point: str, action: Callable[..., Any] | None, *,
+                  times: int | None = None, shard: int = 0) -> None:
+        """Arms this worker's fault ``point`` (one of
+        :data:`~planaria.faults.points.WORKER_POINTS`) with ``action``, called there with
+        ``worker`` (this actor) and ``step`` (see :meth:`FaultPoints.arm
+        <planaria.faults.points.FaultPoints.arm>`); None disarms it. ``shard``: the
+        replica's worker to arm (0: this one; i: its i-th follower, which it owns)."""
+        if shard:
+            ray.get(self.followers[shard - 1].arm_fault.remote(point, action, times=times))
+        elif action is None:
+            self.faults.disarm(point)
+        else:
+            self.faults.arm(point, action, times=times)
 
     # ---- lifecycle -------------------------------------------------------------------------
 

@@ -39,9 +39,10 @@ import numpy as np
 import torch
 
 from planaria.data.plan import DataPlan, split_micro_batches
+from planaria.faults.points import FaultPoints
 from planaria.wire import store_keys
 from planaria.worker.commit import Commits
-from planaria.worker.engine import FaultSeam, StepEngine
+from planaria.worker.engine import StepEngine
 from planaria.worker.key_watch import KeyWatch
 from planaria.worker.membership import Membership
 from planaria.worker.vitals import Vitals
@@ -65,9 +66,11 @@ class RunLoop:
     """A worker's runs of steps (see the module doc)."""
 
     def __init__(self, name: str, engine: StepEngine, commits: Commits, membership: Membership,
-                 vitals: Vitals, keys: KeyWatch, seam: FaultSeam, *, leads: bool) -> None:
+                 vitals: Vitals, keys: KeyWatch, faults: FaultPoints, *,
+                 leads: bool) -> None:
         """``keys`` polls the controller's stop key off the training thread; ``leads``: this
-        worker is its replica's leader (shard index 0), whose rank 0 streams the records."""
+        worker is its replica's leader (shard index 0), whose rank 0 streams the records;
+        ``faults``: the worker's fault points (``worker.reduced``, ``worker.applied``)."""
         self.name = name
         self.spec = engine.spec
         self.engine = engine
@@ -75,7 +78,7 @@ class RunLoop:
         self.membership = membership
         self.vitals = vitals
         self.keys = keys
-        self.seam = seam
+        self.faults = faults
         self.leads = leads
         self.store = membership.store
         self.records: list[dict[str, Any]] = []  # the last run's, settled by settle()
@@ -143,7 +146,7 @@ class RunLoop:
         done = start  # the steps this run counts as committed (the first step settles)
         step = start
         stream = StepStream(self.store, gen, run_id) if rank == 0 and self.leads else None
-        vitals, seam, records = self.vitals, self.seam, self.records
+        vitals, faults, records = self.vitals, self.faults, self.records
         record_served = self._record_served if self._ledger is not None else None
 
         def share(s: int) -> np.ndarray:  # this rank's ids of step s
@@ -163,9 +166,8 @@ class RunLoop:
             r = self.engine.step(gen, step, ids, done, nxt, skipped=skipped, status=status,
                                  metric_keys=metric_keys, record_served=record_served)
             skipped = -1
-            hook = seam.hook
-            if hook is not None:
-                hook(seam.owner, step, "reduced")  # a fault injected after the reduction
+            if faults.armed:  # a fault injected after the reduction
+                faults.hit("worker.reduced", step=step)
             loss_sum, samples, leaving, stop, *metric_sums = status.tolist()
             finite = math.isfinite(loss_sum) and (r["overflow"] or math.isfinite(r["grad_norm"]))
             r.update(step=step, t0=t0, worker=self.name, global_loss_sum=loss_sum,
@@ -179,9 +181,8 @@ class RunLoop:
             done = step + 1
             self.commits.settle(done)  # applies the step now
             vitals.committed_t = time.monotonic()  # progress is the heartbeat (see liveness)
-            hook = seam.hook
-            if hook is not None:
-                hook(seam.owner, step, "applied")  # a fault injected after the apply
+            if faults.armed:  # a fault injected after the apply
+                faults.hit("worker.applied", step=step)
             r["t"] = time.time()
             records.append(r)
             if stream is not None:
