@@ -165,6 +165,7 @@ class SavePipeline:
         if self.interval is not None:
             self.interval.observe_stall(save.stall_s)
         self.inflight = save
+        points.hit("checkpoint.save_started", step=step, reason=reason)
         # Every writer's answer, awaited beside the steps: the commit starts the moment the
         # last one arrives (no step boundary needed).
         deadline = self.root.deadline(save.nbytes)
@@ -172,7 +173,6 @@ class SavePipeline:
             ref = actor.ckpt_wait.remote(save.save_id, deadline)
             save.waits[name] = ref
             ref.future().add_done_callback(functools.partial(self.on_written, save, name))
-        points.hit("checkpoint.save_started", step=step, reason=reason)
 
     # ---- committing --------------------------------------------------------------------------
 

@@ -53,6 +53,12 @@ CONTROLLER_POINTS: Mapping[str, str] = MappingProxyType({
     "checkpoint.save_started":
         "after a save's snapshot is taken and its writes started (step, reason)",
     "checkpoint.before_commit": "before a written checkpoint is committed (step)",
+    "checkpoint.manifest_written": "a commit wrote the manifest, not the marker yet (step)",
+    "checkpoint.marker_written":
+        "a commit wrote the marker in the save's directory, before the rename (step)",
+    "checkpoint.renamed":
+        "a commit on local disk renamed a directory (the step's old one aside, or its new one "
+        "into place) (step)",
     "checkpoint.after_commit": "after a checkpoint is committed (step, path)",
     "calls.notice":
         "a call's completion notice from Ray, before it is queued (ref); SKIP drops it, "
