@@ -1,5 +1,9 @@
-"""Faults a test installs in a worker's loop (``worker.loop_fault``), sent to the workers by
-value (the workers cannot import the tests package)."""
+"""Faults a test arms at a worker's fault points (``worker.loaded``, ``worker.computed``,
+``worker.reduced``, ``worker.applied``: :data:`planaria.faults.points.WORKER_POINTS`), sent
+to the workers by value (the workers cannot import the tests package).
+
+A loop fault here is ``hook(worker, step, phase)`` (``phase``: the point's name without
+``worker.``); :func:`install` arms it at every worker point of one worker."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
+
+from planaria.faults.points import WORKER_POINTS
 
 
 class SignalSelfAt:
@@ -23,13 +29,31 @@ class SignalSelfAt:
             os.kill(os.getpid(), self.signum)
 
 
+class AtPhase:
+    """A point's action that calls ``hook(worker, step, phase)``."""
+
+    def __init__(self, hook: Any, phase: str) -> None:
+        self.hook, self.phase = hook, phase
+
+    def __call__(self, *, worker: Any, step: int) -> None:
+        self.hook(worker, step, self.phase)
+
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+def arm(job: Any, worker: str, point: str, action: Any, *, times: int | None = None) -> None:
+    """Arms ``point`` of ``worker`` with ``action``: a replica's leader (``w1``) or another of
+    its workers (``w1.1``, reached through its leader, which owns it)."""
+    leader, _, index = worker.partition(".")
+    handle = next(h for h in job.members if h.name == leader)
+    ray.get(handle.actor.arm_fault.remote(point, action, times=times, shard=int(index or 0)))
+
+
 def install(job: Any, name: str, hook: Any) -> None:
-    """Sets worker ``name``'s ``loop_fault`` to ``hook`` (sent by value)."""
-    handle = next(h for h in job.members if h.name == name)
-    ray.get(handle.actor.__ray_call__.remote(lambda self: setattr(self, "loop_fault", hook)))
+    """Arms every worker point of worker ``name`` with ``hook(worker, step, phase)``."""
+    for point in WORKER_POINTS:
+        arm(job, name, point, AtPhase(hook, point.removeprefix("worker.")))
 
 
 class DieLeavingSocketsOpen:

@@ -8,6 +8,7 @@ Every fault test asserts that training reaches the parameters of a fault-free ru
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import shutil
@@ -246,10 +247,9 @@ CRASH_STEPS = 70
 CHILD = r"""
 import os, random, signal, sys, threading, time
 from pathlib import Path
-import planaria.checkpoint.saving as saving
 from planaria.checkpoint.config import CheckpointConfig
-from planaria.checkpoint.storage import Storage
 from planaria import fit
+from planaria.faults import points
 from planaria.examples import mlp
 
 address, run_dir, steps, replicas, mode, seed = sys.argv[1:7]
@@ -260,36 +260,20 @@ def die():
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 saves = [0]
-original_start = saving.SavePipeline.start
-def start(self, *, reason, beside=None):
+def started(*, step, reason):
     saves[0] += 1
-    original_start(self, reason=reason, beside=beside)
     if saves[0] == kill_at and mode == "timer":
         threading.Timer(rng.uniform(0.0, 0.08), die).start()
-saving.SavePipeline.start = start
+points.arm("checkpoint.save_started", started)
 
-def after(name, method):
-    original = getattr(Storage, method)
-    def wrapped(self, path, *a, **k):
-        out = original(self, path, *a, **k)
-        if saves[0] == kill_at and (name is None or str(path).endswith(name)):
-            die()
-        return out
-    setattr(Storage, method, wrapped)
+def die_in_the_chosen_save(*, step):
+    if saves[0] == kill_at:
+        die()
 
-if mode == "manifest":
-    after("manifest.json", "write_bytes")
-elif mode == "marker":
-    after("COMMITTED", "write_bytes")
-elif mode == "rename":
-    after(None, "rename")
-elif mode == "commit":
-    original_commit = saving.commit_checkpoint
-    def commit(*a, **k):
-        if saves[0] == kill_at:
-            die()
-        return original_commit(*a, **k)
-    saving.commit_checkpoint = commit
+point = {"commit": "checkpoint.before_commit", "manifest": "checkpoint.manifest_written",
+         "marker": "checkpoint.marker_written", "rename": "checkpoint.renamed"}.get(mode)
+if point is not None:
+    points.arm(point, die_in_the_chosen_save)
 
 fit(mlp.make_spec(n=512), steps=int(steps), replicas=int(replicas), run_dir=Path(run_dir),
     address=address, ledger=True, checkpoint=CheckpointConfig(every=2, keep_last=2))
@@ -311,6 +295,21 @@ def marked_not_renamed(root: Path) -> list[int]:
     return steps
 
 
+def finished_not_committed(root: Path) -> list[int]:
+    """Steps whose save's writers all recorded their shards (``save.json`` and every
+    ``*.record.json`` in its temporary directory) and was killed before its commit: the
+    next start commits them (planaria.checkpoint.finished)."""
+    steps = []
+    for tmp in root.glob("step_*.tmp-*") if root.exists() else []:
+        try:
+            desc = json.loads((tmp / "save.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if len(list(tmp.glob("*.record.json"))) == int(desc["shards"]):
+            steps.append(int(desc["step"]))
+    return steps
+
+
 @pytest.mark.soak
 @pytest.mark.multiprocess
 @pytest.mark.slow
@@ -329,7 +328,7 @@ def test_whole_job_sigkill_during_saves(tmp_path: Path) -> None:
         last = i == kills
         mode = "none" if last else (modes[i // 5 % 4] if i % 5 == 0 else "timer")
         newest = [c.step for c in list_checkpoints(str(root)) if c.committed]
-        newest = sorted(newest + marked_not_renamed(root))
+        newest = sorted(newest + marked_not_renamed(root) + finished_not_committed(root))
         proc = subprocess.run(
             [sys.executable, "-c", CHILD, address, str(run_dir), str(CRASH_STEPS),
              str(1 + i % 2), mode, str(rng.randrange(1 << 30))],

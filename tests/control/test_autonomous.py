@@ -2,7 +2,7 @@
 on their own between boundaries; a run that fails is reconciled so that no step a survivor
 completed is lost and every live replica ends with the same state.
 
-Faults land at named points of a worker's loop through its ``loop_fault`` hook (called
+Faults land at named points of a worker's loop (planaria.faults.points: called
 once a step's gradient is computed, before its all-reduce, and once it is reduced, before
 it is applied), installed in the live actor: a kill, a hang and a preemption after the
 reduction, a survivor whose collective failed while a peer's completed, a non-finite
@@ -33,7 +33,7 @@ from planaria.faults.errors import StepAborted, UserCodeError
 from planaria.fit import _finish as finish
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 from tests.assertions import drive as drive_steps
-from tests.loop_faults import DieLeavingSocketsOpen, SignalSelfAt
+from tests.loop_faults import DieLeavingSocketsOpen, SignalSelfAt, install
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -71,11 +71,6 @@ def test_runs_of_many_steps_equal_steps_one_at_a_time(tmp_path, reference):
     ]
     assert [e["step"] for e in of(evs, "replicas_verified")] == [5, 10, 15]
     assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
-
-
-def _install(job: Job, name: str, hook: Any) -> None:
-    handle = next(h for h in job.members if h.name == name)
-    ray.get(handle.actor.__ray_call__.remote(lambda self: setattr(self, "loop_fault", hook)))
 
 
 def _pid(job: Job, name: str) -> int:
@@ -129,7 +124,7 @@ def _signal_w1_at(tmp_path: Path, reference: dict, phase: str, signum: int) -> l
     config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
     with Job(spec(), config) as job:
         job.run_steps(1)  # the first step, alone: the metrics are named
-        _install(job, "w1", SignalSelfAt(FAULT_STEP, phase, signum, marker))
+        install(job, "w1", SignalSelfAt(FAULT_STEP, phase, signum, marker))
         state = _drive(job, STEPS)
     assert Path(marker).read_text() == "w1"
     assert_same_state(reference, state)
@@ -193,7 +188,7 @@ def test_a_death_whose_connections_stay_open_does_not_hold_the_survivors(tmp_pat
     linger_s = 60.0
     with Job(spec(), config) as job:
         job.run_steps(1)
-        _install(job, "w1", DieLeavingSocketsOpen(FAULT_STEP, marker, linger_s=linger_s))
+        install(job, "w1", DieLeavingSocketsOpen(FAULT_STEP, marker, linger_s=linger_s))
         state = _drive(job, STEPS)
     assert Path(marker).read_text() == "w1"
     died_t = os.path.getmtime(marker)  # written the moment before the fork and the kill
@@ -219,7 +214,7 @@ def test_a_survivor_behind_receives_the_state(tmp_path, reference):
     config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
     with Job(spec(), config) as job:
         job.run_steps(1)
-        _install(job, "w1", _KillPeerAndFailHere(FAULT_STEP, _pid(job, "w2"), marker))
+        install(job, "w1", _KillPeerAndFailHere(FAULT_STEP, _pid(job, "w2"), marker))
         state = _drive(job, STEPS)
         sums = job.checksums()
     assert len(set(sums.values())) == 1, sums  # every live replica holds the same state
@@ -254,7 +249,7 @@ def _with_fault(run_dir: Path, fault: Any, *, one_at_a_time: bool = False
     policy = planaria.RecoveryPolicy(on_nonfinite="skip")
     with Job(spec(), config, policy=policy) as job:
         job.run_steps(1)
-        _install(job, "w1", fault)
+        install(job, "w1", fault)
         if one_at_a_time:  # train_step: runs of one step
             drive_steps(job, STEPS)
             state = finish(job)

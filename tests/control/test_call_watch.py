@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import threading
 import time
@@ -11,10 +10,10 @@ import time
 import pytest
 import ray
 
-import planaria.control.calls
 from planaria import HangConfig, fit
 from planaria.control.call_watch import CallWatch
 from planaria.examples import bn_mlp
+from planaria.faults import points
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -62,25 +61,18 @@ def test_calls_end_in_the_order_they_end_and_a_death_is_known_at_once(ray_cluste
 
 
 class _LosesOne:
-    """Ray's completion notices, but the one of ``lost`` is dropped as it comes (as if it
-    had never come); ``came`` is set then."""
+    """At the fault point ``calls.notice``: Ray's completion notice of ``lost`` is dropped as
+    it comes (as if it had never come); ``came`` is set then."""
 
     def __init__(self, lost) -> None:
         self.lost = lost
         self.came = threading.Event()
-        self.passed: queue.SimpleQueue = queue.SimpleQueue()
 
-    def put(self, ref) -> None:
+    def __call__(self, *, ref):
         if ref == self.lost:
             self.came.set()
-        else:
-            self.passed.put(ref)
-
-    def get(self, *, timeout: float):
-        return self.passed.get(timeout=timeout)
-
-    def get_nowait(self):
-        return self.passed.get_nowait()
+            return points.SKIP
+        return None
 
 
 def test_a_call_whose_callback_never_came_is_found_by_asking_and_each_call_ends_once(
@@ -90,66 +82,55 @@ def test_a_call_whose_callback_never_came_is_found_by_asking_and_each_call_ends_
     refs = [actors[0].pid.remote()]
     refs += [a.wait_for.remote(str(tmp_path / "never")) for a in actors[1:]]
     notices = _LosesOne(refs[0])
-    watch = CallWatch(refs, notices=notices)
-    ray.get(refs[0])
-    assert notices.came.wait(30)  # its callback came, and was lost
-    assert watch.wait(0.3) == [] and len(watch) == 3
-    assert watch.recheck() == [refs[0]] and watch.pending == refs[1:]
-    assert watch.recheck() == []  # taken once
+    with points.armed("calls.notice", notices):
+        watch = CallWatch(refs)
+        ray.get(refs[0])
+        assert notices.came.wait(30)  # its callback came, and was lost
+        assert watch.wait(0.3) == [] and len(watch) == 3
+        assert watch.recheck() == [refs[0]] and watch.pending == refs[1:]
+        assert watch.recheck() == []  # taken once
 
-    watch.drop([refs[2]])  # its worker was killed by the caller: not waited for
-    assert watch.pending == [refs[1]]
-    ray.kill(actors[2])
-    ray.kill(actors[1])
-    seen: list = []
-    deadline = time.monotonic() + 20
-    while len(watch) and time.monotonic() < deadline:
-        seen += watch.wait(1)
-    assert seen == [refs[1]]  # the dropped call's end is not reported
-    assert watch.wait(0.5) == []
-
-
-class _Deaf(CallWatch):
-    """A watch whose completion callbacks never come (the notices Ray sends are lost)."""
-
-    def __init__(self, refs) -> None:
-        super().__init__(refs, notices=_Lost())
-
-
-class _Lost:
-    def put(self, item) -> None:
-        pass
-
-    def get(self, *, timeout: float):
-        threading.Event().wait(timeout)  # nothing ever comes
-        raise queue.Empty
-
-    def get_nowait(self):
-        raise queue.Empty
+        watch.drop([refs[2]])  # its worker was killed by the caller: not waited for
+        assert watch.pending == [refs[1]]
+        ray.kill(actors[2])
+        ray.kill(actors[1])
+        seen: list = []
+        deadline = time.monotonic() + 20
+        while len(watch) and time.monotonic() < deadline:
+            seen += watch.wait(1)
+        assert seen == [refs[1]]  # the dropped call's end is not reported
+        assert watch.wait(0.5) == []
 
 
 @pytest.mark.extended
 def test_a_job_whose_call_notices_never_come_still_trains_and_recovers(
-    ray_cluster, tmp_path, monkeypatch, caplog
+    ray_cluster, tmp_path, caplog
 ):
     """Every call's end is found by asking Ray (CallWatch.recheck); a killed worker's and a
     hung one's too: the final state is a fault-free run's, every sample used once. A long
     wait says whom it waits for.
 
-    The wait is reported once it outlasts the step deadline (4 x the slowest recent step);
-    the hang (SIGSTOP) is found when the heartbeat timeout passes. At the default timeout
-    (10 s), steps slowed past 2.5 s by a loaded machine let the hang end the wait before it
-    was reported; a 40 s timeout keeps the report first unless a step took 10 s."""
+    The wait is reported once it outlasts the step deadline; the hang (SIGSTOP) is found
+    when the heartbeat timeout passes. The order is not left to the machine's speed: the
+    heartbeat timeout is too long to pass during the test until a wait on w0 was reported
+    after its hang was sent, and is lowered then."""
     n, g, steps = 256, 64, 12
     spec = bn_mlp.make_spec(n=n)
     reference = fit(spec, steps=steps, replicas=1, run_dir=tmp_path / "ref").state_dict
-    monkeypatch.setattr(planaria.control.calls, "CallWatch", _Deaf)
-    monkeypatch.setattr(planaria.control.calls, "RECHECK_S", 0.3)
-    monkeypatch.setattr(planaria.control.calls, "WAIT_REPORT_S", 1.0)
     run_dir = tmp_path / "run"
-    result = fit(spec, steps=steps, replicas=3, run_dir=run_dir, ledger=True,
-                 chaos="kill:w1@step3,hang:w0@step8",
-                 hang=HangConfig(floor_s=1.0, heartbeat_timeout_s=40.0))
+    reported: list[list[str]] = []
+
+    def hang_found_once_reported(*, names, step, waited_s, liveness):
+        if "w0" in names and any(e["action"] == "hang" for e in of(events(run_dir), "chaos")):
+            reported.append(list(names))
+            liveness.base_timeout_s = 5.0
+
+    with points.armed("calls.notice", lambda *, ref: points.SKIP), \
+            points.armed("calls.wait_reported", hang_found_once_reported):
+        result = fit(spec, steps=steps, replicas=3, run_dir=run_dir, ledger=True,
+                     chaos="kill:w1@step3,hang:w0@step8",
+                     hang=HangConfig(floor_s=1.0, heartbeat_timeout_s=3600.0, recheck_s=0.3,
+                                     wait_report_s=1.0))
     assert result.final_step == steps
     assert_same_state(reference, result.state_dict)
     assert_exactly_once(run_dir, num_samples=n, global_batch_size=g, steps=steps)
@@ -157,4 +138,5 @@ def test_a_job_whose_call_notices_never_come_still_trains_and_recovers(
     assert [e["step"] for e in of(evs, "step_committed")] == list(range(steps))
     assert {e["kind"] for e in of(evs, "fault")} == {"worker_lost", "worker_hung"}
     assert "without Ray's notice" in caplog.text  # each call's end was found by asking
-    assert "waited" in caplog.text and "silent" in caplog.text  # the hang's wait, reported
+    assert reported  # the hang's wait, reported
+    assert "waited" in caplog.text and "silent" in caplog.text

@@ -14,6 +14,7 @@ import torch
 import planaria
 from planaria import Job, RecoveryPolicy, fit
 from planaria.examples import mlp
+from planaria.faults import points
 from planaria.fit import _finish as finish
 from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
 
@@ -51,21 +52,19 @@ def test_every_member_preempted_at_once_keeps_the_state(tmp_path, reference):
     assert {e["worker"] for e in of(evs, "drained")} == {"w0", "w1", "w2"}
 
 
-def test_a_death_after_the_last_committed_step(tmp_path, reference, monkeypatch):
-    from planaria.control.membership import Membership
-
-    original = Membership.commit_all  # every worker applies the committed steps: the end's
+def test_a_death_after_the_last_committed_step(tmp_path, reference):
     killed: list[str] = []
 
-    def commit_all_but_kill_one_first(self):
-        if self.commit_log.steps_done == STEPS and not killed:
-            victim = self.members[1]
+    def kill_one_before_the_end_s_commit(*, membership):
+        # every worker applies the committed steps: the end's
+        if membership.commit_log.steps_done == STEPS and not killed:
+            victim = membership.members[1]
             killed.append(victim.name)
             os.kill(victim.pid, signal.SIGKILL)
-        return original(self)
 
-    monkeypatch.setattr(Membership, "commit_all", commit_all_but_kill_one_first)
-    result = fit(mlp.make_spec(n=N), steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True)
+    with points.armed("membership.commit_all", kill_one_before_the_end_s_commit):
+        result = fit(mlp.make_spec(n=N), steps=STEPS, replicas=3, run_dir=tmp_path,
+                     ledger=True)
     assert killed
     assert result.final_step == STEPS
     assert_same_state(reference, result.state_dict)
@@ -175,27 +174,20 @@ def test_a_transient_infrastructure_error_under_user_code_reruns_the_step_elsewh
     assert of(evs, "run_end")[0]["status"] == "ok"
 
 
-def test_a_death_during_a_new_generations_rendezvous_does_not_stall_it(
-    tmp_path, reference, monkeypatch
-):
-    from planaria.control.recovery import Recovery
-
-    original = Recovery.admit
+def test_a_death_during_a_new_generations_rendezvous_does_not_stall_it(tmp_path, reference):
     killed: list[str] = []
 
-    def admit_but_kill_the_joiner_first(self, ready):
+    def kill_the_joiner_first(*, recovery, ready):
         if not killed and ready:
             killed.append(ready[0].name)
             os.kill(ready[0].pid, signal.SIGKILL)
-        return original(self, ready)
 
-    monkeypatch.setattr(Recovery, "admit", admit_but_kill_the_joiner_first)
     job = Job(
         mlp.make_spec(n=N),
         planaria.RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True),
         chaos=planaria.ChaosPlan.parse("kill:w1@step3"),
     )
-    with job:
+    with job, points.armed("recovery.admit", kill_the_joiner_first):
         while job.steps_done < STEPS:
             try:
                 if job.steps_done == STEPS - 3:

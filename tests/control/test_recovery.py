@@ -27,6 +27,7 @@ from planaria import (
     fit,
 )
 from planaria.examples import mlp
+from planaria.faults import points
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 # The workers unpickle this module's helpers by value: they cannot import the tests package.
@@ -115,21 +116,16 @@ def test_two_workers_killed_in_the_same_step(tmp_path, reference):
 
 
 @pytest.mark.extended  # deaths at a join: test_compound_faults.py
-def test_fault_during_hot_join(tmp_path, reference, monkeypatch):
-    from planaria.control.membership import Membership
-
-    original = Membership.send_state
+def test_fault_during_hot_join(tmp_path, reference):
     killed: list[str] = []
 
-    def send_state_but_kill_the_joiner_once(self, joiners):
-        if not killed:
-            joiner = self.members[joiners[0]]
-            killed.append(joiner.name)
-            os.kill(joiner.pid, signal.SIGKILL)
-        return original(self, joiners)
+    def kill_the_joiner(*, membership, joiners):
+        joiner = membership.members[joiners[0]]
+        killed.append(joiner.name)
+        os.kill(joiner.pid, signal.SIGKILL)
 
-    monkeypatch.setattr(Membership, "send_state", send_state_but_kill_the_joiner_once)
-    result = run_with_faults(tmp_path, chaos="kill:w1@step5")
+    with points.armed("membership.send_state", kill_the_joiner, times=1):
+        result = run_with_faults(tmp_path, chaos="kill:w1@step5")
     assert killed == ["w3"]
     assert result.final_step == STEPS
     assert_same_state(reference, result.state_dict)

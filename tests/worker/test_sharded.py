@@ -26,7 +26,7 @@ from planaria.examples import tiny_gpt
 from planaria.faults.errors import ConfigError
 from planaria.fit import _finish as finish
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
-from tests.loop_faults import SignalSelfAt
+from tests.loop_faults import SignalSelfAt, install
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -69,23 +69,6 @@ def test_two_replicas_of_two_workers_equal_one_worker(tmp_path, reference):
     assert of(evs, "run_ahead"), "the autonomous loop ran"
 
 
-def _install(job: Job, worker: str, hook: Any) -> None:
-    """``hook`` as the loop_fault of ``worker``: a replica's leader (``w1``) or another of its
-    workers (``w1.1``, reached through its leader, which owns it)."""
-    leader, _, index = worker.partition(".")
-    handle = next(h for h in job.members if h.name == leader)
-    if not index:
-        ray.get(handle.actor.__ray_call__.remote(lambda w: setattr(w, "loop_fault", hook)))
-        return
-    i = int(index)
-
-    def install(w: Any) -> None:
-        ray.get(w.followers[i - 1].__ray_call__.remote(
-            lambda f: setattr(f, "loop_fault", hook)))
-
-    ray.get(handle.actor.__ray_call__.remote(install))
-
-
 def _run_with_fault(
     tmp_path: Path, worker: str, phase: str, signum: int, spares: int = 0
 ) -> tuple[dict, list]:
@@ -99,7 +82,7 @@ def _run_with_fault(
             while not job.pool.standby:  # the spare replica stands by before the fault
                 job.pool.poll(timeout_s=1.0)
         job.run_steps(1)  # the first step, alone: the metrics are named
-        _install(job, worker, SignalSelfAt(FAULT_STEP, phase, signum, marker))
+        install(job, worker, SignalSelfAt(FAULT_STEP, phase, signum, marker))
         while job.steps_done < STEPS:
             try:
                 if job.steps_done == STEPS - 2:
@@ -218,7 +201,7 @@ def test_a_lone_sharded_replica_lost_is_restored_from_its_checkpoint(tmp_path, r
                        ledger=True)
     with Job(spec(), config, checkpoint=CheckpointConfig(every=3)) as job:
         job.run_steps(1)
-        _install(job, "w0.1", SignalSelfAt(7, "computed", signal.SIGKILL, marker))
+        install(job, "w0.1", SignalSelfAt(7, "computed", signal.SIGKILL, marker))
         while job.steps_done < STEPS:
             try:
                 job.run_steps(STEPS)

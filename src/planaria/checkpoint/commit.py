@@ -28,6 +28,7 @@ from planaria.checkpoint.manifest import (
 )
 from planaria.checkpoint.storage import Storage
 from planaria.checkpoint.writer import RecordedSlice, ShardRecord, shard_dir
+from planaria.faults import points
 
 __all__ = ["commit_checkpoint"]
 
@@ -139,6 +140,7 @@ def commit_checkpoint(
     parse_manifest(data)  # the reader's own checks, before anything becomes visible
     final = storage.path(step_dir_name(step))
     storage.write_bytes(f"{directory}/{MANIFEST}", data)
+    points.hit("checkpoint.manifest_written", step=step)
     marker = marker_bytes(data, step, save_id, manifest.checksum, data_dir=manifest.data_dir,
                           run_id=run_id)
     if not storage.local:
@@ -146,17 +148,21 @@ def commit_checkpoint(
         remove_stale_saves(storage, final, manifest.data_dir)
         return storage.url(final)
     storage.write_bytes(f"{directory}/{MARKER}", marker)
+    points.hit("checkpoint.marker_written", step=step)
     if storage.local:
         storage.fsync_dir(directory)
         if storage.exists(final):
             _log.warning("replacing existing checkpoint directory %s", final)
             trash = storage.path(trash_dir_name(step))
             storage.rename(final, trash)
+            points.hit("checkpoint.renamed", step=step)
             storage.rename(directory, final)
+            points.hit("checkpoint.renamed", step=step)
             storage.fsync_dir(storage.root)
             storage.remove_tree(trash)
         else:
             storage.rename(directory, final)
+            points.hit("checkpoint.renamed", step=step)
             storage.fsync_dir(storage.root)
     return storage.url(final)
 

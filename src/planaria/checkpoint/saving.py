@@ -33,6 +33,7 @@ from planaria.checkpoint.reaper import POLL_S, AbandonedSaves
 from planaria.checkpoint.root import CheckpointRoot
 from planaria.checkpoint.upkeep import RootUpkeep
 from planaria.checkpoint.writer import ShardRecord
+from planaria.faults import points
 from planaria.faults.errors import Failure, root_cause
 from planaria.wire.state_reports import ShardWritten, Snapshot
 
@@ -166,6 +167,7 @@ class SavePipeline:
         if self.interval is not None:
             self.interval.observe_stall(save.stall_s)
         self.inflight = save
+        points.hit("checkpoint.save_started", step=step, reason=reason)
         # Every writer's answer, awaited beside the steps: the commit starts the moment the
         # last one arrives (no step boundary needed).
         deadline = self.root.deadline(save.nbytes)
@@ -228,10 +230,13 @@ class SavePipeline:
         lease = self.root.lease
         stale = time.time() - lease.renewed_t > self.config.lease_ttl_s / 3
         self.root.call(lease.renew if stale else lease.check, "checking the lease")
-        return commit_checkpoint(
+        points.hit("checkpoint.before_commit", step=save.step)
+        path = commit_checkpoint(
             self.root.root, save.step, records, save.meta, world_size=len(records),
             storage_options=self.root.options, run_id=self.root.run_id,
         )
+        points.hit("checkpoint.after_commit", step=save.step, path=path)
+        return path
 
     # ---- the save in flight, on the main thread ----------------------------------------------
 

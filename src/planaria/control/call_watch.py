@@ -18,38 +18,31 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 
-__all__ = ["CallWatch", "Notices"]
+from planaria.faults import points
 
-
-class Notices(Protocol):
-    """Where the completion callbacks put the calls that ended: Ray's callback thread puts,
-    the waiting thread takes (``queue.SimpleQueue`` is one)."""
-
-    def put(self, item: Any) -> None:
-        """Called on Ray's callback thread; must not block."""
-
-    def get(self, *, timeout: float) -> Any:
-        """The oldest call put and not taken; waits up to ``timeout`` s for one, then
-        raises ``queue.Empty``."""
-
-    def get_nowait(self) -> Any:
-        """The oldest call put and not taken, else ``queue.Empty``."""
+__all__ = ["CallWatch"]
 
 
 class CallWatch:
     """The calls of one wait (:meth:`Calls.gather <planaria.control.calls.Calls.gather>`).
-    ``notices``: where their completion callbacks go (a fresh queue by default)."""
+    Their completion notices pass the fault point ``calls.notice``, which can drop them."""
 
-    def __init__(self, refs: Iterable[Any], *, notices: Notices | None = None) -> None:
-        self._ended: Notices = notices if notices is not None else queue.SimpleQueue[Any]()
+    def __init__(self, refs: Iterable[Any]) -> None:
+        self._ended = queue.SimpleQueue[Any]()  # Ray's callback thread puts, the waiter takes
         self._pending: dict[Any, None] = dict.fromkeys(refs)
         for ref in self._pending:
             # Ray's callback thread only queues the call: its result is read with ray.get.
-            ref.future().add_done_callback(lambda _f, ref=ref: self._ended.put(ref))
+            ref.future().add_done_callback(lambda _f, ref=ref: self._notice(ref))
+
+    def _notice(self, ref: Any) -> None:
+        """Ray's notice that ``ref`` ended (on its callback thread): queued, unless the
+        fault point ``calls.notice`` drops it."""
+        if points.hit("calls.notice", ref=ref) is not points.SKIP:
+            self._ended.put(ref)
 
     def wait(self, timeout: float) -> list[Any]:
         """The calls that ended since the last wait; blocks up to ``timeout`` s for the first."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +19,10 @@ import ray
 
 from planaria.control.attribution import Attribution, Blame, Sighting
 from planaria.control.call_watch import CallWatch
+from planaria.control.clock import REAL_CLOCK, Clock
 from planaria.control.departures import Departures, FaultTimes
 from planaria.control.liveness import IO_STALL_S, WORK_PHASES, Heartbeat, Liveness
+from planaria.faults import points
 from planaria.faults.errors import (
     Failure,
     Preempted,
@@ -45,17 +46,12 @@ __all__ = ["Calls", "leaders", "work_of"]
 
 _log = logging.getLogger("planaria.commits")
 
-RECHECK_S = 2.0
-"""A wait in which no call has ended for this long asks Ray whether one has (see CallWatch)."""
 CONFIRM_S = 1.0
 """How long a failure's classification waits to learn whether a worker that answered with
 an error beside a peer's death is alive (see Calls._confirm_survivors)."""
 LINK_GRACE_S = 1.0
 """Every rank of a run waiting on its peers this long past the step deadline is looked into:
 some rank cannot be reached (planaria.control.links)."""
-WAIT_REPORT_S = 30.0
-"""A wait longer than the step deadline logs whom it still waits for, and their heartbeats,
-this often (not while steps commit)."""
 
 
 class Calls:
@@ -63,14 +59,15 @@ class Calls:
 
     ``roster``: the generation the calls go to; ``departures``: workers leaving on a
     notice (a wait ends in a Preempted when they must leave together); ``fault_times``:
-    where a hang found here dates its fault from.
+    where a hang found here dates its fault from; ``clock``: what its waits' timing reads.
     """
 
     def __init__(
         self, *, roster: Roster, store: Any, liveness: Liveness, deadline: StepDeadline,
         hang: HangConfig, attribution: Attribution, pool: WorkerPool, log: EventLog,
-        departures: Departures, fault_times: FaultTimes,
+        departures: Departures, fault_times: FaultTimes, clock: Clock = REAL_CLOCK,
     ) -> None:
+        self.clock = clock
         self.roster = roster
         self.store = store
         self.liveness = liveness
@@ -99,24 +96,25 @@ class Calls:
         between waits (at least every 0.25 s) while no call has failed.
 
         Calls end by Ray's notices (:class:`~planaria.control.call_watch.CallWatch`); when none
-        has come for :data:`RECHECK_S`, Ray is asked directly, so a lost notice costs
+        has come for ``hang.recheck_s``, Ray is asked directly, so a lost notice costs
         seconds. A worker evicted as hung is not waited for: it was killed. A wait past
-        the step deadline logs, every :data:`WAIT_REPORT_S`, whom it waits for and what
-        they are doing.
+        the step deadline logs, every ``hang.wait_report_s``, whom it waits for and what
+        they are doing (fault point ``calls.wait_reported``).
         """
         by_ref = {ref: name for name, ref in refs.items()}
         results: dict[str, Any] = {}
         errors: dict[str, BaseException] = {}
         hung: list[str] = []
         work_hung: dict[str, tuple[Work | None, str]] = {}  # hangs the work is to blame for
-        end = time.monotonic() + deadline_s
+        clock = self.clock
+        end = clock.monotonic() + deadline_s
         calls = CallWatch(by_ref)  # a wait costs O(1) in the number of calls
         self.liveness.watch(self.roster.with_followers(list(refs)))
         unreachable: list[str] = []  # ranks cut off from their peers (planaria.control.links)
-        began = last_end = last_report = time.monotonic()
+        began = last_end = last_report = clock.monotonic()
         next_link_check = began
         while len(calls):
-            now = time.monotonic()
+            now = clock.monotonic()
             if now >= end:
                 late = self._past_deadline([by_ref[r] for r in calls.pending])
                 if late:
@@ -124,14 +122,14 @@ class Calls:
                     break
                 end = now + 1.0  # every one of them still moves checkpoint bytes
             ended = calls.wait(min(0.25, end - now))
-            if not ended and time.monotonic() - last_end >= RECHECK_S:
+            if not ended and clock.monotonic() - last_end >= self.hang.recheck_s:
                 ended = calls.recheck()  # a second source: Ray's callback may not have come
                 if ended:
                     _log.warning("the calls to %s had ended without Ray's notice; found by "
                                  "asking", ", ".join(by_ref[r] for r in ended))
-                last_end = time.monotonic()  # asked: the next ask is RECHECK_S away
+                last_end = clock.monotonic()  # asked: the next ask is recheck_s away
             if ended:
-                last_end = time.monotonic()
+                last_end = clock.monotonic()
             for ref in ended:
                 name = by_ref[ref]
                 try:
@@ -147,8 +145,9 @@ class Calls:
                 poll()
                 if self.liveness.vouched_recently():
                     continue  # steps commit: every rank of the run is alive and moving
-            now = time.monotonic()
-            if now - last_report >= WAIT_REPORT_S and now - began >= self.deadline.seconds:
+            now = clock.monotonic()
+            if (now - last_report >= self.hang.wait_report_s
+                    and now - began >= self.deadline.seconds):
                 last_report = now  # longer than a step should take: say what holds it
                 self._report_wait([by_ref[r] for r in calls.pending], step, now - began)
             pending = [by_ref[r] for r in calls.pending]
@@ -161,7 +160,8 @@ class Calls:
                 if "." in name:
                     seen = (self.liveness.last_alive_t(name) if self.liveness.stopped(name)
                             else self.liveness.last_progress_t(name))
-                    self.fault_times.stuck_since.setdefault(name.split(".")[0], seen or time.time())
+                    self.fault_times.stuck_since.setdefault(name.split(".")[0],
+                                                            seen or self.clock.now())
             stale = leaders(found)
             stale = [n for n in stale if n not in hung]
             if not stale and now >= next_link_check and len(pending) > 1:
@@ -265,6 +265,8 @@ class Calls:
             seen.append(f"{n} ({what}, silent {self.liveness.silent_s(n):.1f} s)")
         _log.warning("waited %.0f s%s on %s", waited_s,
                      "" if step is None else f" for step {step}", "; ".join(seen))
+        points.hit("calls.wait_reported", names=names, step=step, waited_s=waited_s,
+                   liveness=self.liveness)
 
     def abort_generation(self) -> None:
         """Tells every member of this generation to abandon what it is doing: a call beside
@@ -327,7 +329,7 @@ class Calls:
         culprits = leaders(list(verdict.culprits))
         for name in culprits:  # dated from its own record: when its wait on the peers began
             self.fault_times.stuck_since[name] = (
-                self.liveness.last_progress_t(name, steps_only=True) or time.time())
+                self.liveness.last_progress_t(name, steps_only=True) or self.clock.now())
         if not culprits:
             _log.warning("every rank waited on its peers past the deadline and none could be "
                          "named (%s): the generation is built again", verdict.reason)
@@ -353,7 +355,8 @@ class Calls:
         if hb is None or self.liveness.stopped(name) or hb.phase not in WORK_PHASES:
             return
         # Dated from its own record: when its work stopped moving, not when it was found.
-        self.fault_times.stuck_since[name] = self.liveness.last_progress_t(name) or time.time()
+        self.fault_times.stuck_since[name] = (self.liveness.last_progress_t(name)
+                                              or self.clock.now())
         work = work_of(hb)
         handle = next((h for h in self.roster.members if h.name == name), None)
         judgement = self.attribution.judge(

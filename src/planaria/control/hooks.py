@@ -1,4 +1,6 @@
-"""The fault hook seam: named points where tests and fault campaigns act on a job."""
+"""The job's phase hooks: the fault campaign's injector (and chaos) act on a job at its
+boundaries, joins, saves and restores, and say which boundaries they need. A fault at a
+place inside a part is armed at a named fault point instead (:mod:`planaria.faults.points`)."""
 
 from __future__ import annotations
 

@@ -66,6 +66,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from planaria.control.clock import REAL_CLOCK, Clock
 from planaria.wire import store_keys
 
 __all__ = [
@@ -154,21 +155,15 @@ class _Seen:
 
 
 class Liveness:
-    """The controller's view of every worker's heartbeat, on its own monotonic clock
-    (``clock``); ``wall_clock`` dates what it reports (:meth:`last_alive_t`)."""
+    """The controller's view of every worker's heartbeat, on ``clock``'s monotonic time; its
+    wall-clock time dates what it reports (:meth:`last_alive_t`). ``base_timeout_s``: the
+    configured heartbeat timeout (a test may change it while the job runs)."""
 
-    def __init__(
-        self,
-        store: dist.Store,
-        *,
-        timeout_s: float,
-        clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, store: dist.Store, *, timeout_s: float, clock: Clock = REAL_CLOCK) -> None:
         self.store = store
         self.base_timeout_s = timeout_s
-        self._clock = clock
-        self._wall_clock = wall_clock
+        self._clock = clock.monotonic
+        self._wall_clock = clock.now
         self._seen: dict[str, _Seen] = {}
         self._vouched: frozenset[str] = frozenset()
         self._vouch_t = -float("inf")

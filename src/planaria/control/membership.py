@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from planaria.data.integrity import describe_mismatch
+from planaria.faults import points
 from planaria.faults.errors import DataMismatch, ElasticRuntimeError, InternalError
 from planaria.wire.takeover import Lease
 
@@ -167,6 +168,7 @@ class Membership:
         _mlog.info("generation %d: %s (%s)", gen, self.names, reason)
 
     def send_state(self, joiners: list[int]) -> None:
+        points.hit("membership.send_state", membership=self, joiners=joiners)
         src_rank = next((r for r, h in enumerate(self.members) if h.has_state), None)
         if src_rank is None:
             raise InternalError("no member holds the state to send to the joiners")
@@ -238,6 +240,7 @@ class Membership:
 
     def commit_all(self) -> None:
         """Makes every worker apply the committed steps now (before a snapshot or the end)."""
+        points.hit("membership.commit_all", membership=self)
         log = self.commit_log
         refs = {
             h.name: h.actor.commit.remote(self.gen, log.steps_done, skipped=log.last_skipped)

@@ -117,6 +117,12 @@ class HangConfig:
     """A worker loading its samples (``dataset[i]``) with no sample done for longer than this
     (or the step deadline, if longer) is hung: a slow read is judged by an I/O deadline, not
     by the step's."""
+    recheck_s: float = 2.0
+    """A wait in which no worker call has ended for this long asks Ray whether one has (a
+    completion notice that never came costs this long; see planaria.control.call_watch)."""
+    wait_report_s: float = 30.0
+    """A wait longer than the step deadline logs whom it still waits for, and their
+    heartbeats, this often (not while steps commit)."""
 
     def __post_init__(self) -> None:
         check(self.factor >= 1, "factor", self.factor, "a number >= 1")
@@ -126,6 +132,8 @@ class HangConfig:
         check(self.window >= 1, "window", self.window, "an integer >= 1")
         check(self.heartbeat_s > 0, "heartbeat_s", self.heartbeat_s, "seconds > 0")
         check(self.io_timeout_s > 0, "io_timeout_s", self.io_timeout_s, "seconds > 0")
+        check(self.recheck_s > 0, "recheck_s", self.recheck_s, "seconds > 0")
+        check(self.wait_report_s > 0, "wait_report_s", self.wait_report_s, "seconds > 0")
         check(
             self.heartbeat_timeout_s > self.heartbeat_s,
             "heartbeat_timeout_s",

@@ -17,6 +17,7 @@ from planaria.checkpoint.errors import NoViableCheckpoint
 from planaria.control.blame import away_from, judge_raised, samples_of
 from planaria.control.decide import Action, decide
 from planaria.control.open_faults import OpenFault, OpenFaults
+from planaria.faults import points
 from planaria.faults.errors import (
     ElasticRuntimeError,
     Failure,
@@ -128,6 +129,7 @@ class Recovery:
 
     def admit(self, ready: list[WorkerHandle]) -> None:
         """Brings ready replacements into the next generation; a survivor sends them the state."""
+        points.hit("recovery.admit", recovery=self, ready=ready)
         group = self.membership
         if not group.members:  # nothing to send them: the restore path takes them
             return

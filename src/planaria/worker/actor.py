@@ -21,7 +21,8 @@ Each remote method answers a report of :mod:`planaria.wire.reports` or
 :mod:`planaria.wire.state_reports` (a frozen dataclass, or a count), which a sharded
 replica's leader merges with its other workers' (:func:`~planaria.worker.replica.fans_out`).
 
-Tests inject faults through ``loop_fault`` (see :class:`planaria.worker.engine.FaultSeam`).
+Tests inject faults at the worker's named fault points (:meth:`Worker.arm_fault`, see
+:mod:`planaria.faults.points`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from planaria.config import TrainSpec
 from planaria.control.drain import register_worker
 from planaria.control.links import ProbeServer
 from planaria.data.plan import micro_batch_range
+from planaria.faults.points import WORKER_POINTS, FaultPoints
 from planaria.wire import store_keys
 from planaria.wire.reports import Hold, Joined, RunReport, Settled, merge_checksums, merge_sum
 from planaria.wire.state_reports import (
@@ -60,11 +62,11 @@ from planaria.worker.ckpt_restore import CheckpointRestorer
 from planaria.worker.ckpt_save import CheckpointSaver, SaveOptions, probe_storage
 from planaria.worker.collective import connect_store
 from planaria.worker.commit import Commits
-from planaria.worker.engine import FaultSeam, StepEngine
+from planaria.worker.engine import StepEngine
 from planaria.worker.key_watch import KeyWatch
 from planaria.worker.loader import SampleLoader
 from planaria.worker.membership import Membership
-from planaria.worker.replica import fans_out, lane
+from planaria.worker.replica import fans_out, lane, start_followers
 from planaria.worker.replica_state import ReplicaShape, ReplicaState
 from planaria.worker.run_loop import RunLoop
 from planaria.worker.transfer import StateTransfer
@@ -114,7 +116,7 @@ class Worker:
         self.backend = backend or ("nccl" if use_gpu else "gloo")
         if self.backend == "nccl":
             process.nccl_survives_errors()
-        self.seam = FaultSeam(self)
+        self.faults = FaultPoints(WORKER_POINTS, worker=self)
 
         def connect() -> Any:
             return connect_store(store_host, store_port, timeout_s=30)
@@ -138,11 +140,11 @@ class Worker:
                                    shard_index=shard_index, threads=threads,
                                    record_digests=record_digests, prefetch=prefetch)
         self.engine = StepEngine(name, self.state, self.commits, self.loader, self.membership,
-                                 self.vitals, self.seam)
+                                 self.vitals, self.faults)
         # A run's stop key is polled off the training thread, by rank 0 alone (key_watch).
         self.keys = KeyWatch(connect)
         self.loop = RunLoop(name, self.engine, self.commits, self.membership, self.vitals,
-                            self.keys, self.seam, leads=shard_index == 0)
+                            self.keys, self.faults, leads=shard_index == 0)
         self.transfer = StateTransfer(name, self.state, self.commits, self.membership,
                                       self.vitals)
         self.saver = CheckpointSaver(name, self.state, self.commits, self.vitals)
@@ -154,33 +156,26 @@ class Worker:
         self.probe = ProbeServer(process.group_address())
         self.store.set(store_keys.probe(name), self.probe.address)
         self.vitals.start(self.store, connect)
-        self.followers: list[Any] = []
-        if self.k > 1 and shard_index == 0:
-            # The replica's other workers: actors this one owns, so they die with it.
-            remote: Any = ray.remote
-            cls = remote(concurrency_groups=CONCURRENCY_GROUPS)(Worker)
-            # The spec as the controller pickled it: its functions may live in a module only
-            # the controller has (a script run by `planaria run`), pickled by value there.
-            blob = spec_blob if spec_blob is not None else ray.cloudpickle.dumps(spec)
-            self.followers = [
-                cls.options(max_restarts=0, max_concurrency=1, **(follower_options or {})).remote(
-                    f"{name}.{i}", blob, store_host, store_port, threads=threads,
-                    heartbeat_s=heartbeat_s, use_gpu=use_gpu, backend=backend,
-                    record_digests=record_digests, prefetch=prefetch,
-                    workers_per_replica=self.k, shard_index=i, replica_key=self.replica_key,
-                    timeouts=timeouts,
-                )
-                for i in range(1, self.k)
-            ]
+        # A sharded replica's leader owns its other workers: they die with it.
+        self.followers: list[Any] = [] if self.k == 1 or shard_index else start_followers(
+            Worker, CONCURRENCY_GROUPS, name, self.k,
+            spec_blob if spec_blob is not None else ray.cloudpickle.dumps(spec),
+            follower_options, store_host, store_port, threads=threads, heartbeat_s=heartbeat_s,
+            use_gpu=use_gpu, backend=backend, record_digests=record_digests, prefetch=prefetch,
+            workers_per_replica=self.k, replica_key=self.replica_key, timeouts=timeouts)
 
-    @property
-    def loop_fault(self) -> Callable[[Any, int, str], None] | None:
-        """The fault seam's hook, called as ``loop_fault(worker, step, phase)`` (FaultSeam)."""
-        return self.seam.hook
-
-    @loop_fault.setter
-    def loop_fault(self, hook: Callable[[Any, int, str], None] | None) -> None:
-        self.seam.hook = hook
+    @ray.method(concurrency_group="control")
+    def arm_fault(self, point: str, action: Callable[..., Any] | None, *,
+                  times: int | None = None, shard: int = 0) -> None:
+        """Arms this worker's fault ``point`` (:data:`~planaria.faults.points.WORKER_POINTS`)
+        with ``action``, called there with ``worker`` (this actor) and ``step``; None
+        disarms it. ``shard``: the replica's worker to arm (0: this one; i: its i-th)."""
+        if shard:
+            ray.get(self.followers[shard - 1].arm_fault.remote(point, action, times=times))
+        elif action is None:
+            self.faults.disarm(point)
+        else:
+            self.faults.arm(point, action, times=times)
 
     # ---- lifecycle -------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import torch
 
 from planaria.data.randomness import micro_batch_seed, seed_torch
 from planaria.faults.errors import Failure, PlanariaError, StepAborted, Work
+from planaria.faults.points import FaultPoints
 from planaria.faults.user_code import user_call
 from planaria.wire.reports import Attempt, Served
 from planaria.worker.busy import current_thread_ids
@@ -36,7 +37,7 @@ from planaria.worker.replica import replica_failed
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.vitals import Vitals
 
-__all__ = ["FaultSeam", "StepComputed", "StepEngine"]
+__all__ = ["StepComputed", "StepEngine"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,25 +55,13 @@ class StepComputed:
     reduce_s: float
 
 
-class FaultSeam:
-    """Where tests inject faults between a step's phases: ``hook(owner, step, phase)``, called
-    once a step's samples are loaded (``"loaded"``), once its gradient is computed
-    (``"computed"``, before the reduction) and, in a run, once it is reduced
-    (``"reduced"``, before it is applied) and applied (``"applied"``). ``owner`` is the
-    worker actor (the hook sees ``owner.name``)."""
-
-    __slots__ = ("hook", "owner")
-
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner
-        self.hook: Callable[[Any, int, str], None] | None = None
-
-
 class StepEngine:
     """Computes and reduces a step's gradient (:meth:`step`)."""
 
     def __init__(self, name: str, state: ReplicaState, commits: Commits, loader: SampleLoader,
-                 membership: Membership, vitals: Vitals, seam: FaultSeam) -> None:
+                 membership: Membership, vitals: Vitals, faults: FaultPoints) -> None:
+        """``faults``: the worker's fault points (``worker.loaded``, ``worker.computed``: see
+        :data:`planaria.faults.points.WORKER_POINTS`)."""
         self.name = name
         self.spec = state.spec
         self.state = state
@@ -80,7 +69,7 @@ class StepEngine:
         self.loader = loader
         self.membership = membership
         self.vitals = vitals
-        self.seam = seam
+        self.faults = faults
         self.sharded = state.shape.k > 1
         self.last_attempt: Attempt | None = None  # what the last step was served
         self._load_planned = loader.load_planned  # bound once: run while the reduce is in flight
@@ -127,9 +116,9 @@ class StepEngine:
         except StepAborted:
             self.membership.abort_generation(step)
             raise
-        hook = self.seam.hook
-        if hook is not None:
-            hook(self.seam.owner, step, "computed")  # a fault injected before the reduction
+        faults = self.faults
+        if faults.armed:  # a fault injected before the reduction
+            faults.hit("worker.computed", step=step)
         t1 = time.perf_counter()
         self._reduce(step, loaded, first, count, comm, status, metric_keys, loss_sum,
                      metric_sums)
@@ -173,9 +162,9 @@ class StepEngine:
             raise
         reducer.agree_loaded(True)
         served = loaded.served
-        hook = self.seam.hook
-        if hook is not None:
-            hook(self.seam.owner, step, "loaded")  # a fault injected before the compute
+        faults = self.faults
+        if faults.armed:  # a fault injected before the compute
+            faults.hit("worker.loaded", step=step)
         self.last_attempt = attempt = Attempt(gen=gen, step=step, served=Served(
             ids=served.ids, digests=served.digests if served.digests_on else None))
         if record_served is not None:  # the run's ledger, before the collective

@@ -37,7 +37,7 @@ from planaria.faults.errors import (
 )
 from planaria.wire import store_keys
 
-__all__ = ["FOLLOWER_SETTLE_S", "fans_out", "lane", "replica_failed"]
+__all__ = ["FOLLOWER_SETTLE_S", "fans_out", "lane", "replica_failed", "start_followers"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 R = TypeVar("R")
@@ -77,6 +77,20 @@ def fans_out(merge: Callable[[R, list[R]], R] | None = None) -> Callable[[F], F]
         return call  # type: ignore[return-value]
 
     return decorate
+
+
+def start_followers(cls: type, groups: dict[str, int], name: str, k: int, spec_blob: bytes,
+                    options: dict[str, Any] | None, *args: Any, **kwargs: Any) -> list[Any]:
+    """The leader ``name`` starts its replica's workers 1 .. k-1 as Ray actors of the worker
+    class ``cls`` (with its concurrency ``groups``), which it owns: they die with it.
+    ``spec_blob``: the spec as the controller pickled it (its functions may live in a module
+    only the controller has, a script run by `planaria run`, pickled by value there);
+    ``args``/``kwargs``: the worker's other arguments, each follower's ``shard_index`` added."""
+    remote: Any = ray.remote
+    actor = remote(concurrency_groups=groups)(cls)
+    return [actor.options(max_restarts=0, max_concurrency=1, **(options or {})).remote(
+                f"{name}.{i}", spec_blob, *args, shard_index=i, **kwargs)
+            for i in range(1, k)]
 
 
 def replica_failed(store: Any, replica_key: str, index: int, err: Failure) -> None:

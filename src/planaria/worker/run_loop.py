@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from planaria.data.plan import DataPlan, split_micro_batches
+from planaria.faults.points import FaultPoints
 from planaria.wire import store_keys
 from planaria.wire.reports import (
     Attempt,
@@ -49,7 +50,7 @@ from planaria.wire.reports import (
     stream_chunk,
 )
 from planaria.worker.commit import Commits
-from planaria.worker.engine import FaultSeam, StepComputed, StepEngine
+from planaria.worker.engine import StepComputed, StepEngine
 from planaria.worker.key_watch import KeyWatch
 from planaria.worker.membership import Membership
 from planaria.worker.vitals import Vitals
@@ -70,9 +71,11 @@ class RunLoop:
     """A worker's runs of steps (see the module doc)."""
 
     def __init__(self, name: str, engine: StepEngine, commits: Commits, membership: Membership,
-                 vitals: Vitals, keys: KeyWatch, seam: FaultSeam, *, leads: bool) -> None:
+                 vitals: Vitals, keys: KeyWatch, faults: FaultPoints, *,
+                 leads: bool) -> None:
         """``keys`` polls the controller's stop key off the training thread; ``leads``: this
-        worker is its replica's leader (shard index 0), whose rank 0 streams the records."""
+        worker is its replica's leader (shard index 0), whose rank 0 streams the records;
+        ``faults``: the worker's fault points (``worker.reduced``, ``worker.applied``)."""
         self.name = name
         self.spec = engine.spec
         self.engine = engine
@@ -80,7 +83,7 @@ class RunLoop:
         self.membership = membership
         self.vitals = vitals
         self.keys = keys
-        self.seam = seam
+        self.faults = faults
         self.leads = leads
         self.store = membership.store
         self.records: list[StepRecord] = []  # the last run's, settled by settle()
@@ -147,7 +150,7 @@ class RunLoop:
         done = start  # the steps this run counts as committed (the first step settles)
         step = start
         stream = StepStream(self.store, gen, run_id) if rank == 0 and self.leads else None
-        vitals, seam, records = self.vitals, self.seam, self.records
+        vitals, faults, records = self.vitals, self.faults, self.records
         record_served = self._record_served if self._ledger is not None else None
 
         def share(s: int) -> np.ndarray:  # this rank's ids of step s
@@ -167,9 +170,8 @@ class RunLoop:
             c = self.engine.step(gen, step, ids, done, nxt, skipped=skipped, status=status,
                                  metric_keys=metric_keys, record_served=record_served)
             skipped = -1
-            hook = seam.hook
-            if hook is not None:
-                hook(seam.owner, step, "reduced")  # a fault injected after the reduction
+            if faults.armed:  # a fault injected after the reduction
+                faults.hit("worker.reduced", step=step)
             loss_sum, samples, leaving, stop, *metric_sums = status.tolist()
             finite = math.isfinite(loss_sum) and (c.overflow or math.isfinite(c.grad_norm))
             global_metric_sums = dict(zip(metric_keys, metric_sums, strict=True))
@@ -181,9 +183,8 @@ class RunLoop:
             done = step + 1
             self.commits.settle(done)  # applies the step now
             vitals.committed_t = time.monotonic()  # progress is the heartbeat (see liveness)
-            hook = seam.hook
-            if hook is not None:
-                hook(seam.owner, step, "applied")  # a fault injected after the apply
+            if faults.armed:  # a fault injected after the apply
+                faults.hit("worker.applied", step=step)
             records.append(_record(step, t0, c, finite=True, loss_sum=loss_sum,
                                    samples=int(samples), metric_sums=global_metric_sums))
             if stream is not None:

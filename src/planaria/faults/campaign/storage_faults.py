@@ -31,6 +31,11 @@ the calls of the chosen kinds (``read``: an open for reading; ``write``: an open
 writing; ``meta``: ``ls`` and ``info``, and so ``exists`` and ``size``) on paths holding
 ``fail_match`` are numbered from 1 per ``fail_token``, and those numbered ``fail_calls``
 raise ``OSError(EIO)``.
+
+**Latency**, with or without ``control``: the same calls each wait first, a slow store.
+The storage option ``latency`` (see :func:`with_latency`) sets it for the root's life;
+``CONTROL/latency.json`` (see :func:`set_latency`) adds to it, in every process, while
+the job runs: set, changed, or cleared at any time.
 """
 
 from __future__ import annotations
@@ -50,14 +55,18 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
-__all__ = ["PROTOCOL", "FaultyFileSystem", "arm", "armed", "counted_failures", "fill", "fired",
-           "free", "log_fired", "writes"]
+__all__ = ["LATENCY_KINDS", "PROTOCOL", "FaultyFileSystem", "arm", "armed", "counted_failures",
+           "fill", "fired", "free", "log_fired", "set_latency", "with_latency", "writes"]
 
 PROTOCOL = "faulty"
 FIRED_LOG = "fired.jsonl"
 WRITES_LOG = "writes.jsonl"
 FULL_FILE = "full.json"
+LATENCY_FILE = "latency.json"
 OPEN_ACTIONS = ("eio", "kill", "term")
+LATENCY_KINDS = ("read", "write", "meta")
+"""The calls a latency delays (and counted failures count): an open for reading, an open
+for writing, ``ls`` and ``info``."""
 
 
 def arm(
@@ -88,6 +97,44 @@ def counted_failures(token: str, fail_on: tuple[str, ...], fail_calls: tuple[int
     ``fail_calls`` fail with ``OSError(EIO)``; ``token`` names a fresh count."""
     return {"fail_on": tuple(fail_on), "fail_calls": tuple(fail_calls), "fail_token": token,
             "fail_match": match}
+
+
+def _latency_of(read: float, write: float, meta: float, match: str) -> dict[str, Any]:
+    latency = {"read": read, "write": write, "meta": meta}
+    if any(s < 0 for s in latency.values()):
+        raise ValueError(f"a latency is seconds >= 0, not {latency}")
+    return {**latency, "match": match}
+
+
+def with_latency(options: dict[str, Any] | None = None, *, read: float = 0.0,
+                 write: float = 0.0, meta: float = 0.0, match: str = "") -> dict[str, Any]:
+    """Storage options for a ``faulty://`` root (``options`` and this) whose calls of each
+    kind (:data:`LATENCY_KINDS`) on paths holding ``match`` wait that many seconds first."""
+    return {**(options or {}), "latency": _latency_of(read, write, meta, match)}
+
+
+def set_latency(control: str | Path, *, read: float = 0.0, write: float = 0.0,
+                meta: float = 0.0, match: str = "") -> None:
+    """From now on, in every process, a ``faulty://`` root's calls of each kind on paths
+    holding ``match`` wait that many seconds first (beside its ``latency`` option); all
+    zero clears it."""
+    latency = _latency_of(read, write, meta, match)
+    path = Path(control) / LATENCY_FILE
+    if not (read or write or meta):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        return
+    tmp = Path(control) / f".tmp-latency-{os.getpid()}-{threading.get_ident()}"
+    tmp.write_text(json.dumps(latency))
+    os.replace(tmp, path)
+
+
+def _control_latency(control: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(control, LATENCY_FILE)) as f:
+            return dict(json.load(f))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 def fill(control: str | Path, *, fault_id: str, fraction: float = 0.5) -> None:
@@ -308,7 +355,7 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def __init__(self, control: str | None = None, *, fail_on: tuple[str, ...] = (),
                  fail_calls: tuple[int, ...] = (), fail_token: str = "", fail_match: str = "",
-                 **kwargs: Any) -> None:
+                 latency: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.control = None if control is None else str(control)
         self.local = LocalFileSystem()
@@ -316,9 +363,15 @@ class FaultyFileSystem(AbstractFileSystem):
         self.fail_calls = frozenset(fail_calls)
         self.fail_token = fail_token
         self.fail_match = fail_match
+        self.latency = latency
 
     def _count(self, kind: str, path: str) -> None:
-        """A counted failure: raises on the calls numbered ``fail_calls``."""
+        """A call of ``kind``: waits its latency, then, a counted failure, raises on the
+        calls numbered ``fail_calls``."""
+        for latency in (self.latency,
+                        None if self.control is None else _control_latency(self.control)):
+            if latency is not None and latency.get("match", "") in path:
+                time.sleep(float(latency.get(kind, 0.0)))
         if kind not in self.fail_on or self.fail_match not in path:
             return
         with self._counts_lock:
