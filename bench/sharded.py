@@ -13,9 +13,9 @@ clipping at 1.0), 1 torch thread per worker. Every figure is measured in this ru
   2 steps, then the leader (``w0``) and, through it, each of its followers
   (``w0.1``, ...) report what they hold: the bytes of their local parameter shards
   (``planaria.worker.sharded.local`` of each DTensor), of their gradient shards (measured
-  after the step's backward, before the reduction, by a ``loop_fault`` hook: FSDP2
-  keeps them sharded like the parameters) and of their optimizer state tensors
-  (AdamW's moments and step counts). The figure is the largest worker's sum;
+  after the step's backward, before the reduction, by an action at the
+  ``worker.computed`` fault point: FSDP2 keeps them sharded like the parameters) and of
+  their optimizer state tensors (AdamW's moments and step counts). The figure is the largest worker's sum;
   ``state_ratio`` = that ÷ the k = 1 figure (targets: k = 2 ≤ 0.55, k = 4 ≤ 0.3;
   reported, not enforced).
 - ``step_ms``: planaria at 2 replicas x 2 workers under the autonomous loop
@@ -32,9 +32,9 @@ clipping at 1.0), 1 torch thread per worker. Every figure is measured in this ru
   its timer) and compares every step's loss with planaria's first round.
 - ``recover_s`` and ``back_at_full_width_s``: a 2 x 2 planaria job; worker ``w1.1``
   (a follower of replica ``w1``) SIGKILLs itself once it has computed step
-  ``--fault-step`` (its ``loop_fault`` hook, reached through its leader); the driver
-  loop is ``fit``'s (``run_steps``, ``recovery.handle`` on a ``planaria.Failure``)
-  and goes on until the replacement replica has joined and a step committed at width
+  ``--fault-step`` (an action at its ``worker.computed`` fault point, armed through its
+  leader); the driver loop is ``fit``'s (``run_steps``, ``recovery.handle`` on a
+  ``planaria.Failure``) and goes on until the replacement replica has joined and a step committed at width
   2 (bounded by ``--join-wait-s``; ``wait_for_width`` once ``--after-steps`` steps
   past the fault were committed without the join). From the event log:
   ``recover_s`` = the ``recovered`` record's own ``recover_s`` (fault → first
@@ -171,7 +171,7 @@ def _med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-# ---- hooks run inside the workers (through their leader: ``actor.__ray_call__``) --------------
+# ---- fault-point actions run inside the workers (armed through their leader) ---------------
 
 
 def _nbytes(t: Any) -> int:
@@ -179,41 +179,28 @@ def _nbytes(t: Any) -> int:
 
 
 class _GradBytes:
-    """``loop_fault`` hook: once a step's gradient is computed (before the reduction), notes the
-    bytes of this worker's gradient shards on the worker (``_bench_grad_bytes``)."""
+    """Armed at ``worker.computed`` (a step's gradient computed, before the reduction): notes
+    the bytes of this worker's gradient shards on the worker (``_bench_grad_bytes``)."""
 
-    def __call__(self, worker: Any, step: int, phase: str) -> None:
-        if phase == "computed":
-            from planaria.worker.sharded import local
+    def __call__(self, *, worker: Any, step: int) -> None:
+        from planaria.worker.sharded import local
 
-            worker._bench_grad_bytes = sum(_nbytes(local(p.grad))
-                                           for p in worker.state.model.parameters()
-                                           if p.grad is not None)
+        worker._bench_grad_bytes = sum(_nbytes(local(p.grad))
+                                       for p in worker.state.model.parameters()
+                                       if p.grad is not None)
 
 
 class _KillAt:
-    """``loop_fault`` hook: once ``step`` is computed, notes the time in ``marker`` and
-    SIGKILLs this worker (once)."""
+    """Armed at ``worker.computed``: once ``step`` is computed, notes the time in ``marker``
+    and SIGKILLs this worker (once)."""
 
     def __init__(self, step: int, marker: str) -> None:
         self.step, self.marker = step, marker
 
-    def __call__(self, worker: Any, step: int, phase: str) -> None:
-        if phase == "computed" and step == self.step and not os.path.exists(self.marker):
+    def __call__(self, *, worker: Any, step: int) -> None:
+        if step == self.step and not os.path.exists(self.marker):
             Path(self.marker).write_text(json.dumps({"worker": worker.name, "t": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _set_hook(worker: Any, hook: Any, index: int | None) -> None:
-    """On a leader: ``hook`` as the loop_fault of worker ``index`` of its replica (0: itself,
-    None: every worker of the replica)."""
-    import ray
-
-    if index in (0, None):
-        worker.loop_fault = hook
-    for i, follower in enumerate(worker.followers, start=1):
-        if index in (i, None):
-            ray.get(follower.__ray_call__.remote(lambda f: setattr(f, "loop_fault", hook)))
 
 
 def _resident(worker: Any) -> dict[str, Any]:
@@ -246,10 +233,13 @@ def _replica_resident(leader: Any) -> list[dict[str, Any]]:
 
 
 def _install(job: Any, replica: str, hook: Any, index: int | None) -> None:
+    """``hook`` armed at ``worker.computed`` on worker ``index`` of ``replica`` (0: its
+    leader, None: every worker of the replica), through its leader."""
     import ray
 
     handle = next(h for h in job.members if h.name == replica)
-    ray.get(handle.actor.__ray_call__.remote(_set_hook, hook, index))
+    shards = range(job.config.workers_per_replica) if index is None else [index]
+    ray.get([handle.actor.arm_fault.remote("worker.computed", hook, shard=i) for i in shards])
 
 
 # ---- the three measurements ------------------------------------------------------------------
