@@ -15,7 +15,8 @@ clipping at 1.0), 1 torch thread per worker. Every figure is measured in this ru
   (``planaria.worker.sharded.local`` of each DTensor), of their gradient shards (measured
   after the step's backward, before the reduction, by an action at the
   ``worker.computed`` fault point: FSDP2 keeps them sharded like the parameters) and of
-  their optimizer state tensors (AdamW's moments and step counts). The figure is the largest worker's sum;
+  their optimizer state tensors (AdamW's moments and step counts). The figure is the
+  largest worker's sum;
   ``state_ratio`` = that ÷ the k = 1 figure (targets: k = 2 ≤ 0.55, k = 4 ≤ 0.3;
   reported, not enforced).
 - ``step_ms``: planaria at 2 replicas x 2 workers under the autonomous loop
@@ -34,7 +35,8 @@ clipping at 1.0), 1 torch thread per worker. Every figure is measured in this ru
   (a follower of replica ``w1``) SIGKILLs itself once it has computed step
   ``--fault-step`` (an action at its ``worker.computed`` fault point, armed through its
   leader); the driver loop is ``fit``'s (``run_steps``, ``recovery.handle`` on a
-  ``planaria.Failure``) and goes on until the replacement replica has joined and a step committed at width
+  ``planaria.Failure``) and goes on until the replacement replica has joined and a step
+  committed at width
   2 (bounded by ``--join-wait-s``; ``wait_for_width`` once ``--after-steps`` steps
   past the fault were committed without the join). From the event log:
   ``recover_s`` = the ``recovered`` record's own ``recover_s`` (fault → first
