@@ -91,7 +91,7 @@ class ProtocolWorker:
     def __init__(self, name: str, host: str, port: int, heartbeat_s: float) -> None:
         import threading
 
-        from planaria.control.liveness import Heartbeat, beat, quiet_s
+        from planaria.wire.heartbeat import Heartbeat, beat, quiet_s
         from planaria.worker.collective import connect_store
         from planaria.worker.key_watch import KeyWatch
 

@@ -85,6 +85,23 @@ def test_no_module_of_planaria_imports_itself_back_at_run_time():
     assert circles == [], f"import circles (function-level imports included): {circles}"
 
 
+# What a package may not import: the worker and the wire never the controller (what both
+# sides share lives in planaria.wire); the wire nothing but the lowest layers.
+FORBIDDEN = {
+    "planaria.worker": ("planaria.control", "planaria.checkpoint.coordinator", "planaria.cli"),
+    "planaria.wire": ("planaria.control", "planaria.worker", "planaria.checkpoint",
+                      "planaria.cli", "planaria.observe"),
+}
+
+
+def test_the_worker_and_the_wire_do_not_import_the_controller():
+    graph = _imports(_modules())
+    bad = sorted((name, dep) for name, deps in graph.items() for dep in deps
+                 for pkg, banned in FORBIDDEN.items()
+                 if name.startswith(pkg + ".") and dep.startswith(banned))
+    assert bad == [], f"imports across the layers (move the shared half to wire/): {bad}"
+
+
 # ---- size and privacy ------------------------------------------------------------------------
 
 MAX_MODULE_LINES = 500

@@ -210,7 +210,7 @@ def test_node_lost_then_a_new_node_takes_the_replacements(tmp_path, cluster, nod
 
 def interface_of(address: str) -> str | None:
     """The name of this machine's network interface with ``address``, if any."""
-    from planaria.control.network import interface_address
+    from planaria.wire.interfaces import interface_address
 
     for _, name in socket.if_nameindex():
         try:

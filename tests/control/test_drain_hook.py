@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from planaria import RunConfig
-from planaria.control.drain import NodeDrainWatch, live_workers
+from planaria.control.drain import NodeDrainWatch
 from planaria.faults.errors import ConfigError
+from planaria.wire.worker_markers import live_workers
 
 pytestmark = pytest.mark.slow  # each hook is a fresh process importing planaria (seconds)
 
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = textwrap.dedent("""
     import signal, sys, time
     from pathlib import Path
-    from planaria.control.drain import register_worker
+    from planaria.wire.worker_markers import register_worker
     name, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     def on_term(signum, frame):
         (out / name).write_text("SIGTERM")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from planaria.control.links import ProbeServer, find_unreachable, probe
+from planaria.control.links import find_unreachable
+from planaria.wire.probes import ProbeServer, probe
 
 
 def test_a_rank_no_one_reaches_is_cut_off():

@@ -6,8 +6,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from planaria.control.liveness import Heartbeat, Liveness
+from planaria.control.liveness import Liveness
 from planaria.wire import store_keys
+from planaria.wire.heartbeat import Heartbeat
 
 
 class Clock:
@@ -169,7 +170,7 @@ def test_a_vouch_is_a_sighting_of_a_worker_that_skipped_its_beats():
 def test_a_quiet_worker_skips_its_heartbeat_writes():
     import threading
 
-    from planaria.control.liveness import beat as beat_thread
+    from planaria.wire.heartbeat import beat as beat_thread
 
     store, _, _ = make()
     port = store.port

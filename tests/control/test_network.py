@@ -9,11 +9,11 @@ import pytest
 from planaria import ConfigError, RunConfig
 from planaria.control.network import (
     host_store,
-    interface_address,
     store_address,
     warn_if_gloo_would_use_loopback,
     worker_env,
 )
+from planaria.wire.interfaces import interface_address
 
 
 def other_address() -> str | None:

@@ -41,7 +41,7 @@ class StopThenWait:
 
     def __call__(self, worker, step: int, phase: str) -> None:
         if phase == "computed" and step == self.step and not os.path.exists(self.marker):
-            from planaria.control.liveness import Heartbeat
+            from planaria.wire.heartbeat import Heartbeat
 
             # Its last micro-batch's progress reported first (a beat is every 0.25 s): the
             # controller must see no progress from here on but the pause's.

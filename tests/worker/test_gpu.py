@@ -25,9 +25,9 @@ import torch
 import planaria
 from planaria import HangConfig, Job, RunConfig, fit
 from planaria.checkpoint.config import CheckpointConfig
-from planaria.control.liveness import Heartbeat
 from planaria.examples import mlp
 from planaria.wire import store_keys
+from planaria.wire.heartbeat import Heartbeat
 from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

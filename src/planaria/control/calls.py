@@ -21,7 +21,7 @@ from planaria.control.attribution import Attribution, Blame, Sighting
 from planaria.control.call_watch import CallWatch
 from planaria.control.clock import REAL_CLOCK, Clock
 from planaria.control.departures import Departures, FaultTimes
-from planaria.control.liveness import IO_STALL_S, WORK_PHASES, Heartbeat, Liveness
+from planaria.control.liveness import IO_STALL_S, WORK_PHASES, Liveness
 from planaria.faults import points
 from planaria.faults.errors import (
     Failure,
@@ -34,6 +34,7 @@ from planaria.faults.errors import (
     is_death,
 )
 from planaria.wire import store_keys
+from planaria.wire.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
     from planaria.control.policy import HangConfig
@@ -303,7 +304,8 @@ class Calls:
         no one is to blame: the failure then rebuilds the generation on fresh links)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from planaria.control.links import find_unreachable, probe
+        from planaria.control.links import find_unreachable
+        from planaria.wire.probes import probe
 
         watched = self.roster.with_followers(names)
         addresses: dict[str, str] = {}

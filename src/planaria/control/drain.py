@@ -16,8 +16,9 @@ A worker that gets SIGTERM drains at the next step boundary (see
   planaria workers on the node and waits until they have left, then lets the
   node stop.
 
-Workers find each other on a node through **markers**: each worker writes a file
-named after its pid in :func:`worker_dir` (``$PLANARIA_WORKER_DIR``, default
+Workers find each other on a node through **markers**
+(:mod:`planaria.wire.worker_markers`): each worker writes a file named after its pid in
+:func:`~planaria.wire.worker_markers.worker_dir` (``$PLANARIA_WORKER_DIR``, default
 ``<tmp>/planaria-workers``) holding its process start time (to tell a reused pid
 apart), name, Ray node id and GCS address.
 """
@@ -25,34 +26,22 @@ apart), name, Ray node id and GCS address.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from planaria.faults.errors import ConfigError
+from planaria.wire.worker_markers import WorkerMarker, live_workers
 
-__all__ = [
-    "NodeDrainWatch",
-    "WorkerMarker",
-    "live_workers",
-    "node_drain_hook",
-    "register_worker",
-    "worker_dir",
-]
+__all__ = ["NodeDrainWatch", "node_drain_hook"]
 
 _log = logging.getLogger("planaria.membership")
-
-WORKER_DIR_ENV = "PLANARIA_WORKER_DIR"
-
 
 # ---- Ray's draining nodes --------------------------------------------------------------------
 
@@ -127,84 +116,6 @@ class NodeDrainWatch:
         self._thread.join(timeout=wait_s)
 
 
-# ---- worker markers --------------------------------------------------------------------------
-
-
-def worker_dir() -> Path:
-    """Where the workers on this machine leave their markers."""
-    return Path(os.environ.get(WORKER_DIR_ENV) or Path(tempfile.gettempdir()) / "planaria-workers")
-
-
-@dataclass(frozen=True)
-class WorkerMarker:
-    """A planaria worker process on this machine, as its marker describes it."""
-
-    pid: int
-    start: str
-    name: str
-    node_id: str | None
-    gcs_address: str | None
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when
-    it has exited: with the pid, it names one process (a pid is reused, a (pid, start) pair
-    is not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # the fields after "(comm)": state is field 3
-    if fields[0] in ("Z", "X"):  # exited, not yet reaped by its parent: gone all the same
-        return None
-    return fields[19]
-
-
-def register_worker(name: str, *, node_id: str | None, gcs_address: str | None) -> Path | None:
-    """Leaves this process's marker in :func:`worker_dir` (best effort: None if it cannot)
-    and removes the markers of processes that are gone."""
-    pid = os.getpid()
-    start = _start_time(pid)
-    if start is None:  # no /proc: not Linux; the node hook cannot find workers here
-        return None
-    folder = worker_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        live_workers(folder)  # prunes the stale ones
-        path = folder / str(pid)
-        tmp = folder / f".{pid}.tmp"
-        tmp.write_text(json.dumps({"start": start, "name": name, "node_id": node_id,
-                                   "gcs_address": gcs_address}))
-        os.replace(tmp, path)
-        return path
-    except OSError as err:
-        _log.debug("could not leave a worker marker in %s: %r", folder, err)
-        return None
-
-
-def live_workers(folder: Path | None = None) -> list[WorkerMarker]:
-    """The planaria workers alive on this machine; markers of dead processes are removed."""
-    folder = worker_dir() if folder is None else folder
-    found: list[WorkerMarker] = []
-    if not folder.is_dir():
-        return found
-    for path in folder.iterdir():
-        if not path.name.isdigit():
-            continue
-        pid = int(path.name)
-        try:
-            record: dict[str, Any] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being written; or not ours
-        if _start_time(pid) != record.get("start"):  # gone, or the pid now names another
-            with contextlib.suppress(OSError):
-                path.unlink()
-            continue
-        found.append(WorkerMarker(pid, str(record["start"]), str(record.get("name")),
-                                  record.get("node_id"), record.get("gcs_address")))
-    return sorted(found, key=lambda m: m.pid)
-
-
 # ---- the node hook ---------------------------------------------------------------------------
 
 
@@ -261,7 +172,7 @@ def notify_workers(
     left = markers
     while left and time.monotonic() < end:
         time.sleep(0.2)
-        left = [m for m in left if _start_time(m.pid) == m.start]
+        left = [m for m in left if m.alive()]
     if left:
         say(f"planaria node-drain-hook: {', '.join(m.name for m in left)} still running after "
             f"{grace_s:g} s")

@@ -14,10 +14,8 @@ Never every interface (``0.0.0.0``) unless asked for by name.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import socket
-import struct
 from datetime import timedelta
 
 import ray
@@ -25,10 +23,10 @@ import torch.distributed as dist
 
 from planaria.config import RunConfig
 from planaria.faults.errors import ConfigError
+from planaria.wire.interfaces import interface_address
 
 __all__ = [
     "host_store",
-    "interface_address",
     "ray_is_private",
     "store_address",
     "warn_if_gloo_would_use_loopback",
@@ -36,23 +34,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("planaria.membership")
-
-_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
-
-
-def interface_address(name: str) -> str:
-    """The IPv4 address of network interface ``name`` on this machine (Linux)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            packed = struct.pack("256s", name.encode()[:15])
-            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, packed)[20:24])
-    except OSError as err:
-        have = ", ".join(n for _, n in socket.if_nameindex())
-        raise ConfigError(
-            f"network_interface={name!r} is not valid: this machine has no interface of that "
-            f"name with an IPv4 address ({err.strerror}); it has {have}"
-        ) from err
-
 
 def ray_is_private() -> bool:
     """True when this process started its own Ray (not connected to a running cluster) and

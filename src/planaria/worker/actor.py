@@ -40,11 +40,10 @@ import ray
 import torch
 
 from planaria.config import TrainSpec
-from planaria.control.drain import register_worker
-from planaria.control.links import ProbeServer
 from planaria.data.plan import micro_batch_range
 from planaria.faults.points import WORKER_POINTS, FaultPoints
 from planaria.wire import store_keys
+from planaria.wire.probes import ProbeServer
 from planaria.wire.reports import Hold, Joined, RunReport, Settled, merge_checksums, merge_sum
 from planaria.wire.state_reports import (
     RestoreRead,
@@ -56,6 +55,7 @@ from planaria.wire.state_reports import (
     merge_written,
 )
 from planaria.wire.takeover import Lease, WorkerReport
+from planaria.wire.worker_markers import register_worker
 from planaria.worker import compile_cache as compile_cache_mod
 from planaria.worker import forkserver, process
 from planaria.worker.ckpt_restore import CheckpointRestorer

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from planaria.config import TrainSpec
-from planaria.control.drain import live_workers
 from planaria.data.integrity import Served, dataset_fingerprint
 from planaria.data.plan import micro_batch_range
 from planaria.data.randomness import probe_sample, serve_samples
 from planaria.faults.errors import Failure, PlanariaError, Work
 from planaria.faults.user_code import user_call
+from planaria.wire.worker_markers import live_workers
 from planaria.worker.busy import current_thread_ids
 from planaria.worker.collective import Collective
 from planaria.worker.replica_state import run_factory

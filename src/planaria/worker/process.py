@@ -13,8 +13,8 @@ from typing import Any
 
 import ray
 
-from planaria.control.links import local_endpoints, probe, stalled_connections
-from planaria.control.network import interface_address
+from planaria.wire.interfaces import interface_address
+from planaria.wire.probes import local_endpoints, probe, stalled_connections
 
 __all__ = [
     "gcs_address",

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from planaria.control.liveness import Heartbeat, beat, quiet_s
 from planaria.wire import store_keys
+from planaria.wire.heartbeat import Heartbeat, beat, quiet_s
 from planaria.worker.busy import BusyProbe
 
 __all__ = ["Vitals"]

@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 
-from planaria.control.links import proc_net_endpoint
+from planaria.wire.probes import proc_net_endpoint
 
 __all__ = ["Chain", "available", "cut_links", "run_chain", "tcp_endpoints"]
 

@@ -43,7 +43,7 @@ def _pids() -> list[int]:
 def job_workers(gcs_address: str | None) -> dict[str, int]:
     """Name -> pid of the planaria workers of the Ray instance at ``gcs_address`` alive on
     this machine (a sharded replica's followers ``w3.1`` too), from their markers."""
-    from planaria.control.drain import live_workers
+    from planaria.wire.worker_markers import live_workers
 
     return {m.name: m.pid for m in live_workers() if m.gcs_address == gcs_address}
 

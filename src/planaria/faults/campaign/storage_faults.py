@@ -247,7 +247,7 @@ def _full(control: str) -> dict[str, Any] | None:
 def _own_worker_name() -> str | None:
     """This process's planaria worker name (``w3``, a follower ``w3.1``), from the marker
     every worker leaves (see planaria.control.drain); None in the controller."""
-    from planaria.control.drain import worker_dir
+    from planaria.wire.worker_markers import worker_dir
 
     try:
         with open(worker_dir() / str(os.getpid())) as f:
