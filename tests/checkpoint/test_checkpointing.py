@@ -8,6 +8,7 @@ Every fault test asserts that training reaches the parameters of a fault-free ru
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import shutil
@@ -35,6 +36,7 @@ from planaria.checkpoint import (
 )
 from planaria.checkpoint.config import CheckpointConfig
 from planaria.checkpoint.manifest import parse_marker
+from planaria.checkpoint.writer import RECORD_SUFFIX, SAVE_FILE
 from planaria.examples import mlp
 from planaria.faults.errors import CheckpointError, ConfigError
 from tests.assertions import assert_exactly_once, assert_same_state, events, of, run_to
@@ -311,6 +313,23 @@ def marked_not_renamed(root: Path) -> list[int]:
     return steps
 
 
+def finished_not_committed(root: Path) -> list[int]:
+    """Steps whose save's writers all finished (a record beside every shard, the save's
+    description beside them) but whose job was killed before the commit: the next start
+    commits them (``checkpoint_adopted``)."""
+    steps = []
+    for tmp in root.glob("step_*.tmp-*") if root.exists() else []:
+        final = root / tmp.name.split(".")[0]
+        try:
+            desc = json.loads((tmp / SAVE_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if len(list(tmp.glob(f"*{RECORD_SUFFIX}"))) == desc["shards"] and not (
+                final / "COMMITTED").exists():
+            steps.append(int(desc["step"]))
+    return steps
+
+
 @pytest.mark.soak
 @pytest.mark.multiprocess
 @pytest.mark.slow
@@ -329,7 +348,8 @@ def test_whole_job_sigkill_during_saves(tmp_path: Path) -> None:
         last = i == kills
         mode = "none" if last else (modes[i // 5 % 4] if i % 5 == 0 else "timer")
         newest = [c.step for c in list_checkpoints(str(root)) if c.committed]
-        newest = sorted(newest + marked_not_renamed(root))
+        adoptable = finished_not_committed(root)
+        newest = sorted(newest + marked_not_renamed(root) + adoptable)
         proc = subprocess.run(
             [sys.executable, "-c", CHILD, address, str(run_dir), str(CRASH_STEPS),
              str(1 + i % 2), mode, str(rng.randrange(1 << 30))],
@@ -346,9 +366,12 @@ def test_whole_job_sigkill_during_saves(tmp_path: Path) -> None:
         for info in infos:
             report = verify_checkpoint(info.path)
             assert report.ok, report.problems
-        if newest:  # the run resumed from the newest committed checkpoint
-            restores = [e for e in of(events(run_dir), "restore") if e["reason"] == "resume"]
+        if newest:  # the run resumed from the newest committed (or finished) checkpoint
+            evs = events(run_dir)
+            restores = [e for e in of(evs, "restore") if e["reason"] == "resume"]
             assert restores[-1]["step"] == newest[-1]
+            if adoptable:  # this start committed the saves its predecessor's writers finished
+                assert set(adoptable) <= {e["step"] for e in of(evs, "checkpoint_adopted")}
     assert killed >= kills - 2, f"only {killed} of {kills} runs were killed during a save"
     final, meta = load_checkpoint(str(root / f"step_{CRASH_STEPS:09d}"))
     assert meta["steps_done"] == CRASH_STEPS
