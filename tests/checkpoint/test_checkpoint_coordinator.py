@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import torch
 
 from planaria.checkpoint import (
@@ -25,6 +26,7 @@ from planaria.checkpoint.errors import CheckpointMismatch, NoViableCheckpoint
 from planaria.checkpoint.failures import SaveFailures
 from planaria.checkpoint.layout import MARKER
 from planaria.checkpoint.newest import latest_viable, lineage_checkpoints
+from planaria.checkpoint.writer import ShardRecord, write_record
 from planaria.faults.errors import CheckpointError
 from planaria.wire.state_reports import RestoreRead, ShardWritten, Snapshot
 from tests.checkpoint_host import FakeHost, FakeLog, FakePlan, FakeRef, as_host
@@ -224,6 +226,45 @@ def test_a_writers_failure_fails_the_save_and_the_job_goes_on(tmp_path: Path) ->
         assert ck.saves.failures.in_a_row == 1 and not host.log.of("checkpoints_failing")
     finally:
         ck.close()
+
+
+@pytest.mark.parametrize("its_record_written", [True, False])
+def test_a_writer_that_died_after_its_shard_was_written_leaves_a_save_that_commits(
+        tmp_path: Path, its_record_written: bool) -> None:
+    """Written is durable: a writer that dies once its shard and the shard's record are
+    written (before its answer came) does not cost the save; one that dies before its
+    record is written does (the save is abandoned, its files removed)."""
+    host = FakeHost(tmp_path, ("w0", "w1"), answer=snapshot_answers)
+    host.steps_done = 3
+    ck = checkpointer(tmp_path, host, every=1)
+    ck.place.lease.acquire()
+    try:
+        ck.saves.start(reason="test")
+        waits = {h.name: h.actor.calls[-1] for h in host.members}
+        answers = {name: written(start, ck.root) for name, start in started(host).items()}
+        for name, answer in answers.items():
+            if name == "w0" or its_record_written:  # each writer keeps its record beside it
+                write_record(ck.root, ShardRecord.from_dict(answer["record"]),
+                             written_t=answer["written_t"], fsync=False)
+        host.leave("w1")  # w1 dies before it answers ...
+        waits["w1"].answer.set_exception(ray.exceptions.ActorDiedError())
+        ck.saves.progress(block_s=0.0)  # ... and the save waits for w0's answer
+        assert ck.inflight_step == 3 and not host.log.of("checkpoint_failed")
+        waits["w0"].answer.set_result(answers["w0"])
+        ck.finish_inflight()
+        assert ck.inflight_step is None and ck.saves.lost_writers == {"w1"}
+    finally:
+        ck.close()
+    infos = list_checkpoints(ck.root)
+    if its_record_written:
+        (info,) = infos
+        assert info.committed and info.step == 3 and verify_checkpoint(info.path).ok
+        assert ck.last_committed == 3 and not host.log.of("checkpoint_failed")
+    else:
+        assert infos == [] and ck.last_committed is None
+        (failed,) = host.log.of("checkpoint_failed")
+        assert failed["step"] == 3 and "writer w1 failed: ActorDiedError" in failed["error"]
+        assert not [p for p in Path(ck.root).iterdir() if ".tmp-" in p.name]
 
 
 # ---- escalation ---------------------------------------------------------------------------

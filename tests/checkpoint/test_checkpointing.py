@@ -36,6 +36,7 @@ from planaria.checkpoint import (
 )
 from planaria.checkpoint.config import CheckpointConfig
 from planaria.checkpoint.manifest import parse_marker
+from planaria.checkpoint.writer import RECORD_SUFFIX, SAVE_FILE
 from planaria.examples import mlp
 from planaria.faults.errors import CheckpointError, ConfigError
 from tests.assertions import assert_exactly_once, assert_same_state, events, of, run_to
@@ -296,16 +297,18 @@ def marked_not_renamed(root: Path) -> list[int]:
 
 
 def finished_not_committed(root: Path) -> list[int]:
-    """Steps whose save's writers all recorded their shards (``save.json`` and every
-    ``*.record.json`` in its temporary directory) and was killed before its commit: the
-    next start commits them (planaria.checkpoint.finished)."""
+    """Steps whose save's writers all finished (a record beside every shard, the save's
+    description beside them) but whose job was killed before the commit: the next start
+    commits them (``checkpoint_adopted``)."""
     steps = []
     for tmp in root.glob("step_*.tmp-*") if root.exists() else []:
+        final = root / tmp.name.split(".")[0]
         try:
-            desc = json.loads((tmp / "save.json").read_text())
+            desc = json.loads((tmp / SAVE_FILE).read_text())
         except (OSError, ValueError):
             continue
-        if len(list(tmp.glob("*.record.json"))) == int(desc["shards"]):
+        if len(list(tmp.glob(f"*{RECORD_SUFFIX}"))) == desc["shards"] and not (
+                final / "COMMITTED").exists():
             steps.append(int(desc["step"]))
     return steps
 
@@ -328,7 +331,8 @@ def test_whole_job_sigkill_during_saves(tmp_path: Path) -> None:
         last = i == kills
         mode = "none" if last else (modes[i // 5 % 4] if i % 5 == 0 else "timer")
         newest = [c.step for c in list_checkpoints(str(root)) if c.committed]
-        newest = sorted(newest + marked_not_renamed(root) + finished_not_committed(root))
+        adoptable = finished_not_committed(root)
+        newest = sorted(newest + marked_not_renamed(root) + adoptable)
         proc = subprocess.run(
             [sys.executable, "-c", CHILD, address, str(run_dir), str(CRASH_STEPS),
              str(1 + i % 2), mode, str(rng.randrange(1 << 30))],
@@ -345,9 +349,12 @@ def test_whole_job_sigkill_during_saves(tmp_path: Path) -> None:
         for info in infos:
             report = verify_checkpoint(info.path)
             assert report.ok, report.problems
-        if newest:  # the run resumed from the newest committed checkpoint
-            restores = [e for e in of(events(run_dir), "restore") if e["reason"] == "resume"]
+        if newest:  # the run resumed from the newest committed (or finished) checkpoint
+            evs = events(run_dir)
+            restores = [e for e in of(evs, "restore") if e["reason"] == "resume"]
             assert restores[-1]["step"] == newest[-1]
+            if adoptable:  # this start committed the saves its predecessor's writers finished
+                assert set(adoptable) <= {e["step"] for e in of(evs, "checkpoint_adopted")}
     assert killed >= kills - 2, f"only {killed} of {kills} runs were killed during a save"
     final, meta = load_checkpoint(str(root / f"step_{CRASH_STEPS:09d}"))
     assert meta["steps_done"] == CRASH_STEPS

@@ -190,9 +190,10 @@ def test_a_sharded_checkpoint_restores_at_another_k(tmp_path, reference, sharded
 @pytest.mark.extended
 def test_a_lone_sharded_replica_lost_is_restored_from_its_checkpoint(tmp_path, reference):
     """One replica of two workers, checkpoints every 3 steps: a kill of its second worker
-    at step 7 leaves no replica holding the state; a new replica of two workers restores
-    the newest committed checkpoint in the same process (each worker its shards), re-runs
-    the lost steps, and ends with the fault-free weights, every sample served once."""
+    at step 7 (step 6 committed, the save of step 6 too) leaves no replica holding the
+    state; a new replica of two workers restores the newest committed checkpoint in the
+    same process (each worker its shards), re-runs the lost steps, and ends with the
+    fault-free weights, every sample served once."""
     from planaria.checkpoint.config import CheckpointConfig
 
     marker = str(tmp_path / "fired")
@@ -202,6 +203,14 @@ def test_a_lone_sharded_replica_lost_is_restored_from_its_checkpoint(tmp_path, r
     with Job(spec(), config, checkpoint=CheckpointConfig(every=3)) as job:
         job.run_steps(1)
         install(job, "w0.1", SignalSelfAt(7, "computed", signal.SIGKILL, marker))
+        # Inside a run, rank 0 reports a step once the next one's reduction shows every rank
+        # applied it: a death at step 7 in a run from step 6 would take step 6 before it was
+        # committed (nothing lost). The run that dies starts at step 7, with step 6 and the
+        # save of step 6 committed: a committed step is lost and runs again.
+        while job.steps_done < 7:
+            job.run_steps(7)
+        job.checkpointer.finish_inflight()
+        assert job.checkpointer.last_committed == 6
         while job.steps_done < STEPS:
             try:
                 job.run_steps(STEPS)

@@ -22,7 +22,7 @@ from planaria.checkpoint.layout import MARKER, parse_dir_name, step_dir_name
 from planaria.checkpoint.storage import Storage
 from planaria.checkpoint.writer import RECORD_SUFFIX, SAVE_FILE, ShardRecord
 
-__all__ = ["commit_finished_saves"]
+__all__ = ["commit_finished_saves", "written_records"]
 
 _log = logging.getLogger("planaria.checkpoint")
 
@@ -46,6 +46,15 @@ def _save_dirs(st: Storage) -> list[str]:
     return out
 
 
+def written_records(st: Storage, directory: str, shards: int) -> list[ShardRecord] | None:
+    """The records beside the shards of the save in ``directory``, if all ``shards`` of them
+    are there (every shard written and read back); None if one is missing."""
+    names = [n for n in st.listdir(directory) if n.endswith(RECORD_SUFFIX)]
+    if len(names) != shards:
+        return None
+    return [ShardRecord.from_dict(json.loads(st.read_bytes(f"{directory}/{n}"))) for n in names]
+
+
 def commit_finished_saves(
     root: str, *, run_ids: Collection[str | None],
     storage_options: Mapping[str, Any] | None = None,
@@ -64,12 +73,10 @@ def commit_finished_saves(
         step, run_id = int(desc["step"]), desc.get("run_id")
         if run_id not in run_ids or st.exists(f"{st.path(step_dir_name(step))}/{MARKER}"):
             continue
-        names = [n for n in st.listdir(directory) if n.endswith(RECORD_SUFFIX)]
-        if len(names) != int(desc["shards"]):
-            continue  # a writer did not finish: not a whole checkpoint
         try:
-            records = [ShardRecord.from_dict(json.loads(st.read_bytes(f"{directory}/{n}")))
-                       for n in names]
+            records = written_records(st, directory, int(desc["shards"]))
+            if records is None:
+                continue  # a writer did not finish: not a whole checkpoint
             path = commit_checkpoint(root, step, records, desc["meta"],
                                      world_size=len(records), storage_options=storage_options,
                                      run_id=run_id)

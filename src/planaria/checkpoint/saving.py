@@ -8,7 +8,9 @@ thread; the last one starts the commit (the files are checked, the manifest and 
 commit marker written) on the committer thread at once. The main thread does the
 bookkeeping at the next boundaries (:meth:`SavePipeline.progress`), never waiting. A save
 never overlaps the previous one; a writer that dies or leaves mid-save leaves that
-checkpoint uncommitted (``checkpoint_failed``) and the job goes on.
+checkpoint uncommitted (``checkpoint_failed``) and the job goes on, unless it died after its
+shard was written: written is durable (:mod:`planaria.checkpoint.finished`), so its record
+beside the shard stands for its answer.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import ray
 
 from planaria.checkpoint.commit import commit_checkpoint
 from planaria.checkpoint.failures import SaveFailures
+from planaria.checkpoint.finished import written_records
 from planaria.checkpoint.host import CheckpointHost
 from planaria.checkpoint.interval import CheckpointInterval
 from planaria.checkpoint.layout import new_save_id
 from planaria.checkpoint.reaper import POLL_S, AbandonedSaves
 from planaria.checkpoint.root import CheckpointRoot
+from planaria.checkpoint.storage import Storage
 from planaria.checkpoint.upkeep import RootUpkeep
-from planaria.checkpoint.writer import ShardRecord
+from planaria.checkpoint.writer import ShardRecord, shard_dir
 from planaria.faults import points
 from planaria.faults.errors import Failure, root_cause
 from planaria.wire.state_reports import ShardWritten, Snapshot
@@ -42,10 +46,15 @@ __all__ = ["Save", "SavePipeline"]
 _log = logging.getLogger("planaria.checkpoint")
 
 
+class _NotWritten(Exception):
+    """A writer died before every shard of its save was written: the save cannot commit."""
+
+
 @dataclass
 class Save:
     """A save in flight. Its writers' answers arrive on Ray's threads (:meth:`SavePipeline.
-    on_written`): ``lock`` guards ``records``, ``written_t``, ``failed`` and ``commit``."""
+    on_written`): ``lock`` guards ``records``, ``written_t``, ``dead``, ``failed`` and
+    ``commit``."""
 
     step: int
     save_id: str
@@ -61,6 +70,8 @@ class Save:
     written_t: dict[str, float] = field(default_factory=dict)  # when each writer finished
     polls: dict[str, Any] = field(default_factory=dict)  # name -> outstanding ckpt_poll ref
     waits: dict[str, Any] = field(default_factory=dict)  # name -> its ckpt_wait ref
+    dead: dict[str, str] = field(default_factory=dict)
+    """Writers that died before they answered -> why: their shards may be written all the same."""
     failed: str | None = None  # a writer's error: the save cannot commit
     commit: Future[str] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -185,27 +196,53 @@ class SavePipeline:
             out: ShardWritten = fut.result()
         except BaseException as err:  # its write failed, or it died before it finished
             cause = root_cause(err)
-            if isinstance(err, ray.exceptions.RayActorError):
-                self.lost_writers.add(name)  # a death: the caller recovers, then saves again
             text = str(cause).strip().splitlines()
+            why = f"writer {name} failed: {type(cause).__name__}: {text[0] if text else ''}"
             with save.lock:
-                if save.failed is None and save.commit is None:
-                    save.failed = (f"writer {name} failed: {type(cause).__name__}: "
-                                   f"{text[0] if text else ''}")
+                if isinstance(err, ray.exceptions.RayActorError):
+                    self.lost_writers.add(name)  # a death: the caller recovers, then saves again
+                    save.dead[name] = why  # after its shard was written, maybe: see below
+                elif save.failed is None and save.commit is None:
+                    save.failed = why
                     save.settled.set()
+                    return
+                self._commit_if_answered(save)
             return
         with save.lock:
             save.records[name] = [ShardRecord.from_dict(r) for r in out.records]
             save.written_t[name] = out.written_t
-            if (len(save.records) == len(save.writers) and save.commit is None
-                    and save.failed is None):
-                save.commit = self._committer.submit(self._commit_now, save)
+            self._commit_if_answered(save)
 
-    def _commit_now(self, save: Save) -> str:
-        """Commits ``save`` (the committer thread) and reports it; :meth:`progress` does the
-        bookkeeping later, on the main thread."""
+    def _commit_if_answered(self, save: Save) -> None:
+        """Once every writer answered (``save.lock`` held): the commit starts, from the
+        records beside the shards if a writer died (:meth:`_commit_written`)."""
+        if (len(save.records) + len(save.dead) == len(save.writers) and save.commit is None
+                and save.failed is None):
+            commit = self._commit_written if save.dead else self._commit_now
+            save.commit = self._committer.submit(commit, save)
+
+    def _commit_written(self, save: Save) -> str:
+        """A writer died before it answered: if every shard of the save was written (its record
+        beside it), the save is whole and commits; otherwise :class:`_NotWritten`."""
+        why = "; ".join(save.dead.values())
+        st = Storage(self.root.root, self.root.options)
+        shards = len(save.writers) * self.host.config.workers_per_replica
         try:
-            path = self._commit(save)
+            records = written_records(st, shard_dir(st, save.step, save.save_id), shards)
+        except (OSError, ValueError, KeyError) as err:
+            records, why = None, f"{why}; its records unread: {type(err).__name__}: {err}"
+        if records is None:
+            save.settled.set()
+            raise _NotWritten(why)
+        _log.info("the save of step %d was written before %s died: it commits", save.step,
+                  ", ".join(save.dead))
+        return self._commit_now(save, records)
+
+    def _commit_now(self, save: Save, records: list[ShardRecord] | None = None) -> str:
+        """Commits ``save`` (the committer thread; ``records``: its writers' unless given)
+        and reports it; :meth:`progress` does the bookkeeping later, on the main thread."""
+        try:
+            path = self._commit(save, records)
         except BaseException:
             save.settled.set()
             raise
@@ -223,8 +260,9 @@ class SavePipeline:
         save.settled.set()
         return path
 
-    def _commit(self, save: Save) -> str:
-        records = [r for n in save.writers for r in save.records[n]]
+    def _commit(self, save: Save, records: list[ShardRecord] | None) -> str:
+        if records is None:
+            records = [r for n in save.writers for r in save.records[n]]
         # Fenced: LeaseHeld if another controller took the root. Renewed (a write) only
         # past a third of its time; otherwise checked (a read).
         lease = self.root.lease
@@ -253,7 +291,7 @@ class SavePipeline:
             save.settled.wait(block_s)
         with save.lock:
             failed, commit = save.failed, save.commit
-            missing = [n for n in save.writers if n not in save.records]
+            missing = [n for n in save.writers if n not in save.records and n not in save.dead]
         if commit is None:
             if failed is not None:
                 self.abandon(save, failed)
@@ -268,6 +306,9 @@ class SavePipeline:
         self.inflight = None
         try:
             path = commit.result()
+        except _NotWritten as err:
+            self.abandon(save, str(err))
+            return
         except Exception as err:
             self._failed(save, f"commit failed: {type(err).__name__}: {err}")
             return
@@ -315,12 +356,15 @@ class SavePipeline:
     def settle_inflight(self, why: str) -> None:
         """Before a restore: a save whose writers all live is finished (bounded by its
         deadline), so that the restore can start from it (a rollback after a non-finite
-        step loses the steps since that save, not since the one before); a save that lost
-        a writer is abandoned (``why``)."""
+        step loses the steps since that save, not since the one before), and so is one
+        whose lost writers died (their shards may be written); a save that lost a writer
+        otherwise is abandoned (``why``)."""
         save = self.inflight
         if save is None:
             return
-        if set(save.writers) <= set(self.host.names):
+        with save.lock:
+            dead = set(save.dead)
+        if set(save.writers) - dead <= set(self.host.names):
             self.finish()
             return
         if save.commit is not None:
@@ -340,7 +384,7 @@ class SavePipeline:
         while time.monotonic() < end:
             with save.lock:
                 done = save.failed is not None or all(
-                    n in save.records for n in names if n in save.writers)
+                    n in save.records or n in save.dead for n in names if n in save.writers)
             if done:
                 return
             save.settled.wait(min(0.05, max(0.0, end - time.monotonic())))
