@@ -244,8 +244,8 @@ def test_a_writer_that_died_after_its_shard_was_written_leaves_a_save_that_commi
         answers = {name: written(start, ck.root) for name, start in started(host).items()}
         for name, answer in answers.items():
             if name == "w0" or its_record_written:  # each writer keeps its record beside it
-                write_record(ck.root, ShardRecord.from_dict(answer["record"]),
-                             written_t=answer["written_t"], fsync=False)
+                write_record(ck.root, ShardRecord.from_dict(answer.records[0]),
+                             written_t=answer.written_t, fsync=False)
         host.leave("w1")  # w1 dies before it answers ...
         waits["w1"].answer.set_exception(ray.exceptions.ActorDiedError())
         ck.saves.progress(block_s=0.0)  # ... and the save waits for w0's answer
