@@ -108,6 +108,9 @@ def test_fp16_overflows_skip_alike_and_the_scale_travels(tmp_path, fp16_referenc
         # w3 joins before the second kill (steps 11 and 12 are computed with it)
         drive(job, STEPS, wait_width_at=11, before=check_the_joiner_got_the_scale)
         state = job.model_state_dict()
+        # Every replica was lost: the restore goes on with the first replacement ready, and
+        # steps of milliseconds can end before the others join. They join now, from it.
+        assert job.wait_for_width(3, timeout_s=120) == 3
         assert _scalers(job) == [final_scaler] * 3  # the restore brought the scale back
     assert_same_state(reference, state, atol=1e-4, rtol=1e-3)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
