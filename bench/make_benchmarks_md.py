@@ -307,8 +307,9 @@ def render_overhead_ab(records: list[dict[str, Any]]) -> list[str]:
     if not records:
         return []
     out = ["## Overhead at two commits, side by side (`bench/overhead_ab.py`)", "",
-           "Each record runs `bench/overhead.py --rounds 1` at commit A, then at commit B, "
-           "alternating, for its pairs; a run's figure is one observation. Estimator (chosen "
+           "Each record runs `bench/overhead.py --rounds 1` at commits A and B, alternating, "
+           "for its pairs (records with an `order` alternate the pairs' order too: AB, BA, "
+           "...); a run's figure is one observation. Estimator (chosen "
            "before the runs): each commit's median, and B - A with a 95% interval "
            "bootstrapped over the pairs. B is shown slower only where the whole interval "
            "is above 0.", ""]
