@@ -129,9 +129,11 @@ def set_latency(control: str | Path, *, read: float = 0.0, write: float = 0.0,
     os.replace(tmp, path)
 
 
-def _control_latency(control: str) -> dict[str, Any] | None:
+def _control_file(control: str, name: str) -> dict[str, Any] | None:
+    """The control folder's ``name`` (the latency set, a disk filled), None when absent or
+    being written."""
     try:
-        with open(os.path.join(control, LATENCY_FILE)) as f:
+        with open(os.path.join(control, name)) as f:
             return dict(json.load(f))
     except (FileNotFoundError, json.JSONDecodeError):
         return None
@@ -234,14 +236,6 @@ def _take(control: str, op: str, path: str) -> dict[str, Any] | None:
         log_fired(control, {"id": armed_for.get("id"), "action": f"storage_{op}", "path": path})
         raise OSError(errno.EIO, f"injected storage error on {op}", path)
     return None
-
-
-def _full(control: str) -> dict[str, Any] | None:
-    try:
-        with open(os.path.join(control, FULL_FILE)) as f:
-            return dict(json.load(f))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 def _own_worker_name() -> str | None:
@@ -368,8 +362,9 @@ class FaultyFileSystem(AbstractFileSystem):
     def _count(self, kind: str, path: str) -> None:
         """A call of ``kind``: waits its latency, then, a counted failure, raises on the
         calls numbered ``fail_calls``."""
+        control = self.control
         for latency in (self.latency,
-                        None if self.control is None else _control_latency(self.control)):
+                        None if control is None else _control_file(control, LATENCY_FILE)):
             if latency is not None and latency.get("match", "") in path:
                 time.sleep(float(latency.get(kind, 0.0)))
         if kind not in self.fail_on or self.fail_match not in path:
@@ -397,7 +392,7 @@ class FaultyFileSystem(AbstractFileSystem):
         armed = _take(self.control, op, path)
         if writing:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        full = _full(self.control) if writing else None
+        full = _control_file(self.control, FULL_FILE) if writing else None
         return _FaultyFile(open(path, mode), path=path, control=self.control, writing=writing,
                            armed=armed, full=full)
 
