@@ -43,7 +43,7 @@ from planaria.config import TrainSpec
 from planaria.data.plan import micro_batch_range
 from planaria.faults.points import WORKER_POINTS, FaultPoints
 from planaria.wire import store_keys
-from planaria.wire.probes import ProbeServer
+from planaria.wire.probes import LinkReport, ProbeServer
 from planaria.wire.reports import Hold, Joined, RunReport, Settled, merge_checksums, merge_sum
 from planaria.wire.state_reports import (
     RestoreRead,
@@ -466,7 +466,7 @@ class Worker:
             follower.abort.remote(gen)
 
     @ray.method(concurrency_group="control")
-    def probe_links(self, peers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    def probe_links(self, peers: dict[str, str], timeout_s: float) -> LinkReport:
         """Beside the step: which of ``peers`` (name → probe address) answer, and this
         process's TCP connections whose bytes go unacked (planaria.control.links)."""
         return process.probe_peers(peers, timeout_s)
