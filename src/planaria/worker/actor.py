@@ -147,7 +147,7 @@ class Worker:
                             self.keys, self.faults, leads=shard_index == 0)
         self.transfer = StateTransfer(name, self.state, self.commits, self.membership,
                                       self.vitals)
-        self.saver = CheckpointSaver(name, self.state, self.commits, self.vitals)
+        self.saver = CheckpointSaver(name, self.state, self.commits, self.vitals, self.faults)
         self.restorer = CheckpointRestorer(name, self.state, self.commits, self.loader,
                                            self.membership, self.vitals)
         self.compile_dir: Path | None = None
