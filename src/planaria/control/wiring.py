@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planaria.control.blame import judge_start
 from planaria.control.boundary import BoundaryPlanner, StepBoundary
 from planaria.control.calls import Calls
 from planaria.control.chaos_injection import ChaosInjector
@@ -57,6 +59,7 @@ def connect_calls(*, runtime: Runtime, membership: Membership, deadline: StepDea
                   deadline=deadline, hang=hang, attribution=attribution, pool=runtime.pool,
                   log=log, departures=departures, fault_times=fault_times)
     membership.connect(runtime.pool, calls)
+    runtime.pool.judge_start = functools.partial(judge_start, attribution=attribution)
     return calls, fault_times
 
 
