@@ -61,7 +61,9 @@ def fit(
     (:class:`~planaria.faults.errors.UserCodeError`), and a spent budget raises
     :class:`~planaria.faults.errors.ElasticRuntimeError`. ``options`` are further
     :class:`~planaria.config.RunConfig` fields (``ledger``, ``cpus_per_worker``, ...).
-    ``checkpoint`` is a :class:`~planaria.CheckpointConfig`; ``listeners``
+    ``on_step`` is called with each step as it commits (while its run of steps goes on,
+    on this thread; a step computed again after a restore is called again; an exception
+    it raises ends the job). ``checkpoint`` is a :class:`~planaria.CheckpointConfig`; ``listeners``
     receive every event record as it is logged (progress display, Prometheus). A final
     save that does not commit raises :class:`~planaria.faults.errors.FinalSaveFailed` with the
     job left open (``err.job``): save its state elsewhere (``err.job.save(root=...)``),
@@ -80,17 +82,15 @@ def fit(
         checkpoint=checkpoint,
         listeners=listeners,
     )
+    if on_step is not None:  # as each step commits, not when its run of steps ends
+        job.commit_log.step_callbacks.append(on_step)
     with contextlib.ExitStack() as stack:
         stack.enter_context(job)
         while job.steps_done < steps:
             try:
-                results = job.run_steps(steps)
+                job.run_steps(steps)
             except Failure as failure:
                 job.recovery.handle(failure)
-                continue
-            if on_step is not None:
-                for result in results:
-                    on_step(result)
         try:
             state = _finish(job)
         except FinalSaveFailed:
