@@ -73,6 +73,8 @@ WORKER_POINTS: Mapping[str, str] = MappingProxyType({
     "worker.computed": "a step's gradient is computed, before its reduction (worker, step)",
     "worker.reduced": "in a run, a step is reduced, before it is applied (worker, step)",
     "worker.applied": "in a run, a step is applied (worker, step)",
+    "worker.eval_batch": "an evaluation's batch, before it runs (worker, step: the steps "
+                         "committed, batch: its index in the eval set)",
 })
 """A worker's points (``worker``: the worker actor): name -> when it is hit."""
 
