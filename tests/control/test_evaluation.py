@@ -177,3 +177,37 @@ def broken(model: torch.nn.Module, batch: Any) -> dict[str, Any]:
 def test_an_error_in_evaluate_stops_the_job_as_the_users(tmp_path):
     with pytest.raises(UserCodeError, match="evaluate function raised KeyError"):
         fit(spec(evaluate=broken), steps=2, replicas=1, run_dir=tmp_path, eval_every=1)
+
+
+def val_windows() -> torch.utils.data.Dataset:
+    from planaria.examples import tiny_gpt
+
+    return torch.utils.data.Subset(tiny_gpt.CharWindows("val"), range(22))
+
+
+def test_a_sharded_replica_evaluates_with_its_workers_together(tmp_path):
+    """2 replicas of 2 workers (FSDP2 inside each): every worker of a replica runs the
+    replica's batches; the figures are the whole model's, and training goes on after."""
+    from torch.utils.data import default_collate
+
+    from planaria.data.randomness import factory_seed, seed_globals
+    from planaria.examples import tiny_gpt
+
+    sharded = dataclasses.replace(tiny_gpt.make_spec(dim=32, layers=2, dropout=0.1),
+                                  eval_dataset=val_windows, eval_batch_size=4)
+    job = Job(sharded, RunConfig(steps=2, replicas=2, workers_per_replica=2,
+                                 run_dir=tmp_path, eval_every=2))
+    with job:
+        first = job.evaluate()
+        run_with_evals(job, 2)
+        evals = list(job.evaluation.results)
+    assert [e.step for e in evals] == [0, 2] and all(e.samples == 22 for e in evals)
+    assert set(first.metrics) == {"loss", "bits_per_byte"}  # by the loss: its metrics too
+    seed_globals(factory_seed(0, "model"))
+    model = sharded.model().eval()  # the whole model, in this process
+    data = val_windows()
+    with torch.no_grad():
+        total = sum(float(tiny_gpt.lm_loss(model, default_collate(  # (loss, metrics)
+            [data[i] for i in range(s, min(s + 4, 22))]))[0]) * min(4, 22 - s)
+            for s in range(0, 22, 4))
+    torch.testing.assert_close(first.metrics["loss"], total / 22, atol=1e-5, rtol=1e-5)
