@@ -84,15 +84,14 @@ class Evaluator:
         evaluation is the one after ``step`` committed steps (its batches' seeds)."""
         self.state.refuse_if_dirty(self.name, "evaluate")
         self.vitals.train_thread = current_thread_ids()
-        dataset = self.build()
-        num_samples = int(user_call("len(eval_dataset)", len, dataset))
-        spec = self.spec
-        size = spec.eval_batch_size or spec.micro_batch_size
+        size = self.spec.eval_batch_size or self.spec.micro_batch_size
         model = self.state.compiled
         training = self.state.model.training
         saved = GlobalStates.save()
         batches: list[EvalBatch] = []
         try:
+            dataset = self.build()
+            num_samples = int(user_call("len(eval_dataset)", len, dataset))
             self.state.model.eval()
             with torch.no_grad():
                 for j, ids in eval_batches(num_samples, size, place, width):
@@ -103,6 +102,7 @@ class Evaluator:
         finally:
             self.state.model.train(training)
             saved.restore()
+            self.vitals.work = self.vitals.loading = ""
             self.vitals.set_phase("idle", self.commits.steps_done)
         return EvalReport(batches=tuple(batches), num_samples=num_samples,
                           steps_done=self.commits.steps_done)
@@ -110,14 +110,16 @@ class Evaluator:
     def _batch(self, step: int, j: int, ids: list[int], dataset: Any, model: Any) -> EvalBatch:
         """One batch's figures (fault point ``worker.eval_batch`` first)."""
         self.membership.raise_if_aborted(step)
-        self.vitals.set_phase("compute", step)  # judged by its progress, as a step's compute
-        self.vitals.work = f"e{j}"
+        vitals = self.vitals  # judged as a step's loading and compute are (busy is not hung)
+        vitals.set_phase("loading", step)
+        vitals.work = vitals.loading = f"e{j}"  # no training work: a hang is the worker's
         if self.faults.armed:
             self.faults.hit("worker.eval_batch", step=step, batch=j)
-        seed_torch(eval_batch_seed(self.spec.seed, step, j))
         samples = user_call("eval_dataset[i]", serve_samples, self.spec.seed, step,
                             dataset.__getitem__, ids, True)
         batch = to_device(user_call("collate", self.collate(), samples), self.state.device)
+        vitals.set_phase("compute", step)
+        seed_torch(eval_batch_seed(self.spec.seed, step, j))
         with self._autocast():
             metrics = user_call("the evaluate function", self._metrics_fn(), model, batch)
         return EvalBatch(index=j, samples=len(ids), metrics=metric_floats(metrics))
