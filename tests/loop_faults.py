@@ -1,7 +1,7 @@
 """Faults a test arms at a worker's fault points (``worker.loaded``, ``worker.computed``,
-``worker.reduced``, ``worker.applied``, ``worker.shard_write``:
-:data:`planaria.faults.points.WORKER_POINTS`), sent
-to the workers by value (the workers cannot import the tests package).
+``worker.reduced``, ``worker.applied``, ``worker.eval_batch``, ``worker.shard_write``:
+:data:`planaria.faults.points.WORKER_POINTS`), sent to the workers by value (the workers
+cannot import the tests package).
 
 A loop fault here is ``hook(worker, step, phase)`` (``phase``: the point's name without
 ``worker.``); :func:`install` arms it at every worker point of one worker."""
@@ -36,8 +36,8 @@ class AtPhase:
     def __init__(self, hook: Any, phase: str) -> None:
         self.hook, self.phase = hook, phase
 
-    def __call__(self, *, worker: Any, step: int) -> None:
-        self.hook(worker, step, self.phase)
+    def __call__(self, *, worker: Any, step: int, **context: Any) -> None:
+        self.hook(worker, step, self.phase)  # context: a point's more (an eval batch's index)
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

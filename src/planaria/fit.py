@@ -19,6 +19,7 @@ from planaria.faults.chaos import ChaosPlan
 from planaria.faults.errors import CheckpointError, ElasticRuntimeError, Failure, FinalSaveFailed
 from planaria.observe.events import EVENTS_FILE
 from planaria.observe.loss_history import LossHistory
+from planaria.wire.evaluation import EvalResult
 
 __all__ = ["FitResult", "fit"]
 
@@ -37,6 +38,8 @@ class FitResult:
     state_dict: dict[str, torch.Tensor] = field(repr=False)
     """The final model state (CPU tensors)."""
     run_dir: Path = Path()
+    evals: list[EvalResult] = field(default_factory=list)
+    """Every evaluation of this run (``RunConfig.eval_every``), one per step, in step order."""
 
 
 def fit(
@@ -102,14 +105,17 @@ def fit(
             events_path=job.run_dir / EVENTS_FILE,
             state_dict=state,
             run_dir=job.run_dir,
+            evals=list(job.evaluation.results),
         )
 
 
 def _finish(job: Job, attempts: int = 5) -> dict[str, torch.Tensor]:
-    """The final save and the final weights, recovering from a fault meanwhile (a worker
-    can die after the last committed step too: the survivors hold the state)."""
+    """The last evaluation if due, the final save and the final weights, recovering from a
+    fault meanwhile (a worker can die after the last committed step too: the survivors
+    hold the state)."""
     for _ in range(attempts):
         try:
+            job.evaluation.if_due()
             if job.checkpointer is not None:
                 _save_final(job, job.checkpointer)
             state = job.model_state_dict()
