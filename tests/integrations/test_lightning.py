@@ -305,3 +305,17 @@ def test_import_planaria_does_not_import_lightning():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_example_runs_with_a_kill(tmp_path, ray_cluster, capsys):
+    """examples/lightning_module.py (planaria.examples.lightning_module) as the README runs
+    it, shorter."""
+    from planaria.examples import lightning_module as example
+
+    metrics = example.main(["--replicas", "2", "--steps", "6", "--chaos", "kill:w1@step2",
+                            "--run-dir", str(tmp_path)])
+    assert set(metrics) == {"train_loss", "train_acc"}
+    assert "trained 6 steps" in capsys.readouterr().out
+    assert [f["kind"] for f in of(events(tmp_path), "fault")] == ["worker_lost"]

@@ -17,12 +17,15 @@ an instance): each worker builds its own. What maps:
   tensor, or the ``"loss"`` of its dict; planaria runs the backward (scaled to the micro-batch's
   share of the global batch, as Lightning's ``accumulate_grad_batches`` does), the reduction,
   the clipping and the update. ``batch_idx`` is 0: a micro-batch has no loader index;
-  ``self.global_step`` and ``self.current_epoch`` read 0 (there is no ``Trainer``).
+  there is no ``Trainer``: ``self.global_step`` and ``self.current_epoch`` read 0, and
+  ``self.trainer`` raises as it does outside one.
 - ``self.log`` / ``self.log_dict`` in ``training_step`` become the step's metrics (the
   ``metrics`` of the ``step_committed`` event and of each ``StepResult``): the mean over the
   global batch's samples of the micro-batches' values (for a mean such as a loss or an
   accuracy, the global batch's value). Their options (``prog_bar``, ``on_epoch``,
-  ``reduce_fx``, ``sync_dist``) are not used; log the same names at every step.
+  ``reduce_fx``, ``sync_dist``) are not used; log the same names at every step. (Without a
+  Trainer, Lightning's own ``log`` warns and drops the value: the adapter replaces the
+  instance's ``log`` and ``log_dict`` with recorders when it builds the module.)
 - ``configure_optimizers``: one optimizer, given as an optimizer, a list of one, a dict
   ``{"optimizer", "lr_scheduler"}`` or ``([optimizer], [scheduler])``, with at most one
   scheduler, in a dict ``{"scheduler", "interval": "step", "frequency": 1}``: planaria steps
