@@ -293,7 +293,8 @@ def test_without_lightning_the_import_error_says_how_to_install(monkeypatch):
     with pytest.raises(ImportError, match=r'pip install "planaria\[lightning\]"'):
         importlib.import_module("planaria.integrations.lightning")
     monkeypatch.undo()
-    assert importlib.import_module("planaria.integrations.lightning").pl is not None
+    assert pl.LightningModule in importlib.import_module(
+        "planaria.integrations.lightning").MODULE_BASES
 
 
 def test_import_planaria_does_not_import_lightning():

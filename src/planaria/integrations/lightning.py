@@ -79,18 +79,25 @@ __all__ = [
 INSTALL = 'pip install "planaria[lightning]"'
 
 
-def _import_lightning() -> ModuleType:
+def _import_lightning() -> tuple[ModuleType, ...]:
+    """Every Lightning package installed: a module may derive from either's LightningModule."""
+    found = []
     for name in ("lightning.pytorch", "pytorch_lightning"):
         try:
-            return importlib.import_module(name)
+            found.append(importlib.import_module(name))
         except ImportError:
             continue
-    raise ImportError(
-        "planaria.integrations.lightning needs Lightning (lightning.pytorch or "
-        f"pytorch_lightning), which is not installed: {INSTALL}")
+    if not found:
+        raise ImportError(
+            "planaria.integrations.lightning needs Lightning (lightning.pytorch or "
+            f"pytorch_lightning), which is not installed: {INSTALL}")
+    return tuple(found)
 
 
-pl = _import_lightning()
+LIGHTNING = _import_lightning()
+MODULE_BASES: tuple[type, ...] = tuple(pl.LightningModule for pl in LIGHTNING)
+"""The ``LightningModule`` classes a module may derive from."""
+
 log = logging.getLogger(__name__)
 
 # Trainer hooks a module may override that planaria does not run (named in a log line).
@@ -114,7 +121,8 @@ def _say_once(message: str, *args: Any) -> None:
 def check_module(module: Any) -> None:
     """Raises :class:`ConfigError` for a module planaria cannot train as it is; logs, once,
     what it does not run (``validation_step``, the Trainer's hooks)."""
-    if not isinstance(module, pl.LightningModule):
+    base = next((b for b in MODULE_BASES if isinstance(module, b)), None)
+    if base is None:
         raise ConfigError(
             f"module={type(module).__name__} is not valid: the module factory must return a "
             "LightningModule")
@@ -125,18 +133,18 @@ def check_module(module: Any) -> None:
             "planaria owns the reduction, the clipping, the non-finite check and the update "
             "of every step; port that step to TrainSpec(forward_backward=...), which may run "
             "several forwards and backwards")
-    validation(module)
+    validation(module, base)
     unrun = [h for h in UNRUN_HOOKS
-             if getattr(type(module), h, None) is not getattr(pl.LightningModule, h, None)]
+             if getattr(type(module), h, None) is not getattr(base, h, None)]
     if unrun:
         _say_once("%s overrides Trainer hooks planaria does not run: %s", type(module).__name__,
                   ", ".join(unrun))
 
 
-def validation(module: Any) -> None:
-    """The mapping of ``validation_step``: not run yet (planaria runs no evaluation in this
-    version), said once by name."""
-    if type(module).validation_step is not pl.LightningModule.validation_step:
+def validation(module: Any, base: type) -> None:
+    """The mapping of ``validation_step`` (``base``: the module's LightningModule class): not
+    run yet (planaria runs no evaluation in this version), said once by name."""
+    if type(module).validation_step is not getattr(base, "validation_step", None):
         _say_once("%s.validation_step is not run: planaria runs no evaluation in this "
                   "version; only training_step trains", type(module).__name__)
 
@@ -296,7 +304,7 @@ def spec_from_lightning(
     ``train_dataset``; see the module's docstring for what maps. ``grad_clip_norm`` is the
     Trainer's ``gradient_clip_val`` (norm clipping); ``precision`` planaria's (``"bf16"``,
     ``"fp16"`` or None)."""
-    if not callable(module) or isinstance(module, pl.LightningModule):
+    if not callable(module) or isinstance(module, MODULE_BASES):
         raise ConfigError(
             f"module={type(module).__name__} is not valid: give a factory (the class, or a "
             "function returning the module), so that each worker builds its own")
