@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from planaria.cli.ckpt import MissingPath, ckpt_main
+from planaria.cli.config_file import write_resolved
 from planaria.cli.flags import HelpWithDefaults, with_global_flags
 from planaria.cli.spec_file import load_spec
+from planaria.faults.errors import ConfigError
 
 __all__ = ["load_spec", "main"]  # load_spec: planaria.cli.spec_file's, kept importable here
 
@@ -31,13 +33,16 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="train a TrainSpec defined in a script")
-    run.add_argument("target", help="SCRIPT.py[:SPEC_NAME] (default name: spec)")
+    run.add_argument("target", nargs="?", default=None,
+                     help="SCRIPT.py[:NAME]: a TrainSpec, or a function returning one "
+                     "(called with the config's [spec_args]); default NAME: spec")
     _run_options(run, steps=None, replicas=None)
     run.add_argument(
-        "--run-dir", required=True,
+        "--run-dir", default=None,
         help="a local folder (or a mounted file system) for the event log, the ledger and, "
-        "unless --checkpoint-root says otherwise, the checkpoints; not a URL",
+        "unless --checkpoint-root says otherwise, the checkpoints; not a URL (required)",
     )
+    COMMANDS["run"] = run
 
     demo = sub.add_parser(
         "demo", help="train the tiny GPT for about a minute, killing a worker partway"
@@ -45,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     _run_options(demo, steps=70, replicas=3)
     demo.add_argument("--run-dir", default=None, help="default: runs/demo-<time>")
     demo.add_argument("--no-chaos", action="store_true", help="do not kill a worker")
+    COMMANDS["demo"] = demo
 
     report = sub.add_parser(
         "report", help="summarise a run: recovery metrics, goodput, timeline PNG"
@@ -104,10 +110,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int | None) -> None:
-    p.add_argument("--replicas", type=int, required=replicas is None, default=replicas,
-                   help="replicas to train on (the width the job keeps)")
-    p.add_argument("--steps", type=int, required=steps is None, default=steps,
-                   help="train until this many steps are committed")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="options from a TOML or YAML file (keys: the flags' names, a "
+                   "[checkpoint] table, target, [spec_args]); flags given here win")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set replicas=4 --set checkpoint.every=100")
+    p.add_argument("--replicas", type=int, default=replicas,
+                   help="replicas to train on (the width the job keeps)"
+                   + (" (required)" if replicas is None else ""))
+    p.add_argument("--steps", type=int, default=steps,
+                   help="train until this many steps are committed"
+                   + (" (required)" if steps is None else ""))
     p.add_argument("--address", default=None, help="Ray cluster address (default: start Ray here)")
     p.add_argument(
         "--placement", default=None, choices=["spread", "strict_spread", "pack"],
@@ -300,8 +313,38 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             exporter.close()
 
 
+COMMANDS: dict[str, argparse.ArgumentParser] = {}
+"""The subcommands that take a config file, by name (filled by :func:`_parser`)."""
+
+_REQUIRED = {"run": ("target", "replicas", "steps", "run_dir")}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with ``--config`` and ``--set`` under the flags given."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    command = COMMANDS.get(args.command)
+    if command is None:
+        return args
+    from planaria.cli.config_file import file_values
+
+    try:
+        values = file_values(args.config, args.set, command)
+    except ConfigError as err:
+        command.error(str(err))
+    for dest, value in values.items():
+        if getattr(args, dest, None) == command.get_default(dest):
+            setattr(args, dest, value)
+    missing = [d for d in _REQUIRED.get(args.command, ()) if getattr(args, d, None) is None]
+    if missing:
+        command.error("missing " + ", ".join(
+            "SCRIPT.py[:NAME] (or target = ... in --config)" if d == "target"
+            else f"--{d.replace('_', '-')} (or {d} = ... in --config)" for d in missing))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     from planaria.config import local_run_dir
     from planaria.faults.errors import (
         CheckpointError,
@@ -316,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             args.run_dir = local_run_dir(args.run_dir)  # a URL is refused before any write
-            spec = load_spec(args.target)
+            spec = load_spec(args.target, getattr(args, "spec_args", None))
+            write_resolved(args, args.run_dir)
             result = _train(args, spec, args.run_dir)
             print(
                 f"done: {result.final_step} steps; run dir {args.run_dir} "
@@ -407,6 +451,7 @@ def _demo(args: argparse.Namespace) -> int:
     from planaria.examples import tiny_gpt
 
     run_dir = local_run_dir(args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
+    write_resolved(args, run_dir)
     if args.chaos is None and not args.no_chaos:
         args.chaos = f"kill:w1@step{max(1, args.steps // 3)}"
     print(

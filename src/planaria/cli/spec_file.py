@@ -19,8 +19,9 @@ def _importable(name: str) -> bool:
         return True
 
 
-def load_spec(target: str) -> Any:
-    """Loads ``SCRIPT.py[:NAME]`` and returns its TrainSpec (named ``spec`` by default).
+def load_spec(target: str, spec_args: dict[str, Any] | None = None) -> Any:
+    """Loads ``SCRIPT.py[:NAME]`` and returns its TrainSpec (named ``spec`` by default), or
+    what its function ``NAME`` returns, called with ``spec_args`` as keyword arguments.
 
     The script is imported as a module whose code travels to the workers by
     value, and its folder goes on the workers' PYTHONPATH so that it can import
@@ -55,6 +56,20 @@ def load_spec(target: str) -> Any:
 
     ray.cloudpickle.register_pickle_by_value(module)
     value = getattr(module, name, None)
+    if callable(value) and not isinstance(value, TrainSpec):
+        try:
+            value = value(**(spec_args or {}))
+        except TypeError as err:
+            raise ConfigError(f"{path_text}:{name}({', '.join(spec_args or {})}) could not be "
+                              f"called: {err}; give its arguments in [spec_args] (--config) or "
+                              "--set spec_args.NAME=VALUE") from None
+        if not isinstance(value, TrainSpec):
+            raise ConfigError(f"{path_text}:{name}(...) returned a {type(value).__name__}, "
+                              "not a TrainSpec")
+        return value
+    if spec_args:
+        raise ConfigError(f"spec_args={spec_args!r} is not valid: {path_text}:{name} is a "
+                          "TrainSpec, not a function that builds one")
     if not isinstance(value, TrainSpec):
         found = [k for k, v in vars(module).items() if isinstance(v, TrainSpec)]
         raise ConfigError(
