@@ -261,6 +261,17 @@ class RunConfig:
     ``dataset[i]`` draws from a global generator (torch's, numpy's, ``random``): the
     generators are the process's, so its samples load on the training thread (event
     ``dataset_global_rng``)."""
+    loader_workers: int = 0
+    """Processes per worker that decode its samples (``dataset[i]`` and the collate), for
+    samples that are costly to decode; 0: the worker's own threads load them (see
+    ``prefetch``). torch's ``DataLoader`` with persistent workers, forked from the worker
+    once its dataset is built (the dataset is not pickled), given the step's micro-batches
+    as planaria plans them: each sample keeps its own random stream from (seed, step, i)
+    (:func:`planaria.sample_generator`, or the global generators seeded for it) and is
+    recorded in the ledger as with 0, so the training is the same bit for bit. The
+    next step's samples load while this one computes (unless ``prefetch=False``). The
+    processes end with their worker (closed, or within seconds of its death). Each holds a
+    copy-on-write copy of the worker's memory."""
     threads_per_worker: int | None = None
     """torch threads per worker; None: the CPUs of this machine split over the replicas."""
     use_gpu: bool = False
@@ -350,6 +361,12 @@ class RunConfig:
         check(self.backend != "nccl" or self.gpus_per_worker >= 1, "backend", self.backend,
               f"NCCL cannot put two ranks on one GPU (gpus_per_worker={self.gpus_per_worker}): "
               "give each worker a whole GPU, or use backend='gloo' to share one")
+        check(
+            isinstance(self.loader_workers, int) and self.loader_workers >= 0,
+            "loader_workers",
+            self.loader_workers,
+            "an integer >= 0 (processes per worker that decode samples; 0: none)",
+        )
         check(
             self.threads_per_worker is None or self.threads_per_worker >= 1,
             "threads_per_worker",
