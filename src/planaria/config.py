@@ -70,7 +70,12 @@ class TrainSpec:
     planaria runs its backward. Give this or ``forward_backward``, not both."""
     dataset: Callable[[], Any]
     """Builds the map-style dataset (``__len__`` and ``__getitem__``), the same on every worker:
-    it runs with the generators seeded from ``seed``, and workers compare a fingerprint of it."""
+    it runs with the generators seeded from ``seed``, and workers compare a fingerprint of it.
+    A Hugging Face ``datasets.Dataset`` works as it is (its dict rows collate with torch's
+    ``default_collate``; ``with_format("torch")`` for tensors). A stream (``IterableDataset``,
+    torch's or Hugging Face's) is refused when the job starts (``ConfigError``): exactly-once
+    data needs every sample addressable by an index (see :mod:`planaria.data.map_style` for
+    the map-style views). ``RunConfig.loader_workers`` decodes samples in processes."""
     global_batch_size: int
     """Samples per step over all replicas; stays fixed when the width changes."""
     micro_batch_size: int
