@@ -18,7 +18,7 @@ import torch
 
 from planaria.config import TrainSpec
 from planaria.data.randomness import factory_seed, seed_globals
-from planaria.faults.errors import PlanariaError, UserCodeError
+from planaria.faults.errors import ConfigError, PlanariaError, UserCodeError
 from planaria.faults.user_code import user_call
 from planaria.worker.buffers import BufferSync
 from planaria.worker.reduce import FlatGradients, FlatReducer, Reducer
@@ -27,7 +27,7 @@ from planaria.worker.reduce_sharded import ShardedReducer
 from planaria.worker.sharded import init_replica_group, shard_model
 from planaria.worker.state import flatten_state, jsonable, model_checksum
 
-__all__ = ["ReplicaShape", "ReplicaState", "check_optimizer", "run_factory"]
+__all__ = ["ReplicaShape", "ReplicaState", "check_optimizer", "refuse_unsharded_state", "run_factory"]
 
 T = TypeVar("T")
 
@@ -36,6 +36,27 @@ def run_factory(what: str, seed: int, fn: Callable[..., T], *args: Any) -> T:
     """A user factory, run with every global generator seeded from (spec seed, factory)."""
     seed_globals(factory_seed(seed, what))
     return user_call(f"the {what} factory", fn, *args)
+
+
+def refuse_unsharded_state(model: torch.nn.Module, k: int) -> None:
+    """ConfigError for a model with state beside its parameters (persistent buffers, such as
+    BatchNorm's running statistics, or a module's extra state), which sharded replicas do not
+    keep yet: a planaria limitation, said as one. A tied weight (a language model's head
+    sharing its embedding's matrix) is a parameter under a second name: it shards."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    other = [name for name in model.state_dict() if name not in params]
+    if other:
+        shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
+        raise ConfigError(
+            f"workers_per_replica={k} is not valid with this model: it has state beside its "
+            f"parameters ({shown}: persistent buffers, such as BatchNorm's running "
+            "statistics). Sharded replicas do not support that yet (a planaria limitation, "
+            "not an error in your model): they would neither keep those buffers equal across "
+            "the replica's workers nor save them in checkpoints or send them to joining "
+            "replicas. Use workers_per_replica=1 (buffers are kept in step there), or a model "
+            "whose buffers are not persistent (LayerNorm or GroupNorm in place of BatchNorm; "
+            "register_buffer(..., persistent=False) for a cache that is not training state)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,13 +169,7 @@ class ReplicaState:
 
     def _shard(self) -> None:
         """Shards the model over the replica's workers (planaria.worker.sharded)."""
-        params = {name for name, _ in self.model.named_parameters()}
-        if any(name not in params for name in self.model.state_dict()):  # persistent buffers
-            raise UserCodeError(
-                "the model has buffers (BatchNorm running statistics, ...): sharded replicas "
-                "(workers_per_replica > 1) do not keep buffers in step yet; use "
-                "workers_per_replica=1, or a model without buffers (LayerNorm has none)"
-            )
+        refuse_unsharded_state(self.model, self.shape.k)
         shape = self.shape
         init_replica_group(self.store, shape.replica_key, shape.shard_index, shape.k,
                            shape.backend, shape.timeout_s)
