@@ -232,8 +232,12 @@ class RunConfig:
     gradients and optimizer state with FSDP2 (hybrid sharding: data parallel across
     replicas), and the replica is the unit of width, failure and replacement (see
     :mod:`planaria.worker.sharded`); a spare is a whole replica. Checkpoints store the shards as
-    rows of the whole tensors (a restore works at any k). Not yet with
-    placement, the GPU, compile, fp16, overlap_reduction or models with persistent buffers."""
+    rows of the whole tensors (a restore works at any k). Models as they ship run so: tied
+    weights (a Hugging Face language model's head) shard as one parameter, and buffers
+    (BatchNorm's running statistics), which FSDP2 leaves whole on each worker, are kept
+    equal across all the workers as with k=1 (:mod:`planaria.worker.buffers`), saved and
+    sent to joiners. Not yet with placement, the GPU, compile, fp16, overlap_reduction or
+    a module's ``get_extra_state`` (refused when the job starts)."""
     spares: int = 0
     """Hot spares: standby workers started and warmed ahead of need (imports, model,
     optimizer and its state built) that take a lost worker's place at once, receiving

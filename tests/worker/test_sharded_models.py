@@ -1,7 +1,8 @@
 """Sharded replicas (``workers_per_replica > 1``) with the models users bring: a Hugging
-Face GPT-2 as it ships (its head tied to its embedding) trains as one worker does, through a
-kill too; a model with persistent buffers (BatchNorm) is refused when the job starts, with
-the real cause (a planaria limitation, not the user's code)."""
+Face GPT-2 as it ships (its head tied to its embedding) and a model with BatchNorm (its
+running statistics: buffers, whole on each worker) train as one worker does, through a kill
+too; a module's extra state is refused when the job starts, with the real cause (a planaria
+limitation, not the user's code)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import ray
 import torch
 from torch import nn
 
-from planaria import ConfigError, TrainSpec, fit
+import planaria
+from planaria import ConfigError, Job, RunConfig, TrainSpec, fit
 from planaria.examples import bn_mlp
 from planaria.worker.replica_state import refuse_unsharded_state
-from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,15 +50,42 @@ def gpt2_spec() -> TrainSpec:
                      micro_batch_size=MBS, grad_clip_norm=1.0, name="hf-gpt2")
 
 
-def test_a_tied_head_shards_and_batchnorm_is_refused_by_its_cause():
+class WithExtraState(nn.Linear):
+    def get_extra_state(self):
+        return {"calls": 1}
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+def test_a_tied_head_and_buffers_shard_and_extra_state_is_refused_by_its_cause():
     model = make_gpt2()
     assert model.lm_head.weight is model.transformer.wte.weight  # as it ships: tied
-    refuse_unsharded_state(model, 2)  # the tied head is a parameter, not a buffer
+    refuse_unsharded_state(model, 2)  # the tied head is a parameter, not other state
+    refuse_unsharded_state(bn_mlp.make_model(), 2)  # buffers are kept in step
     with pytest.raises(ConfigError, match="workers_per_replica=2 is not valid") as info:
-        refuse_unsharded_state(bn_mlp.make_model(), 2)
+        refuse_unsharded_state(nn.Sequential(nn.Linear(2, 2), WithExtraState(2, 1)), 2)
     text = str(info.value)
-    assert "1.running_mean" in text and "a planaria limitation" in text
+    assert "1._extra_state" in text and "a planaria limitation" in text
     assert "raised" not in text and "workers_per_replica=1" in text
+
+
+def run_with_a_kill(spec: TrainSpec, run_dir, global_batch_size: int) -> dict:
+    """2 replicas x 2 workers, w1 killed at step 3; the replacement replica joins (and
+    receives the state) before the end. Every sample once, one fault, no step lost."""
+    job = Job(spec, RunConfig(steps=STEPS, replicas=2, workers_per_replica=2, run_dir=run_dir,
+                              ledger=True), chaos=planaria.ChaosPlan.parse("kill:w1@step3"))
+    with job:
+        drive(job, STEPS, wait_width_at=STEPS - 2, width=2)
+        state = job.model_state_dict()
+    assert job.steps_done == STEPS
+    assert_exactly_once(run_dir, num_samples=N, global_batch_size=global_batch_size,
+                        steps=STEPS)
+    evs = events(run_dir)
+    assert [f["kind"] for f in of(evs, "fault")] == ["worker_lost"]
+    assert all(r["lost_steps"] == 0 for r in of(evs, "recovered"))
+    assert of(evs, "state_transfer"), "the replacement received no state"
+    return state
 
 
 @pytest.fixture(scope="module")
@@ -79,19 +108,41 @@ def test_a_hugging_face_gpt2_in_sharded_replicas_trains_as_one_worker(tmp_path, 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_hugging_face_gpt2_in_sharded_replicas_through_a_kill(tmp_path, gpt2_reference):
-    result = fit(gpt2_spec(), steps=STEPS, replicas=2, workers_per_replica=2, run_dir=tmp_path,
-                 ledger=True, chaos="kill:w1@step3")
-    assert result.final_step == STEPS
-    assert_same_state(gpt2_reference, result.state_dict, atol=ATOL)
-    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
-    assert [f["kind"] for f in of(events(tmp_path), "fault")] == ["worker_lost"]
+    state = run_with_a_kill(gpt2_spec(), tmp_path, G)
+    assert_same_state(gpt2_reference, state, atol=ATOL)
+
+
+def bn_spec() -> TrainSpec:
+    # 6 micro-batches: 2 replicas x 2 workers run 2 and 1 (padded with a weightless forward,
+    # which must not move the running statistics) each.
+    return bn_mlp.make_spec(n=N, global_batch_size=24, micro_batch_size=4)
+
+
+def bn_state(state: dict) -> dict:
+    return {k: v for k, v in state.items() if "running" in k or "num_batches" in k}
+
+
+@pytest.fixture(scope="module")
+def bn_reference(tmp_path_factory, ray_cluster):
+    return fit(bn_spec(), steps=STEPS, replicas=1,
+               run_dir=tmp_path_factory.mktemp("bn-ref")).state_dict
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster")
-def test_a_batchnorm_model_in_sharded_replicas_is_refused_at_start(tmp_path):
-    spec = bn_mlp.make_spec(n=64, global_batch_size=16, micro_batch_size=4)
-    with pytest.raises(ConfigError, match="persistent buffers") as info:
-        fit(spec, steps=2, replicas=1, workers_per_replica=2, run_dir=tmp_path)
-    assert "not an error in your model" in str(info.value)
+def test_a_batchnorm_model_in_sharded_replicas_trains_as_one_worker(tmp_path, bn_reference):
+    result = fit(bn_spec(), steps=STEPS, replicas=2, workers_per_replica=2, run_dir=tmp_path)
+    assert result.final_step == STEPS
+    assert len(bn_state(result.state_dict)) == 6
+    assert_same_state(bn_state(bn_reference), bn_state(result.state_dict), atol=1e-5)
+    assert_same_state(bn_reference, result.state_dict, atol=ATOL)
+
+
+@pytest.mark.extended  # the second variant: a kill takes a replica out, one joins
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_batchnorm_model_in_sharded_replicas_through_a_kill(tmp_path, bn_reference):
+    """The joining replica receives the running statistics with the shards."""
+    state = run_with_a_kill(bn_spec(), tmp_path, 24)
+    assert_same_state(bn_state(bn_reference), bn_state(state), atol=1e-5)
+    assert_same_state(bn_reference, state, atol=ATOL)

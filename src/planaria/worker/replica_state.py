@@ -27,7 +27,8 @@ from planaria.worker.reduce_sharded import ShardedReducer
 from planaria.worker.sharded import init_replica_group, shard_model
 from planaria.worker.state import flatten_state, jsonable, model_checksum
 
-__all__ = ["ReplicaShape", "ReplicaState", "check_optimizer", "refuse_unsharded_state", "run_factory"]
+__all__ = ["ReplicaShape", "ReplicaState", "check_optimizer", "refuse_unsharded_state",
+           "run_factory"]
 
 T = TypeVar("T")
 
@@ -39,23 +40,22 @@ def run_factory(what: str, seed: int, fn: Callable[..., T], *args: Any) -> T:
 
 
 def refuse_unsharded_state(model: torch.nn.Module, k: int) -> None:
-    """ConfigError for a model with state beside its parameters (persistent buffers, such as
-    BatchNorm's running statistics, or a module's extra state), which sharded replicas do not
-    keep yet: a planaria limitation, said as one. A tied weight (a language model's head
-    sharing its embedding's matrix) is a parameter under a second name: it shards."""
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    other = [name for name in model.state_dict() if name not in params]
+    """ConfigError for a model with state beside its parameters and buffers (a module's
+    ``get_extra_state``), which sharded replicas do not keep: a planaria limitation, said
+    as one. Buffers (BatchNorm's running statistics) stay whole on each worker and are kept
+    in step (:mod:`planaria.worker.buffers`); a tied weight (a language model's head sharing
+    its embedding's matrix) is a parameter under a second name: it shards."""
+    known = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    known |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    other = [name for name in model.state_dict() if name not in known]
     if other:
         shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
         raise ConfigError(
             f"workers_per_replica={k} is not valid with this model: it has state beside its "
-            f"parameters ({shown}: persistent buffers, such as BatchNorm's running "
-            "statistics). Sharded replicas do not support that yet (a planaria limitation, "
-            "not an error in your model): they would neither keep those buffers equal across "
-            "the replica's workers nor save them in checkpoints or send them to joining "
-            "replicas. Use workers_per_replica=1 (buffers are kept in step there), or a model "
-            "whose buffers are not persistent (LayerNorm or GroupNorm in place of BatchNorm; "
-            "register_buffer(..., persistent=False) for a cache that is not training state)"
+            f"parameters and buffers ({shown}: a module's get_extra_state). Sharded "
+            "replicas do not support that yet (a planaria limitation, not an error in your "
+            "model): they would neither keep it equal across the replica's workers nor save "
+            "it in checkpoints or send it to joining replicas. Use workers_per_replica=1"
         )
 
 
