@@ -146,3 +146,24 @@ def test_a_batchnorm_model_in_sharded_replicas_through_a_kill(tmp_path, bn_refer
     state = run_with_a_kill(bn_spec(), tmp_path, 24)
     assert_same_state(bn_state(bn_reference), bn_state(state), atol=1e-5)
     assert_same_state(bn_reference, state, atol=ATOL)
+
+
+@pytest.mark.extended  # the checkpoint of the same state the kill test sends to a joiner
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_batchnorm_models_sharded_checkpoint_holds_its_statistics(tmp_path, bn_reference):
+    """Saved by 2 x 2 workers at step 4, resumed by one replica of 2 workers: the running
+    statistics come back, and the end is the fault-free one."""
+    from planaria.checkpoint import list_checkpoints, read_manifest
+    from planaria.checkpoint.config import CheckpointConfig
+
+    fit(bn_spec(), steps=4, replicas=2, workers_per_replica=2, run_dir=tmp_path,
+        checkpoint=CheckpointConfig(every=4))
+    (saved,) = [c for c in list_checkpoints(str(tmp_path / "checkpoints")) if c.committed]
+    names = set(read_manifest(saved.path).tensors)
+    assert {"model/1.running_mean", "model/5.running_var"} <= names
+    result = fit(bn_spec(), steps=STEPS, replicas=1, workers_per_replica=2, run_dir=tmp_path,
+                 checkpoint=CheckpointConfig(resume=True))
+    assert [r["step"] for r in of(events(tmp_path), "restore")] == [4]
+    assert_same_state(bn_state(bn_reference), bn_state(result.state_dict), atol=1e-5)
+    assert_same_state(bn_reference, result.state_dict, atol=ATOL)
