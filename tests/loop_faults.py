@@ -1,6 +1,7 @@
 """Faults a test arms at a worker's fault points (``worker.loaded``, ``worker.computed``,
-``worker.reduced``, ``worker.applied``: :data:`planaria.faults.points.WORKER_POINTS`), sent
-to the workers by value (the workers cannot import the tests package).
+``worker.reduced``, ``worker.applied``, ``worker.eval_batch``, ``worker.shard_write``:
+:data:`planaria.faults.points.WORKER_POINTS`), sent to the workers by value (the workers
+cannot import the tests package).
 
 A loop fault here is ``hook(worker, step, phase)`` (``phase``: the point's name without
 ``worker.``); :func:`install` arms it at every worker point of one worker."""
@@ -35,11 +36,14 @@ class AtPhase:
     def __init__(self, hook: Any, phase: str) -> None:
         self.hook, self.phase = hook, phase
 
-    def __call__(self, *, worker: Any, step: int) -> None:
-        self.hook(worker, step, self.phase)
+    def __call__(self, *, worker: Any, step: int, **context: Any) -> None:
+        self.hook(worker, step, self.phase)  # context: a point's more (an eval batch's index)
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+LOOP_POINTS = [p for p in WORKER_POINTS if p != "worker.shard_write"]
+"""The points of a worker's step loop (the shard write runs on its writer's thread)."""
 
 
 def arm(job: Any, worker: str, point: str, action: Any, *, times: int | None = None) -> None:
@@ -51,8 +55,8 @@ def arm(job: Any, worker: str, point: str, action: Any, *, times: int | None = N
 
 
 def install(job: Any, name: str, hook: Any) -> None:
-    """Arms every worker point of worker ``name`` with ``hook(worker, step, phase)``."""
-    for point in WORKER_POINTS:
+    """Arms every point of worker ``name``'s loop with ``hook(worker, step, phase)``."""
+    for point in LOOP_POINTS:
         arm(job, name, point, AtPhase(hook, point.removeprefix("worker.")))
 
 

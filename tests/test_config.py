@@ -35,6 +35,13 @@ def spec(**overrides):
         ({"model": "not callable"}, ["model=", "callable"]),
         ({"grad_clip_norm": 0.0}, ["grad_clip_norm=0.0", "positive"]),
         ({"lr_scheduler": 3}, ["lr_scheduler=3", "callable or None"]),
+        ({"eval_dataset": "val.jsonl"}, ["eval_dataset='val.jsonl'", "callable"]),
+        ({"eval_dataset": mlp.Regression, "evaluate": {"loss": 0}}, ["evaluate=", "callable"]),
+        ({"eval_dataset": mlp.Regression, "eval_batch_size": 0},
+         ["eval_batch_size=0", ">= 1 or None"]),
+        # A custom step has no loss to evaluate by default: evaluate is needed, by name.
+        ({"eval_dataset": mlp.Regression, "loss": None, "forward_backward": print},
+         ["evaluate=None", "no loss to evaluate by default"]),
     ],
 )
 def test_train_spec_rejects_bad_values(overrides, words):
@@ -55,6 +62,8 @@ def test_train_spec_rejects_bad_values(overrides, words):
         ({"placement": "SPREAD"}, ["placement='SPREAD'", "'strict_spread'"]),
         ({"store_host": ""}, ["store_host=''", "non-empty"]),
         ({"network_interface": " eth0"}, ["network_interface=' eth0'"]),
+        ({"eval_every": 0}, ["eval_every=0", ">= 1"]),
+        ({"eval_every": 2.5}, ["eval_every=2.5", "committed steps between evaluations"]),
     ],
 )
 def test_run_config_rejects_bad_values(tmp_path, kwargs, words):
@@ -87,6 +96,12 @@ def test_hang_config_rejects_a_timeout_shorter_than_the_heartbeat():
         HangConfig(heartbeat_s=0.5, heartbeat_timeout_s=0.1)
 
 
+def test_an_eval_set_is_optional_and_evaluates_by_the_loss_when_evaluate_is_none():
+    assert spec().eval_dataset is None and spec().eval_batch_size is None
+    with_eval = spec(eval_dataset=mlp.Regression)  # evaluate: {"loss": loss(model, batch)}
+    assert with_eval.evaluate is None and with_eval.loss is mlp.mse
+
+
 def test_dataset_smaller_than_one_global_batch():
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         DataPlan(10, 64, seed=0)
@@ -103,6 +118,13 @@ def test_job_rejects_min_replicas_above_replicas_and_too_many_replicas(tmp_path)
         )
     with pytest.raises(ConfigError, match="replicas=65"):
         Job(spec(), RunConfig(steps=5, replicas=65, run_dir=tmp_path))
+
+
+def test_job_rejects_eval_every_without_an_eval_set(tmp_path):
+    from planaria import Job
+
+    with pytest.raises(ConfigError, match="eval_every=2 is not valid without an eval set"):
+        Job(spec(), RunConfig(steps=5, replicas=1, run_dir=tmp_path, eval_every=2))
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ from planaria.faults.errors import (
 )
 from planaria.fit import FitResult, fit
 from planaria.retry import elastic_retry
+from planaria.wire.evaluation import EvalResult
 
 __all__ = [
     "AllReplicasLost",
@@ -42,6 +43,7 @@ __all__ = [
     "ConfigError",
     "DataMismatch",
     "ElasticRuntimeError",
+    "EvalResult",
     "Failure",
     "FinalSaveFailed",
     "FitResult",

@@ -134,6 +134,19 @@ class TrainSpec:
     """State beyond the model, optimizer and scheduler (a GradScaler's scale, an EMA's
     counters): ``(get, set)`` with ``get(model, optimizer) -> dict`` (JSON-able) and
     ``set(model, optimizer, state)``; saved in checkpoints and sent to joining replicas."""
+    eval_dataset: Callable[[], Any] | None = None
+    """Builds the map-style evaluation dataset, in every worker as ``dataset`` is (with the
+    generators seeded from ``seed``); None: no evaluation. It is cut into batches of
+    ``eval_batch_size`` by index, the same at any width, and batch j runs on live replica
+    j % width (see ``RunConfig.eval_every`` and ``Job.evaluate``)."""
+    evaluate: Callable[[Any, Any], Any] | None = None
+    """(model, batch) → a mapping of metric name to the batch's MEAN of that metric (a float
+    or a scalar tensor), e.g. ``{"loss": ..., "accuracy": ...}``; run under
+    ``model.eval()`` and ``torch.no_grad()`` (and ``precision``'s autocast). The job's figure
+    is the sample-weighted mean over the eval set. None: ``{"loss": loss(model, batch)}``
+    (with ``loss``'s metrics, if it returns them)."""
+    eval_batch_size: int | None = None
+    """Samples per evaluation batch (the last batch may be shorter); None: ``micro_batch_size``."""
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "dataset"):
@@ -174,6 +187,18 @@ class TrainSpec:
             "a positive float or None",
         )
         check(isinstance(self.seed, int), "seed", self.seed, "an integer")
+        check(self.eval_dataset is None or callable(self.eval_dataset), "eval_dataset",
+              self.eval_dataset, "a callable that builds the map-style eval dataset, or None")
+        check(self.evaluate is None or callable(self.evaluate), "evaluate", self.evaluate,
+              "a callable (model, batch) -> {metric: the batch's mean}, or None")
+        check(self.eval_dataset is None or self.evaluate is not None or self.loss is not None,
+              "evaluate", self.evaluate,
+              "a callable (model, batch) -> {metric: the batch's mean} when eval_dataset is "
+              "given and there is no loss to evaluate by default (forward_backward specs)")
+        check(self.eval_batch_size is None
+              or (isinstance(self.eval_batch_size, int) and self.eval_batch_size >= 1),
+              "eval_batch_size", self.eval_batch_size, "an integer >= 1 or None "
+              "(micro_batch_size)")
         check(self.precision in (None, "bf16", "fp16"), "precision", self.precision,
               "None (full precision), 'bf16' or 'fp16'")
         check(
@@ -298,6 +323,9 @@ class RunConfig:
     verify_every: int | None = None
     """Compare every replica's parameter checksum every this many committed steps (None:
     never); a replica that disagrees with the majority is a ``ReplicaDivergence`` fault."""
+    eval_every: int | None = None
+    """Evaluate on ``spec.eval_dataset`` after every this many committed steps (None: never
+    on its own; ``Job.evaluate()`` evaluates on demand)."""
     join_timeout_s: float = 60.0
     """Deadline for building a generation's process group."""
     collective_timeout_s: float = 300.0
@@ -388,6 +416,13 @@ class RunConfig:
             "verify_every",
             self.verify_every,
             "an integer >= 1 (steps between replica checksum comparisons) or None",
+        )
+        check(
+            self.eval_every is None
+            or (isinstance(self.eval_every, int) and self.eval_every >= 1),
+            "eval_every",
+            self.eval_every,
+            "an integer >= 1 (committed steps between evaluations) or None",
         )
         for name in ("join_timeout_s", "collective_timeout_s", "min_transfer_bytes_per_s"):
             check(getattr(self, name) > 0, name, getattr(self, name), "a number of seconds > 0")

@@ -19,6 +19,7 @@ from planaria.faults.chaos import ChaosPlan
 from planaria.faults.errors import CheckpointError, ElasticRuntimeError, Failure, FinalSaveFailed
 from planaria.observe.events import EVENTS_FILE
 from planaria.observe.loss_history import LossHistory
+from planaria.wire.evaluation import EvalResult
 
 __all__ = ["FitResult", "fit"]
 
@@ -37,6 +38,8 @@ class FitResult:
     state_dict: dict[str, torch.Tensor] = field(repr=False)
     """The final model state (CPU tensors)."""
     run_dir: Path = Path()
+    evals: list[EvalResult] = field(default_factory=list)
+    """Every evaluation of this run (``RunConfig.eval_every``), one per step, in step order."""
 
 
 def fit(
@@ -61,7 +64,9 @@ def fit(
     (:class:`~planaria.faults.errors.UserCodeError`), and a spent budget raises
     :class:`~planaria.faults.errors.ElasticRuntimeError`. ``options`` are further
     :class:`~planaria.config.RunConfig` fields (``ledger``, ``cpus_per_worker``, ...).
-    ``checkpoint`` is a :class:`~planaria.CheckpointConfig`; ``listeners``
+    ``on_step`` is called with each step as it commits (while its run of steps goes on,
+    on this thread; a step computed again after a restore is called again; an exception
+    it raises ends the job). ``checkpoint`` is a :class:`~planaria.CheckpointConfig`; ``listeners``
     receive every event record as it is logged (progress display, Prometheus). A final
     save that does not commit raises :class:`~planaria.faults.errors.FinalSaveFailed` with the
     job left open (``err.job``): save its state elsewhere (``err.job.save(root=...)``),
@@ -80,17 +85,15 @@ def fit(
         checkpoint=checkpoint,
         listeners=listeners,
     )
+    if on_step is not None:  # as each step commits, not when its run of steps ends
+        job.commit_log.step_callbacks.append(on_step)
     with contextlib.ExitStack() as stack:
         stack.enter_context(job)
         while job.steps_done < steps:
             try:
-                results = job.run_steps(steps)
+                job.run_steps(steps)
             except Failure as failure:
                 job.recovery.handle(failure)
-                continue
-            if on_step is not None:
-                for result in results:
-                    on_step(result)
         try:
             state = _finish(job)
         except FinalSaveFailed:
@@ -102,14 +105,17 @@ def fit(
             events_path=job.run_dir / EVENTS_FILE,
             state_dict=state,
             run_dir=job.run_dir,
+            evals=list(job.evaluation.results),
         )
 
 
 def _finish(job: Job, attempts: int = 5) -> dict[str, torch.Tensor]:
-    """The final save and the final weights, recovering from a fault meanwhile (a worker
-    can die after the last committed step too: the survivors hold the state)."""
+    """The last evaluation if due, the final save and the final weights, recovering from a
+    fault meanwhile (a worker can die after the last committed step too: the survivors
+    hold the state)."""
     for _ in range(attempts):
         try:
+            job.evaluation.if_due()
             if job.checkpointer is not None:
                 _save_final(job, job.checkpointer)
             state = job.model_state_dict()

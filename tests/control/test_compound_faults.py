@@ -16,7 +16,15 @@ from planaria import Job, RecoveryPolicy, fit
 from planaria.examples import mlp
 from planaria.faults import points
 from planaria.fit import _finish as finish
-from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
+from tests.assertions import (
+    assert_exactly_once,
+    assert_same_state,
+    drive,
+    events,
+    of,
+    run_to,
+)
+from tests.loop_faults import arm
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -278,36 +286,27 @@ class _NanOnceOnSample:
         return loss * float("nan")
 
 
-class SavesAfterTheRollback:
-    """The MLP, in workers whose checkpoint writes wait (bounded) until the run's event log
-    records the rollback: the save before the non-finite step is in flight at the rollback."""
+class WritesAfterTheRollback:
+    """At a worker's shard writes (its ``worker.shard_write`` point, on its writer thread):
+    wait (bounded) until the run's event log records the rollback, so the save before the
+    non-finite step is in flight at the rollback."""
 
     def __init__(self, events_path: str) -> None:
         self.events_path = events_path
 
-    def __call__(self) -> torch.nn.Module:
+    def rolled_back(self) -> bool:
         import json
+
+        with open(self.events_path) as f:
+            lines = [line for line in f if line.strip().endswith("}")]
+        return any(json.loads(line).get("action") == "rollback" for line in lines)
+
+    def __call__(self, *, worker, step) -> None:
         import time
 
-        import planaria.checkpoint.async_writer as aw
-
-        if not getattr(aw, "_after_the_rollback", False):
-            write, path = aw.write_image, self.events_path
-
-            def rolled_back() -> bool:
-                with open(path) as f:
-                    lines = [line for line in f if line.strip().endswith("}")]
-                return any(json.loads(line).get("action") == "rollback" for line in lines)
-
-            def after_the_rollback(*args, **kwargs):
-                end = time.monotonic() + 60
-                while not rolled_back() and time.monotonic() < end:
-                    time.sleep(0.01)
-                return write(*args, **kwargs)
-
-            aw.write_image = after_the_rollback
-            aw._after_the_rollback = True
-        return mlp.make_model()
+        end = time.monotonic() + 60
+        while not self.rolled_back() and time.monotonic() < end:
+            time.sleep(0.01)
 
 
 def test_a_rollback_waits_for_the_save_in_flight_and_restores_it(tmp_path, reference):
@@ -325,14 +324,19 @@ def test_a_rollback_waits_for_the_save_in_flight_and_restores_it(tmp_path, refer
     marker = tmp_path / "nan-once"
     marker.touch()
     events_path = str(tmp_path / "run" / "events.jsonl")
-    spec = dataclasses.replace(spec, model=SavesAfterTheRollback(events_path),
-                               loss=_NanOnceOnSample(11, str(marker)))
-    result = fit(spec, steps=STEPS, replicas=2, run_dir=tmp_path / "run", ledger=True,
-                 policy=RecoveryPolicy(on_nonfinite="rollback"),
-                 checkpoint=CheckpointConfig(every=step - 1))
+    spec = dataclasses.replace(spec, loss=_NanOnceOnSample(11, str(marker)))
+    job = Job(spec, planaria.RunConfig(steps=STEPS, replicas=2, run_dir=tmp_path / "run",
+                                       ledger=True),
+              policy=RecoveryPolicy(on_nonfinite="rollback"),
+              checkpoint=CheckpointConfig(every=step - 1))
+    with job:
+        for h in job.members:
+            arm(job, h.name, "worker.shard_write", WritesAfterTheRollback(events_path))
+        state = run_to(job, STEPS)
+        final_step = job.steps_done
     assert not marker.exists()  # the NaN fired
-    assert result.final_step == STEPS
-    assert_same_state(reference, result.state_dict)
+    assert final_step == STEPS
+    assert_same_state(reference, state)
     assert_exactly_once(tmp_path / "run", num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(tmp_path / "run")
     (restore,) = of(evs, "restore")

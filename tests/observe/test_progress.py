@@ -76,3 +76,16 @@ def test_terminal_mode_runs() -> None:
         for rec in _feed():
             display(rec)
     assert "w3 joined (hot-join 1.2 s)" in out.getvalue()
+
+
+def test_an_evaluation_prints_a_line() -> None:
+    out = io.StringIO()
+    display = ProgressDisplay(6, 3, console=Console(file=out, width=100), every_s=1e9,
+                              summary=False)
+    display.start()
+    for rec in _feed()[:4]:
+        display(rec)
+    display(_ev(2.2, "eval", step=2, metrics={"loss": 0.123456, "acc": 0.75}, samples=100,
+                seconds=0.31, width=3))
+    display.stop()
+    assert "eval at step 2: loss 0.1235, acc 0.75 (100 samples, 0.31 s)" in out.getvalue()

@@ -106,3 +106,24 @@ def test_report_main_damaged_log_warns(run_dir: Path, capsys: Any) -> None:
 def test_report_main_without_log(tmp_path: Path, capsys: Any) -> None:
     assert report_main(tmp_path / "nope") == 2
     assert "no event log" in capsys.readouterr().err
+
+
+def test_the_report_shows_the_last_evaluation_and_the_list() -> None:
+    def ev(t: float, step: int, loss: float) -> dict[str, Any]:
+        return _ev(t, "eval", step=step, metrics={"loss": loss, "acc": 0.5}, samples=100,
+                   seconds=0.25, width=3)
+
+    events = _run()
+    # Step 8's evaluation failed once and ran again: recorded once, the last figures.
+    events[-1:-1] = [ev(5.0, 4, 0.9), ev(13.0, 8, 0.7), ev(14.0, 8, 0.6), ev(21.0, 16, 0.4)]
+    summary = summarize(events)
+    assert [e["step"] for e in summary.evals] == [4, 8, 16]
+    assert summary.evals[1]["metrics"] == {"loss": 0.6, "acc": 0.5}
+    assert summary.to_json()["evals"][-1] == {"step": 16, "metrics": {"loss": 0.4, "acc": 0.5},
+                                              "samples": 100, "seconds": 0.25}
+    out = io.StringIO()
+    render_summary(summary, Console(file=out, width=120))
+    text = out.getvalue()
+    assert "last eval" in text and "step 16: loss 0.4, acc 0.5 (100 samples)" in text
+    assert "evaluations" in text and "loss 0.6, acc 0.5" in text
+    assert summarize(_run()).evals == []

@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -71,6 +71,7 @@ class AsyncShardWriter:
         attempts: int = 3,
         staging_budget_bytes: int | None = None,
         direct: bool = True,
+        before_write: Callable[[int], None] | None = None,
     ) -> None:
         """``busy_timeout_s``: the longest :meth:`start` waits for the previous write (None:
         no limit), then ``TimeoutError``; ``verify``: read each shard back once written and
@@ -78,7 +79,8 @@ class AsyncShardWriter:
         (:class:`~planaria.faults.errors.StorageError`); ``staging_budget_bytes``: the most host
         memory the staging buffers may hold (None: a share's size, about 1/N of the
         state); a share over it is written at once from the live tensors, without a
-        copy, blocking :meth:`start` for the whole write."""
+        copy, blocking :meth:`start` for the whole write; ``before_write(step)``: called on the
+        writing thread as each save's write begins (a fault point)."""
         self.root = root
         self.busy_timeout_s = busy_timeout_s
         self.fsync = fsync
@@ -87,6 +89,7 @@ class AsyncShardWriter:
         self.attempts = attempts
         self.staging_budget_bytes = staging_budget_bytes
         self.direct = direct
+        self.before_write = before_write
         self.image = ShardImage(pin_memory=pin_memory)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-ckpt",
                                         initializer=background_priority)
@@ -155,6 +158,8 @@ class AsyncShardWriter:
     ) -> ShardRecord:
         """Writes ``share`` (live views, over the staging budget) or else the staged image;
         first ``describe`` beside it, after it the shard's record."""
+        if self.before_write is not None:
+            self.before_write(step)
         t0 = time.perf_counter()
         if describe is not None:
             with_retries(

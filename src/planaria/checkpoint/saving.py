@@ -191,7 +191,21 @@ class SavePipeline:
 
     def on_written(self, save: Save, name: str, fut: Any) -> None:
         """A writer's answer (on a Ray thread): its records, or why it failed. The last one
-        starts the commit on the committer thread at once."""
+        starts the commit on the committer thread at once. A fault in this bookkeeping itself
+        (a malformed record, a committer shut down) fails the save rather than leaving it
+        unsettled until its deadline: no one would hear of an exception on Ray's thread."""
+        try:
+            self._on_written(save, name, fut)
+        except BaseException as err:
+            _log.exception("the answer of writer %s to the save of step %d could not be "
+                           "handled", name, save.step)
+            with save.lock:
+                if save.failed is None and save.commit is None:
+                    save.failed = (f"writer {name}'s answer could not be handled: "
+                                   f"{type(err).__name__}: {err}")
+                    save.settled.set()
+
+    def _on_written(self, save: Save, name: str, fut: Any) -> None:
         try:
             out: ShardWritten = fut.result()
         except BaseException as err:  # its write failed, or it died before it finished

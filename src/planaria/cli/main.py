@@ -10,15 +10,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from planaria.cli.ckpt import MissingPath, ckpt_main
+from planaria.cli.flags import HelpWithDefaults, with_global_flags
 from planaria.cli.spec_file import load_spec
 
 __all__ = ["load_spec", "main"]  # load_spec: planaria.cli.spec_file's, kept importable here
 
 
 def _parser() -> argparse.ArgumentParser:
+    from planaria._version import __version__
+
     parser = argparse.ArgumentParser(
-        prog="planaria", description="Elastic, fault-tolerant training of PyTorch models."
+        prog="planaria", description="Elastic, fault-tolerant training of PyTorch models.",
+        formatter_class=HelpWithDefaults,
     )
+    parser.add_argument("--version", action="version", version=f"planaria {__version__}")
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)"
     )
@@ -87,17 +93,21 @@ def _parser() -> argparse.ArgumentParser:
     ck = ckpt.add_subparsers(dest="ckpt_command", required=True)
     ls = ck.add_parser("ls", help="checkpoints of a run: step, size, committed, verified")
     ls.add_argument("run_dir")
+    ls.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     verify = ck.add_parser("verify", help="check a checkpoint's manifest and checksums")
     verify.add_argument("path")
     export = ck.add_parser("export", help="the model weights as one safetensors file")
     export.add_argument("path")
     export.add_argument("--out", required=True)
+    with_global_flags(parser)
     return parser
 
 
 def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int | None) -> None:
-    p.add_argument("--replicas", type=int, required=replicas is None, default=replicas)
-    p.add_argument("--steps", type=int, required=steps is None, default=steps)
+    p.add_argument("--replicas", type=int, required=replicas is None, default=replicas,
+                   help="replicas to train on (the width the job keeps)")
+    p.add_argument("--steps", type=int, required=steps is None, default=steps,
+                   help="train until this many steps are committed")
     p.add_argument("--address", default=None, help="Ray cluster address (default: start Ray here)")
     p.add_argument(
         "--placement", default=None, choices=["spread", "strict_spread", "pack"],
@@ -294,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from planaria.config import local_run_dir
     from planaria.faults.errors import (
+        CheckpointError,
         ConfigError,
         ElasticRuntimeError,
         FinalSaveFailed,
@@ -319,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return report_main(args.run_dir, json=args.json, png=args.png)
         if args.command == "ckpt":
-            return _ckpt(args)
+            return ckpt_main(args)
         if args.command == "plan":
             from planaria.sim.cli import plan_main
 
@@ -340,9 +351,12 @@ def main(argv: list[str] | None = None) -> int:
             return campaign_main(args)
     except FinalSaveFailed as err:
         return _final_save_failed(err, args)
-    except ConfigError as err:
+    except (ConfigError, MissingPath) as err:
         print(f"planaria: {err}", file=sys.stderr)
         return 2
+    except CheckpointError as err:  # a refusal (another run's checkpoints, a held lease)
+        print(f"planaria: {err}", file=sys.stderr)
+        return 1
     except UserCodeError as err:
         print(f"planaria: your code raised an error; the job stopped.\n{err}", file=sys.stderr)
         return 1
@@ -410,36 +424,6 @@ def _demo(args: argparse.Namespace) -> int:
         f"see `planaria report {run_dir}` for the timeline"
     )
     return 0
-
-
-def _ckpt(args: argparse.Namespace) -> int:
-    from planaria.checkpoint import cli as ck
-
-    if args.ckpt_command == "ls":
-        rows = ck.ls(args.run_dir, verify=True)
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table("step", "size (MB)", "committed", "verified", "path")
-        for row in rows:
-            table.add_row(
-                str(row.get("step")),
-                f"{(row.get('bytes') or 0) / 1e6:.1f}",
-                str(row.get("committed")),
-                str(row.get("verified")),
-                str(row.get("path")),
-            )
-        Console().print(table)
-        return 0
-    if args.ckpt_command == "verify":
-        report = ck.verify(args.path)
-        print(json.dumps(report, indent=2, default=str))
-        return 0 if report.get("ok") else 1
-    if args.ckpt_command == "export":
-        info = ck.export(args.path, args.out)
-        print(json.dumps(info, indent=2, default=str))
-        return 0
-    return 2
 
 
 if __name__ == "__main__":

@@ -79,6 +79,10 @@ class Attribution:
         self._hung_at: dict[tuple[object, ...], int] = {}
         self._work_signatures: set[str] = set()  # signatures some work was blamed for
 
+    def seen(self) -> tuple[Sighting, ...]:
+        """The failures recorded so far, oldest first."""
+        return tuple(self._seen)
+
     def patience(self, work: Work | None) -> float:
         """The factor on ``work``'s deadline: doubled for every worker that hung on it."""
         if work is None:

@@ -1,8 +1,8 @@
 """The step boundary: where a run of steps must end, and what happens there.
 
 :class:`BoundaryPlanner` decides: the step at which the controller must act next
-(a save due, a replica check, a fault a hook or the chaos plan needs, an open fault
-or join) and, while a run goes on, whether something it could not plan for ends the
+(a save due, a replica check, an evaluation, a fault a hook or the chaos plan needs, an
+open fault or join) and, while a run goes on, whether something it could not plan for ends the
 run early (Ray lost, a replacement ready to join, a node drained, chaos by time, a
 save due by the clock). :class:`StepBoundary` acts between runs.
 """
@@ -27,8 +27,9 @@ class BoundaryPlanner:
     """Where a job's runs of steps end (see the module doc).
 
     ``replicas``: the width asked for; ``verify_every``: steps between replica checks
-    (None: none); ``replacements_ready``: a replacement is ready to join (no query but
-    its readiness); ``draining_nodes``: the nodes Ray drains, as last seen (None: not
+    (None: none); ``eval_every``: steps between evaluations (None: none);
+    ``replacements_ready``: a replacement is ready to join (no query but its readiness);
+    ``draining_nodes``: the nodes Ray drains, as last seen (None: not
     watched); ``ray_lost``: Ray's GCS or raylet died; ``elapsed_s``: since the job began.
     """
 
@@ -38,6 +39,7 @@ class BoundaryPlanner:
         replacements_ready: Callable[[], bool],
         draining_nodes: Callable[[], dict[str, int]] | None,
         ray_lost: Callable[[], bool], elapsed_s: Callable[[], float],
+        eval_every: int | None = None,
     ) -> None:
         self.roster = roster
         self.hooks = hooks
@@ -45,6 +47,7 @@ class BoundaryPlanner:
         self.chaos = chaos
         self.replicas = replicas
         self.verify_every = verify_every
+        self.eval_every = eval_every
         self.replacements_ready = replacements_ready
         self.draining_nodes = draining_nodes
         self.ray_lost = ray_lost
@@ -69,6 +72,9 @@ class BoundaryPlanner:
                 stop = min(stop, due)
         every = self.verify_every
         if every is not None and self.roster.width > 1:
+            stop = min(stop, (start // every + 1) * every)
+        every = self.eval_every
+        if every is not None:  # the controller evaluates there, before the next run
             stop = min(stop, (start // every + 1) * every)
         if self.chaos is not None:
             planned = self.chaos.next_step(after=start)
@@ -106,19 +112,22 @@ class BoundaryPolicy(Protocol):
 
 
 class StepBoundary:
-    """Between runs: Ray's health, the replica check, the hooks, joins, drains, saves and
-    chaos by time, in that order. ``check_ray(save=True)`` raises RayLost once Ray's own
-    processes died (saving the step in hand first); ``verify_if_due`` compares the
-    replicas' checksums when a check is due; ``poll_ready`` returns replacements ready
-    now (no wait)."""
+    """Between runs: Ray's health, the replica check, the hooks, joins, drains, the
+    evaluation, saves and chaos by time, in that order. ``check_ray(save=True)`` raises
+    RayLost once Ray's own processes died (saving the step in hand first); ``verify_if_due``
+    compares the replicas' checksums when a check is due; ``evaluate_if_due`` evaluates
+    when an evaluation is due (over the width the joins and drains left); ``poll_ready``
+    returns replacements ready now (no wait)."""
 
     def __init__(
         self, *, check_ray: RayCheck, verify_if_due: Callable[[], None],
         hooks: FaultHooks, poll_ready: Callable[[], list[WorkerHandle]],
         policy: BoundaryPolicy, notices: Notices, checkpoints: Checkpoints | None,
         chaos: ChaosInjector | None, steps: StepCount,
+        evaluate_if_due: Callable[[], object] = lambda: None,
     ) -> None:
         self.check_ray = check_ray
+        self.evaluate_if_due = evaluate_if_due
         self.verify_if_due = verify_if_due
         self.hooks = hooks
         self.poll_ready = poll_ready
@@ -129,8 +138,8 @@ class StepBoundary:
         self.steps = steps
 
     def boundary(self) -> None:
-        """Between steps: drain preempted workers, admit ready replacements, save, inject
-        chaos."""
+        """Between steps: drain preempted workers, admit ready replacements, evaluate, save,
+        inject chaos."""
         self.check_ray(save=True)  # Ray's own processes died: save and end
         self.verify_if_due()  # before a joiner could copy a diverged replica's state
         self.hooks.call("boundary")
@@ -141,6 +150,7 @@ class StepBoundary:
         draining = self.notices.take_draining()
         if draining:
             self.policy.drain(draining)
+        self.evaluate_if_due()  # a Failure here: recovered from, then evaluated again
         if self.checkpoints is not None:
             self.checkpoints.maybe_save()
         if self.chaos is not None:

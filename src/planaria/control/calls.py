@@ -11,6 +11,7 @@ found by probing the links (:mod:`planaria.control.links`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -327,7 +328,8 @@ class Calls:
                 reports[asks[ref]] = ray.get(ref)
         verdict = find_unreachable(watched, mine, reports)
         self.log.emit("link_check", workers=watched, culprits=list(verdict.culprits),
-                      reason=verdict.reason, controller_reached=mine, reports=reports)
+                      reason=verdict.reason, controller_reached=mine,
+                      reports={n: dataclasses.asdict(r) for n, r in reports.items()})
         culprits = leaders(list(verdict.culprits))
         for name in culprits:  # dated from its own record: when its wait on the peers began
             self.fault_times.stuck_since[name] = (

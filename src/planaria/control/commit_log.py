@@ -59,6 +59,8 @@ class CommitLog:
                  ledger_dir: Path | None, run_id: str) -> None:
         self.log = log
         self.deadline = deadline
+        self.step_callbacks: list[Callable[[StepResult], None]] = []
+        """Called with each step as it is committed (``fit``'s ``on_step``), on this thread."""
         self.run_id = run_id
         self.micro_batch_size = micro_batch_size
         self.ledger = (Ledger(ledger_dir, run_id=run_id, on_changed=self._served_changed)
@@ -104,6 +106,8 @@ class CommitLog:
             data_wait_s=rec.data_wait_s, metrics=metrics,
         )
         self.on_commit(step, t)
+        for callback in self.step_callbacks:
+            callback(result)
         return result
 
     def advance_to(self, step: int) -> None:

@@ -25,6 +25,7 @@ from planaria.control.calls import Calls
 from planaria.control.checkpoint_view import CheckpointView
 from planaria.control.commit_log import CommitLog, StepResult
 from planaria.control.departures import Departures
+from planaria.control.evaluation import Evaluation
 from planaria.control.facade import Delegated
 from planaria.control.hooks import FaultHooks
 from planaria.control.membership import Membership
@@ -40,6 +41,7 @@ from planaria.faults.chaos import ChaosPlan
 from planaria.faults.errors import ConfigError, ElasticRuntimeError, Failure, PlanariaError
 from planaria.observe.events import EventLog
 from planaria.observe.loss_history import LossHistory
+from planaria.wire.evaluation import EvalResult
 
 __all__ = ["Job", "StepResult"]
 
@@ -183,6 +185,12 @@ class Job:
                                            metrics_known=self.commit_log.metric_keys is not None)
         return parts.run_ahead.run(stop)
 
+    def evaluate(self) -> EvalResult:
+        """Evaluates the committed state now on ``spec.eval_dataset``, split over the live
+        replicas, and records it (see :mod:`planaria.control.evaluation`); raises a Failure
+        if a worker fails meanwhile (recover from it as from a step's, then evaluate again)."""
+        return self._parts().evaluation.evaluate()
+
     def boundary(self) -> None:
         """What happens between runs: joins, drains, saves, chaos (see StepBoundary)."""
         self._parts().step_boundary.boundary()
@@ -271,6 +279,11 @@ class Job:
     @property
     def recovery(self) -> Recovery:
         return self._parts().recovery
+
+    @property
+    def evaluation(self) -> Evaluation:
+        """The evaluations: ``results`` (one per step, in step order), ``if_due()``."""
+        return self._parts().evaluation
 
     @property
     def hooks(self) -> list[Callable[..., None]]:

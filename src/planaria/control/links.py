@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from planaria.wire.probes import LinkReport
 
 __all__ = ["Verdict", "find_unreachable"]
 
@@ -44,7 +45,7 @@ class Verdict:
 def find_unreachable(
     names: list[str],
     controller_reached: Mapping[str, bool],
-    reports: Mapping[str, Mapping[str, Any]],
+    reports: Mapping[str, LinkReport],
 ) -> Verdict:
     """The ranks that cannot be reached (see the module doc). ``controller_reached``: did
     the controller's probe of each rank answer; ``reports``: each rank that answered the
@@ -57,7 +58,7 @@ def find_unreachable(
             probers[name] += 1
             votes[name] += not controller_reached[name]
     for report in reports.values():
-        for peer, ok in (report.get("reached") or {}).items():
+        for peer, ok in report.reached.items():
             if peer in votes:
                 probers[peer] += 1
                 votes[peer] += not ok
@@ -66,16 +67,16 @@ def find_unreachable(
         return Verdict(tuple(cut), "could not be reached by "
                        + ", ".join(f"{n}: {votes[n]} of {probers[n]}" for n in cut))
     # Stalled flows: which rank is an endpoint of every one of them?
-    owner = {}
+    owner: dict[str, str] = {}
     for name, report in reports.items():
-        for local in report.get("endpoints") or []:
+        for local in report.endpoints:
             owner[local] = name
     edges: list[frozenset[str]] = []
     for name, report in reports.items():
-        for _, remote in report.get("stalled") or []:
-            peer = owner.get(remote)
-            if peer is not None and peer != name:
-                edges.append(frozenset((name, peer)))
+        for _, remote in report.stalled:
+            owner_of_remote = owner.get(remote)
+            if owner_of_remote is not None and owner_of_remote != name:
+                edges.append(frozenset((name, owner_of_remote)))
     edges = list(dict.fromkeys(edges))
     if len(edges) >= 2:
         common = set.intersection(*(set(e) for e in edges))

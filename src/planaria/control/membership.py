@@ -221,9 +221,12 @@ class Membership:
         ready.sort(key=lambda h: int(h.name[1:]))
         self.add(ready)  # so that closing the job releases them if a check below fails
         if len(ready) < count:
+            failed = self.pool.last_start_error
             raise ElasticRuntimeError(
-                f"only {len(ready)} of {count} workers started within the deadline: check "
-                "the Ray cluster has the CPUs/GPUs asked for (cpus_per_worker, use_gpu)"
+                f"only {len(ready)} of {count} workers started within the deadline: "
+                + (f"the last start failed with {failed}" if failed else
+                   "none failed; check the Ray cluster has the CPUs/GPUs asked for "
+                   "(cpus_per_worker, use_gpu)")
             )
         self.check_same_init(ready)
         self.set_holding(self.names, True)

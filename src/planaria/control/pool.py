@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 import torch.distributed as dist
@@ -21,13 +21,38 @@ from planaria.config import RunConfig, TrainSpec
 from planaria.control.placement import Placement
 from planaria.control.policy import HangConfig
 from planaria.data.integrity import describe_mismatch
-from planaria.faults.errors import ConfigError, DataMismatch, UserCodeError
+from planaria.faults.errors import (
+    ConfigError,
+    DataMismatch,
+    Failure,
+    UserCodeError,
+    root_cause,
+)
 from planaria.observe.events import EventLog
 from planaria.wire import store_keys
 from planaria.wire.state_reports import Setup
 from planaria.worker import CONCURRENCY_GROUPS, Worker, forkserver
 
-__all__ = ["WorkerHandle", "WorkerPool", "warm_start_enabled"]
+__all__ = ["StartJudge", "WorkerHandle", "WorkerPool", "start_error", "warm_start_enabled"]
+
+
+class StartJudge(Protocol):
+    """Whose fault a worker's failed start is (planaria.control.blame.judge_start): a failure
+    that stops the job (the user's), or None (the worker's: it is started again)."""
+
+    def __call__(self, name: str, cause: BaseException, node: str | None, *,
+                 started_any: bool) -> Failure | None: ...
+
+
+def start_error(err: BaseException) -> str:
+    """A failed start's cause, its first lines first (Ray's wrapper and traceback cut), at
+    most 2,000 characters."""
+    cause = root_cause(err)
+    if isinstance(cause, Failure) and cause.args:
+        text = f"{type(cause).__name__}: {cause.args[0]}"
+    else:
+        text = f"{type(cause).__name__}: {cause}"
+    return text[:2000]
 
 _log = logging.getLogger("planaria.membership")
 # A job runtime_env with one of these runs workers in a Python of its own: no fork server.
@@ -133,6 +158,8 @@ class WorkerPool:
         # the job's mark (planaria.control.reaper), warm workers'
         self.owner_env: dict[str, str] = {}
         self.check: Callable[[], None] | None = None  # raises to end a wait (Ray's loss)
+        self.judge_start: StartJudge | None = None  # whose fault a failed start is
+        self.started_any = False  # a worker of this job has started: its factories work
 
     def start(
         self,
@@ -285,8 +312,17 @@ class WorkerPool:
                     raise cause from None
                 if isinstance(cause, ConfigError):  # what the worker built cannot run
                     raise cause from None
-                self._failed_start(handle, err)
+                # Each start is a worker of its own: a start again failing as the one
+                # before failed is the factories' as much as another worker's would be.
+                label = handle.name if handle.attempt == 1 else (
+                    f"{handle.name} (start {handle.attempt})")
+                stop = None if self.judge_start is None else self.judge_start(
+                    label, cause, handle.ray_node, started_any=self.started_any)
+                self._failed_start(handle, err, retry=stop is None)
+                if stop is not None:
+                    raise stop from None
                 continue
+            self.started_any = True
             handle.info = info
             self._check_data(handle)
             handle.ready_t = time.time()
@@ -332,12 +368,13 @@ class WorkerPool:
             "torch seeded from spec.seed) and read the same files on every node"
         )
 
-    def _failed_start(self, handle: WorkerHandle, err: BaseException) -> None:
-        self.last_start_error = f"{handle.name}: {type(err).__name__}: {str(err)[:2000]}"
+    def _failed_start(self, handle: WorkerHandle, err: BaseException, *, retry: bool) -> None:
+        self.last_start_error = f"{handle.name}: {start_error(err)}"
         self.kill(handle, fence=False)  # a half-started actor holds CPUs, maybe a GPU
-        self.log.emit(
-            "replacement_failed", worker=handle.name, attempt=handle.attempt, error=str(err)[:500]
-        )
+        self.log.emit("replacement_failed", worker=handle.name, attempt=handle.attempt,
+                      error=start_error(err))
+        if not retry:
+            return
         if handle.attempt >= self.max_attempts:
             _log.error("%s failed to start %d times; giving up on it", handle.name, handle.attempt)
             return

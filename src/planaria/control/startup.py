@@ -14,6 +14,7 @@ import torch
 
 from planaria._version import __version__
 from planaria.backoff import retry
+from planaria.control.evaluation import check_eval_config
 from planaria.faults.errors import ConfigError
 from planaria.worker.compile_cache import CACHE_FILE
 
@@ -68,6 +69,7 @@ def check_config(spec: TrainSpec, config: RunConfig, policy: RecoveryPolicy) -> 
         )
     micro_batches = spec.global_batch_size // spec.micro_batch_size
     _check_sharded(spec, config, micro_batches)
+    check_eval_config(spec, config)
     if spec.forward_backward is not None and config.overlap_reduction:
         raise ConfigError(
             "overlap_reduction=True is not valid with spec.forward_backward: the overlapped "

@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planaria.control.blame import judge_start
 from planaria.control.boundary import BoundaryPlanner, StepBoundary
 from planaria.control.calls import Calls
 from planaria.control.chaos_injection import ChaosInjector
 from planaria.control.departures import FaultTimes
+from planaria.control.evaluation import Evaluation
 from planaria.control.notices import Notices
 from planaria.control.recovery import Recovery
 from planaria.control.replicas import ReplicaCheck
@@ -45,6 +48,7 @@ class Parts:
     run_ahead: RunAhead
     recovery: Recovery
     step_boundary: StepBoundary
+    evaluation: Evaluation
 
 
 def connect_calls(*, runtime: Runtime, membership: Membership, deadline: StepDeadline,
@@ -57,6 +61,7 @@ def connect_calls(*, runtime: Runtime, membership: Membership, deadline: StepDea
                   deadline=deadline, hang=hang, attribution=attribution, pool=runtime.pool,
                   log=log, departures=departures, fault_times=fault_times)
     membership.connect(runtime.pool, calls)
+    runtime.pool.judge_start = functools.partial(judge_start, attribution=attribution)
     return calls, fault_times
 
 
@@ -84,7 +89,7 @@ def assemble(
         roster=membership, hooks=hooks, checkpoints=checkpoints, chaos=chaos,
         replicas=config.replicas, verify_every=config.verify_every,
         replacements_ready=pool.has_ready, draining_nodes=draining_nodes,
-        ray_lost=lambda: runtime.ray_lost, elapsed_s=elapsed_s)
+        ray_lost=lambda: runtime.ray_lost, elapsed_s=elapsed_s, eval_every=config.eval_every)
     injector = (ChaosInjector(plan=chaos, roster=membership, fault_times=fault_times, log=log,
                               deadline=deadline, elapsed_s=elapsed_s)
                 if chaos is not None else None)
@@ -98,10 +103,14 @@ def assemble(
                         attribution=attribution, checkpoints=checkpoints,
                         saved_steps=run_ahead, log=log, check_ray=check_ray)
     commit_log.on_commit = recovery.on_commit
+    evaluation = Evaluation(spec=spec, roster=membership, calls=calls, steps=commit_log,
+                            commit_all=membership.commit_all, log=log,
+                            eval_every=config.eval_every)
     step_boundary = StepBoundary(
         check_ray=check_ray, verify_if_due=replicas.verify_if_due, hooks=hooks,
         poll_ready=lambda: pool.poll(timeout_s=0.0), policy=recovery, notices=notices,
-        checkpoints=checkpoints, chaos=injector, steps=commit_log)
+        checkpoints=checkpoints, chaos=injector, steps=commit_log,
+        evaluate_if_due=evaluation.if_due)
     return Parts(calls=calls, replicas=replicas, notices=notices, planner=planner,
                  chaos=injector, run_ahead=run_ahead, recovery=recovery,
-                 step_boundary=step_boundary)
+                 step_boundary=step_boundary, evaluation=evaluation)

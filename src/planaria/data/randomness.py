@@ -38,6 +38,7 @@ __all__ = [
     "current_sample",
     "derive_seed",
     "drawn_from",
+    "eval_batch_seed",
     "factory_seed",
     "micro_batch_seed",
     "probe_sample",
@@ -51,8 +52,8 @@ __all__ = [
 ]
 
 # Domain tags keep the streams apart: a factory's seed never equals a micro-batch's.
-_FACTORY, _MICRO_BATCH, _SAMPLE = 1, 2, 3
-FACTORIES = ("model", "optimizer", "lr_scheduler", "dataset")
+_FACTORY, _MICRO_BATCH, _SAMPLE, _EVAL_BATCH = 1, 2, 3, 4
+FACTORIES = ("model", "optimizer", "lr_scheduler", "dataset", "eval_dataset")
 
 GENERATORS = ("torch", "torch.cuda", "numpy", "random")
 """The global generators a dataset may draw from: torch's CPU generator, the CUDA
@@ -76,6 +77,11 @@ def factory_seed(seed: int, factory: str) -> int:
 def micro_batch_seed(seed: int, step: int, index: int) -> int:
     """The seed of micro-batch ``index`` (its place in the global batch) of step ``step``."""
     return derive_seed(_MICRO_BATCH, seed, step, index)
+
+
+def eval_batch_seed(seed: int, step: int, index: int) -> int:
+    """The seed of eval batch ``index`` of the evaluation after ``step`` committed steps."""
+    return derive_seed(_EVAL_BATCH, seed, step, index)
 
 
 def seed_globals(seed: int) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "InfrastructureError",
     "InternalError",
     "NonFiniteLoss",
+    "OutOfMemory",
     "PlanariaError",
     "Preempted",
     "RayLost",
@@ -286,6 +287,14 @@ class UserCodeError(_WithTraceback):
     """
 
     kind = "user_code_error"
+
+
+class OutOfMemory(UserCodeError):
+    """A worker ran out of memory (the device's or the host's) and another did again after it:
+    the job's size, not a machine. Not retried a third time; the message says what to
+    lower."""
+
+    kind = "out_of_memory"
 
 
 class WorkFault(UserCodeError):

@@ -73,6 +73,10 @@ WORKER_POINTS: Mapping[str, str] = MappingProxyType({
     "worker.computed": "a step's gradient is computed, before its reduction (worker, step)",
     "worker.reduced": "in a run, a step is reduced, before it is applied (worker, step)",
     "worker.applied": "in a run, a step is applied (worker, step)",
+    "worker.shard_write":
+        "a checkpoint shard's write begins, on the worker's writer thread (worker, step)",
+    "worker.eval_batch": "an evaluation's batch, before it runs (worker, step: the steps "
+                         "committed, batch: its index in the eval set)",
 })
 """A worker's points (``worker``: the worker actor): name -> when it is hit."""
 

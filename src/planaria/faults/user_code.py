@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from planaria.faults.errors import Failure, InfrastructureError, StepAborted, UserCodeError
 
-__all__ = ["is_infrastructure_error", "user_call"]
+__all__ = ["is_infrastructure_error", "is_out_of_memory", "user_call"]
 
 T = TypeVar("T")
 
@@ -36,6 +36,18 @@ _DEVICE_PHRASES = (
     "unspecified launch failure",
     "device not ready",
 )
+
+
+def is_out_of_memory(err: BaseException | str) -> bool:
+    """True if ``err`` (an exception, or a failure's message or signature) is a device's or
+    the host's out-of-memory."""
+    if isinstance(err, MemoryError):
+        return True
+    oom = getattr(__import__("torch"), "OutOfMemoryError", None)
+    if oom is not None and isinstance(err, oom):
+        return True
+    text = (err if isinstance(err, str) else f"{type(err).__name__}: {err}").lower()
+    return "out of memory" in text or "outofmemoryerror" in text or "memoryerror" in text
 
 
 def is_infrastructure_error(err: BaseException) -> bool:

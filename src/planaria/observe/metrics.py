@@ -240,6 +240,9 @@ class RunSummary:
     checkpoints: dict[str, Any] = field(default_factory=dict)
     throughput: list[tuple[float, float]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """The evaluations (``eval`` records: step, metrics, samples, seconds), one per step
+    (the last recorded), in step order."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (no series; see ``throughput`` for the samples/s series)."""
@@ -278,6 +281,12 @@ def _checkpoints(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "restores": len(restores),
         "restore_s": asdict(Stats.of(num(e.get("restore_s")) for e in restores)),
     }
+
+
+def _evals(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_step = {rec.get("step"): {k: rec.get(k) for k in ("step", "metrics", "samples", "seconds")}
+               for rec in events if rec["event"] == "eval"}
+    return [by_step[s] for s in sorted(by_step, key=lambda s: num(s) or 0)]
 
 
 def summarize(source: str | Path | Iterable[dict[str, Any]]) -> RunSummary:
@@ -327,4 +336,5 @@ def summarize(source: str | Path | Iterable[dict[str, Any]]) -> RunSummary:
         checkpoints=_checkpoints(events),
         throughput=throughput_series(events),
         warnings=warnings,
+        evals=_evals(events),
     )

@@ -224,6 +224,11 @@ class ProgressDisplay:
             return f"{r.get('worker')} got a preemption notice at step {r.get('step')}", "yellow"
         elif ev == "drained":
             return f"{r.get('worker')} drained at step {r.get('step')}", None
+        elif ev == "eval":
+            figures = ", ".join(f"{k} {v:.4g}" if isinstance(v, (int, float)) else f"{k} {v}"
+                                for k, v in (r.get("metrics") or {}).items())
+            return (f"eval at step {r.get('step')}: {figures} ({r.get('samples')} samples, "
+                    f"{num(r.get('seconds')) or 0:.2f} s)", "cyan")
         elif ev == "step_skipped":
             return f"step {r.get('step')} skipped ({r.get('reason')})", "yellow"
         elif ev == "run_end":

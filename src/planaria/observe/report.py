@@ -33,6 +33,19 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def _metrics(metrics: Any) -> str:
+    """``{"loss": 0.1234567}`` as ``loss 0.1235``."""
+    if not isinstance(metrics, dict):
+        return "-"
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, (int, float)) else f"{k} {v}"
+                     for k, v in metrics.items())
+
+
+def _eval_figures(e: dict[str, Any]) -> str:
+    """An evaluation's one line: its step, figures and samples."""
+    return f"step {e.get('step')}: {_metrics(e.get('metrics'))} ({e.get('samples')} samples)"
+
+
 def _stats_row(name: str, st: Stats) -> list[str]:
     return [name, str(st.count), _s(st.p50), _s(st.p90), _s(st.max), _s(st.total)]
 
@@ -59,9 +72,20 @@ def render_summary(summary: RunSummary, console: Console) -> None:
                         f"{summary.checkpoints.get('failed', 0)} failed, "
                         f"{summary.checkpoints.get('restores', 0)} restores"),
     ]
+    if summary.evals:
+        rows.append(("last eval", _eval_figures(summary.evals[-1])))
     for key, value in rows:
         overview.add_row(key, value)
     console.print(overview)
+    if len(summary.evals) > 1:
+        evals = Table(title="evaluations", box=None, pad_edge=False, padding=(0, 1, 0, 0),
+                      header_style="bold underline")
+        for col in ("step", "metrics", "samples", "seconds"):
+            evals.add_column(col, justify="left" if col == "metrics" else "right")
+        for e in summary.evals:
+            evals.add_row(str(e.get("step")), _metrics(e.get("metrics")), str(e.get("samples")),
+                          _s(num(e.get("seconds")), ""))
+        console.print(evals)
 
     if summary.faults:
         faults = Table(title="faults (times in seconds)", box=None, pad_edge=False,

@@ -9,9 +9,12 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 __all__ = [
     "PROBE_TIMEOUT_S",
+    "LinkReport",
     "ProbeServer",
     "local_endpoints",
     "probe",
@@ -23,6 +26,18 @@ _log = logging.getLogger("planaria.wire.probes")
 
 PROBE_TIMEOUT_S = 1.0
 """How long a probe waits for a rank to answer."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkReport:
+    """A rank's answer to the controller's link check (``Worker.probe_links``)."""
+
+    reached: Mapping[str, bool] = field(default_factory=dict)
+    """Peer name -> did its probe listener answer this rank."""
+    stalled: tuple[tuple[str, str], ...] = ()
+    """This process's TCP connections (local, remote ``host:port``) whose bytes go unacked."""
+    endpoints: tuple[str, ...] = ()
+    """This process's local TCP endpoints (to tell whose end a stalled flow's remote is)."""
 
 
 

@@ -13,6 +13,7 @@ over the parts that do the work:
 - :class:`~planaria.worker.loader.SampleLoader`: the samples of this worker's share;
 - :class:`~planaria.worker.engine.StepEngine`: one step's forward, backward, reduce;
 - :class:`~planaria.worker.run_loop.RunLoop`: runs of steps between boundaries;
+- :class:`~planaria.worker.evaluation.Evaluator`: its batches of an evaluation;
 - :class:`~planaria.worker.transfer.StateTransfer`: the state sent to a joiner;
 - :mod:`~planaria.worker.ckpt_save` and :mod:`~planaria.worker.ckpt_restore`: checkpoints.
 
@@ -39,10 +40,10 @@ import ray
 import torch
 
 from planaria.config import TrainSpec
-from planaria.data.plan import micro_batch_range
 from planaria.faults.points import WORKER_POINTS, FaultPoints
 from planaria.wire import store_keys
-from planaria.wire.probes import ProbeServer
+from planaria.wire.evaluation import EvalReport
+from planaria.wire.probes import LinkReport, ProbeServer
 from planaria.wire.reports import Hold, Joined, RunReport, Settled, merge_checksums, merge_sum
 from planaria.wire.state_reports import (
     RestoreRead,
@@ -62,6 +63,7 @@ from planaria.worker.ckpt_save import CheckpointSaver, SaveOptions, probe_storag
 from planaria.worker.collective import connect_store
 from planaria.worker.commit import Commits
 from planaria.worker.engine import StepEngine
+from planaria.worker.evaluation import Evaluator
 from planaria.worker.key_watch import KeyWatch
 from planaria.worker.loader import SampleLoader
 from planaria.worker.membership import Membership
@@ -107,8 +109,7 @@ class Worker:
         self.init_t = time.time()  # after the process started and imported planaria
         self.name = name
         # A sharded replica (planaria.worker.sharded): k workers, this one holding shard_index.
-        self.k = workers_per_replica
-        self.shard_index = shard_index
+        self.k, self.shard_index = workers_per_replica, shard_index
         self.replica_key = replica_key or name
         self.spec: TrainSpec = ray.cloudpickle.loads(spec) if isinstance(spec, bytes) else spec
         torch.set_num_threads(threads)
@@ -145,9 +146,11 @@ class Worker:
         self.keys = KeyWatch(connect)
         self.loop = RunLoop(name, self.engine, self.commits, self.membership, self.vitals,
                             self.keys, self.faults, leads=shard_index == 0)
+        self.evaluator = Evaluator(name, self.state, self.commits, self.membership, self.vitals,
+                                   self.faults, lambda: self.loader.collate)
         self.transfer = StateTransfer(name, self.state, self.commits, self.membership,
                                       self.vitals)
-        self.saver = CheckpointSaver(name, self.state, self.commits, self.vitals)
+        self.saver = CheckpointSaver(name, self.state, self.commits, self.vitals, self.faults)
         self.restorer = CheckpointRestorer(name, self.state, self.commits, self.loader,
                                            self.membership, self.vitals)
         self.compile_dir: Path | None = None
@@ -257,21 +260,12 @@ class Worker:
         ``lease``: the controller's (a join under an older epoch than the newest is refused).
         """
         self.membership.enter(gen, lease=lease)
-        commits, loader = self.commits, self.loader
-        pending = commits.pending
+        commits, pending = self.commits, self.commits.pending
         commits.settle(steps_done, skipped, allow_behind=True)
         attempt, self.engine.last_attempt = self.engine.last_attempt, None
-        dropped = (
-            attempt
-            if attempt and attempt.step == pending and commits.steps_done <= attempt.step
-            else None
-        )
-        loader.prefetch_on = loader.want_prefetch()
-        if skip is not None:
-            loader.skipped_samples = frozenset(skip)
-        if next_ids is not None and len(next_ids):
-            total = self.spec.global_batch_size // self.spec.micro_batch_size
-            loader.prefetch(next_ids, steps_done, micro_batch_range(total, world_size, rank)[0])
+        dropped = attempt if (attempt and attempt.step == pending
+                              and commits.steps_done <= attempt.step) else None
+        self.loader.on_join(next_ids, steps_done, world_size, rank, skip)
         self.membership.close()
         self.vitals.set_phase("joining", commits.steps_done)
         self.membership.join(gen, rank, world_size, backend=self.backend, timeouts=timeouts,
@@ -321,6 +315,12 @@ class Worker:
         self.commits.settle(steps_done, skipped)
         self.vitals.set_phase("idle", self.commits.steps_done)  # not "apply": the call is over
         return self.commits.steps_done
+
+    @fans_out(EvalReport.merge)
+    def evaluate(self, gen: int, step: int, place: int, width: int) -> EvalReport:
+        """This replica's eval batches after ``step`` steps: place ``place`` of ``width``'s."""
+        self.membership.check(gen)
+        return self.evaluator.run(step, place, width)
 
     # ---- state: hot-join -----------------------------------------------------------------------
 
@@ -467,7 +467,7 @@ class Worker:
             follower.abort.remote(gen)
 
     @ray.method(concurrency_group="control")
-    def probe_links(self, peers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    def probe_links(self, peers: dict[str, str], timeout_s: float) -> LinkReport:
         """Beside the step: which of ``peers`` (name → probe address) answer, and this
         process's TCP connections whose bytes go unacked (planaria.control.links)."""
         return process.probe_peers(peers, timeout_s)

@@ -27,6 +27,7 @@ from planaria.checkpoint import AsyncShardWriter, plan_shards
 from planaria.checkpoint.plan import ShardPlan, plan_row_shards
 from planaria.checkpoint.storage import Storage
 from planaria.faults.errors import PlanariaError
+from planaria.faults.points import FaultPoints
 from planaria.wire.state_reports import ShardWritten, Snapshot, StorageProbe
 from planaria.worker.commit import Commits
 from planaria.worker.replica_state import ReplicaState
@@ -57,11 +58,13 @@ class SaveOptions:
 class CheckpointSaver:
     """This worker's shard of each save, and the background writer that writes it."""
 
-    def __init__(self, name: str, state: ReplicaState, commits: Commits, vitals: Vitals) -> None:
+    def __init__(self, name: str, state: ReplicaState, commits: Commits, vitals: Vitals,
+                 faults: FaultPoints) -> None:
         self.name = name
         self.state = state
         self.commits = commits
         self.vitals = vitals
+        self.faults = faults
         self.writer: AsyncShardWriter | None = None
         self.writer_key: tuple[str, str, bool] | None = None
         self.save_id: str | None = None  # the save the writer writes
@@ -180,9 +183,15 @@ class CheckpointSaver:
         if self.writer is None or self.writer_key != key:
             if self.writer is not None:
                 self.writer.close(timeout_s=300)
-            self.writer = AsyncShardWriter(root, fsync=fsync, storage_options=storage_options)
+            self.writer = AsyncShardWriter(root, fsync=fsync, storage_options=storage_options,
+                                           before_write=self._before_write)
             self.writer_key = key
         return self.writer
+
+
+    def _before_write(self, step: int) -> None:
+        if self.faults.armed:
+            self.faults.hit("worker.shard_write", step=step)
 
 
 def probe_storage(root: str, name: str, storage_options: Mapping[str, Any] | None, size: int

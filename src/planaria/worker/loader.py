@@ -259,6 +259,17 @@ class SampleLoader:
             return
         self.prefetched = (self.key(ids, step), self.executor.submit(self.load, ids, step, first))
 
+    def on_join(self, next_ids: np.ndarray | None, steps_done: int, world_size: int,
+                rank: int, skip: tuple[int, ...] | None) -> None:
+        """At a join: whether to prefetch from now on, the samples the job skips (``skip``,
+        None: unchanged), and this rank's share of the next step (``next_ids``) loading."""
+        self.prefetch_on = self.want_prefetch()
+        if skip is not None:
+            self.skipped_samples = frozenset(skip)
+        if next_ids is not None and len(next_ids):
+            total = self.spec.global_batch_size // self.spec.micro_batch_size
+            self.prefetch(next_ids, steps_done, micro_batch_range(total, world_size, rank)[0])
+
     def plan_ahead(self, ids: np.ndarray | None, step: int, first: int) -> None:
         """The share :meth:`load_planned` loads (None: nothing)."""
         self.ahead_ids, self.ahead_step, self.ahead_first = ids, step, first

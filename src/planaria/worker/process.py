@@ -9,12 +9,11 @@ import sys
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import ray
 
 from planaria.wire.interfaces import interface_address
-from planaria.wire.probes import local_endpoints, probe, stalled_connections
+from planaria.wire.probes import LinkReport, local_endpoints, probe, stalled_connections
 
 __all__ = [
     "gcs_address",
@@ -63,14 +62,14 @@ def gcs_address() -> str | None:
         return None
 
 
-def probe_peers(peers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+def probe_peers(peers: dict[str, str], timeout_s: float) -> LinkReport:
     """Which of ``peers`` (name → probe address) answer, and this process's TCP connections
     whose bytes go unacked (planaria.control.links)."""
     with ThreadPoolExecutor(max_workers=max(1, len(peers))) as pool:
         reached = dict(zip(peers, pool.map(lambda a: probe(a, timeout_s), peers.values()),
                            strict=True))
-    return {"reached": reached, "stalled": stalled_connections(),
-            "endpoints": local_endpoints()}
+    return LinkReport(reached=reached, stalled=tuple(stalled_connections()),
+                      endpoints=tuple(local_endpoints()))
 
 
 def thread_stacks() -> str:
