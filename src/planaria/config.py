@@ -70,7 +70,12 @@ class TrainSpec:
     planaria runs its backward. Give this or ``forward_backward``, not both."""
     dataset: Callable[[], Any]
     """Builds the map-style dataset (``__len__`` and ``__getitem__``), the same on every worker:
-    it runs with the generators seeded from ``seed``, and workers compare a fingerprint of it."""
+    it runs with the generators seeded from ``seed``, and workers compare a fingerprint of it.
+    A Hugging Face ``datasets.Dataset`` works as it is (its dict rows collate with torch's
+    ``default_collate``; ``with_format("torch")`` for tensors). A stream (``IterableDataset``,
+    torch's or Hugging Face's) is refused when the job starts (``ConfigError``): exactly-once
+    data needs every sample addressable by an index (see :mod:`planaria.data.map_style` for
+    the map-style views). ``RunConfig.loader_workers`` decodes samples in processes."""
     global_batch_size: int
     """Samples per step over all replicas; stays fixed when the width changes."""
     micro_batch_size: int
@@ -252,8 +257,12 @@ class RunConfig:
     gradients and optimizer state with FSDP2 (hybrid sharding: data parallel across
     replicas), and the replica is the unit of width, failure and replacement (see
     :mod:`planaria.worker.sharded`); a spare is a whole replica. Checkpoints store the shards as
-    rows of the whole tensors (a restore works at any k). Not yet with
-    placement, the GPU, compile, fp16, overlap_reduction or models with persistent buffers."""
+    rows of the whole tensors (a restore works at any k). Models as they ship run so: tied
+    weights (a Hugging Face language model's head) shard as one parameter, and buffers
+    (BatchNorm's running statistics), which FSDP2 leaves whole on each worker, are kept
+    equal across all the workers as with k=1 (:mod:`planaria.worker.buffers`), saved and
+    sent to joiners. Not yet with placement, the GPU, compile, fp16, overlap_reduction or
+    a module's ``get_extra_state`` (refused when the job starts)."""
     spares: int = 0
     """Hot spares: standby workers started and warmed ahead of need (imports, model,
     optimizer and its state built) that take a lost worker's place at once, receiving
@@ -286,6 +295,17 @@ class RunConfig:
     ``dataset[i]`` draws from a global generator (torch's, numpy's, ``random``): the
     generators are the process's, so its samples load on the training thread (event
     ``dataset_global_rng``)."""
+    loader_workers: int = 0
+    """Processes per worker that decode its samples (``dataset[i]`` and the collate), for
+    samples that are costly to decode; 0: the worker's own threads load them (see
+    ``prefetch``). torch's ``DataLoader`` with persistent workers, forked from the worker
+    once its dataset is built (the dataset is not pickled), given the step's micro-batches
+    as planaria plans them: each sample keeps its own random stream from (seed, step, i)
+    (:func:`planaria.sample_generator`, or the global generators seeded for it) and is
+    recorded in the ledger as with 0, so the training is the same bit for bit. The
+    next step's samples load while this one computes (unless ``prefetch=False``). The
+    processes end with their worker (closed, or within seconds of its death). Each holds a
+    copy-on-write copy of the worker's memory."""
     threads_per_worker: int | None = None
     """torch threads per worker; None: the CPUs of this machine split over the replicas."""
     use_gpu: bool = False
@@ -378,6 +398,12 @@ class RunConfig:
         check(self.backend != "nccl" or self.gpus_per_worker >= 1, "backend", self.backend,
               f"NCCL cannot put two ranks on one GPU (gpus_per_worker={self.gpus_per_worker}): "
               "give each worker a whole GPU, or use backend='gloo' to share one")
+        check(
+            isinstance(self.loader_workers, int) and self.loader_workers >= 0,
+            "loader_workers",
+            self.loader_workers,
+            "an integer >= 0 (processes per worker that decode samples; 0: none)",
+        )
         check(
             self.threads_per_worker is None or self.threads_per_worker >= 1,
             "threads_per_worker",

@@ -21,7 +21,13 @@ from planaria.config import RunConfig, TrainSpec
 from planaria.control.placement import Placement
 from planaria.control.policy import HangConfig
 from planaria.data.integrity import describe_mismatch
-from planaria.faults.errors import DataMismatch, Failure, UserCodeError, root_cause
+from planaria.faults.errors import (
+    ConfigError,
+    DataMismatch,
+    Failure,
+    UserCodeError,
+    root_cause,
+)
 from planaria.observe.events import EventLog
 from planaria.wire import store_keys
 from planaria.wire.state_reports import Setup
@@ -209,6 +215,7 @@ class WorkerPool:
             record_digests=cfg.ledger,
             overlap_reduction=cfg.overlap_reduction,
             prefetch=cfg.prefetch,
+            loader_workers=cfg.loader_workers,
             workers_per_replica=cfg.workers_per_replica,
             # Unique per start: a replacement under the same name meets its own replica.
             replica_key=f"{name}-{attempt}-{time.monotonic_ns()}",
@@ -275,9 +282,10 @@ class WorkerPool:
     def poll(self, timeout_s: float = 0.0) -> list[WorkerHandle]:
         """Workers that became ready within ``timeout_s``; failed starts are retried with backoff.
 
-        A start that fails in the user's own factories raises UserCodeError:
-        retrying cannot help. A worker whose dataset differs from the job's is
-        refused (killed) and raises DataMismatch: it would poison the training.
+        A start that fails in the user's own factories raises UserCodeError, one whose
+        dataset cannot run (a stream) ConfigError: retrying cannot help. A worker whose
+        dataset differs from the job's is refused (killed) and raises DataMismatch: it
+        would poison the training.
         Raises what :attr:`check` raises (Ray's own processes died: none can start).
         """
         if self.check is not None:
@@ -301,6 +309,8 @@ class WorkerPool:
                 cause = getattr(err, "cause", None) or err
                 if isinstance(cause, UserCodeError):
                     cause.workers = (handle.name,)
+                    raise cause from None
+                if isinstance(cause, ConfigError):  # what the worker built cannot run
                     raise cause from None
                 # Each start is a worker of its own: a start again failing as the one
                 # before failed is the factories' as much as another worker's would be.

@@ -111,8 +111,10 @@ class Runtime:
         self.pool.data_fingerprint = first.info.data_fingerprint
         if first.info.dataset_draws:  # each worker found it at setup, and loads so
             drawn = list(first.info.dataset_draws)
-            self.log.emit("dataset_global_rng", generators=drawn, loader_thread=False,
-                          message=describe_global_draws(drawn))
+            processes = self.config.loader_workers
+            self.log.emit("dataset_global_rng", generators=drawn,
+                          loader_thread=bool(processes) and self.config.prefetch is not False,
+                          message=describe_global_draws(drawn, loader_workers=processes))
         if self.spec.compile and self.config.share_compile_cache:
             startup.keep_compile_cache(first, self.pool, self.run_dir, self.log)
         self.pool.replenish()  # spares start once the members are up, never before them

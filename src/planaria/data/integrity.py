@@ -148,6 +148,12 @@ class Served:
         if self.digests_on:
             self.digests += [sample_digest(s) for s in samples]
 
+    def add(self, sample_ids: list[int], digests: Sequence[int]) -> None:
+        """As :meth:`extend`, the digests computed where the samples were (a loader process)."""
+        self.ids += sample_ids
+        if self.digests_on:
+            self.digests += digests
+
 
 class ServedAgain:
     """The digests of the samples served recently, by (step, sample id): which ones differ
@@ -194,14 +200,19 @@ class ServedAgain:
         return changed
 
 
-def describe_global_draws(drawn: Sequence[str]) -> str:
+def describe_global_draws(drawn: Sequence[str], *, loader_workers: int = 0) -> str:
     """What planaria does for a dataset whose ``dataset[i]`` draws from the global
     generators ``drawn`` (found at setup), and what it costs."""
     names = {"torch": "torch's global generator", "torch.cuda": "torch's CUDA generators",
              "numpy": "numpy's global generator", "random": "Python's random"}
+    what = (f"dataset[i] draws from {', '.join(names.get(d, d) for d in drawn)}: every sample is "
+            "served with the global generators seeded from its own seed (planaria.sample_seed)")
+    if loader_workers:
+        return (f"{what}, in the loader processes (RunConfig.loader_workers={loader_workers}), "
+                "whose generators are their own: it is the same at any width and through "
+                "failures, and the next step loads while this one computes")
     return (
-        f"dataset[i] draws from {', '.join(names.get(d, d) for d in drawn)}: every sample is "
-        "served with the global generators seeded from its own seed (planaria.sample_seed) "
+        f"{what} "
         "and the training thread's generators put back after it, so it is the same at any "
         "width and through failures; the global generators are shared by the process's "
         "threads, so samples load on the training thread (no loader thread, whatever "

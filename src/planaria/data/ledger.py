@@ -7,7 +7,8 @@ Two kinds of records, one JSON object a line, never rewritten:
   for every attempt of a step whose every rank reported, and, for an attempt
   that failed, for each survivor (it reports what it was served when it joins
   the next generation); the ids are those ``dataset[i]`` was called with
-  inside the worker, in the order it was called.
+  inside the worker (or its loader processes, ``RunConfig.loader_workers``, which
+  digest the samples where they decode them), in the order it was called.
 - ``commit``: ``run``, ``step``, ``gen`` (and ``skipped: true`` for a step whose
   update was dropped on purpose: a non-finite loss the policy skips). Written
   when the controller commits, or skips.

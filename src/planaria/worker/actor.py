@@ -15,8 +15,7 @@ over the parts that do the work:
 - :class:`~planaria.worker.run_loop.RunLoop`: runs of steps between boundaries;
 - :class:`~planaria.worker.evaluation.Evaluator`: its batches of an evaluation;
 - :class:`~planaria.worker.transfer.StateTransfer`: the state sent to a joiner;
-- :class:`~planaria.worker.ckpt_save.CheckpointSaver` and
-  :class:`~planaria.worker.ckpt_restore.CheckpointRestorer`: checkpoints.
+- :mod:`~planaria.worker.ckpt_save` and :mod:`~planaria.worker.ckpt_restore`: checkpoints.
 
 Each remote method answers a report of :mod:`planaria.wire.reports` or
 :mod:`planaria.wire.state_reports` (a frozen dataclass, or a count), which a sharded
@@ -99,6 +98,7 @@ class Worker:
         record_digests: bool = False,
         overlap_reduction: bool = False,
         prefetch: bool | None = None,
+        loader_workers: int = 0,
         workers_per_replica: int = 1,
         shard_index: int = 0,
         replica_key: str | None = None,
@@ -109,8 +109,7 @@ class Worker:
         self.init_t = time.time()  # after the process started and imported planaria
         self.name = name
         # A sharded replica (planaria.worker.sharded): k workers, this one holding shard_index.
-        self.k = workers_per_replica
-        self.shard_index = shard_index
+        self.k, self.shard_index = workers_per_replica, shard_index
         self.replica_key = replica_key or name
         self.spec: TrainSpec = ray.cloudpickle.loads(spec) if isinstance(spec, bytes) else spec
         torch.set_num_threads(threads)
@@ -139,8 +138,8 @@ class Worker:
         self.state = ReplicaState(self.spec, device, shape, self.store)
         self.commits = Commits(name, self.state, self.membership, self.vitals)
         self.loader = SampleLoader(name, self.spec, device, self.vitals, k=self.k,
-                                   shard_index=shard_index, threads=threads,
-                                   record_digests=record_digests, prefetch=prefetch)
+                                   shard_index=shard_index, threads=threads, prefetch=prefetch,
+                                   record_digests=record_digests, processes=loader_workers)
         self.engine = StepEngine(name, self.state, self.commits, self.loader, self.membership,
                                  self.vitals, self.faults)
         # A run's stop key is polled off the training thread, by rank 0 alone (key_watch).
@@ -166,7 +165,8 @@ class Worker:
             spec_blob if spec_blob is not None else ray.cloudpickle.dumps(spec),
             follower_options, store_host, store_port, threads=threads, heartbeat_s=heartbeat_s,
             use_gpu=use_gpu, backend=backend, record_digests=record_digests, prefetch=prefetch,
-            workers_per_replica=self.k, replica_key=self.replica_key, timeouts=timeouts)
+            loader_workers=loader_workers, workers_per_replica=self.k,
+            replica_key=self.replica_key, timeouts=timeouts)
 
     @ray.method(concurrency_group="control")
     def arm_fault(self, point: str, action: Callable[..., Any] | None, *,

@@ -19,7 +19,11 @@ value after its micro-batches and W the width:
 - Every other floating buffer: r0 plus the mean of the ranks' changes (the mean
   of local_r); a buffer nobody changed stays bit-identical.
 
-At width 1 the buffers are left exactly as the forward passes made them.
+At width 1 the buffers are left exactly as the forward passes made them. In a
+sharded replica (FSDP2 leaves buffers whole on each worker) every worker is a rank
+here, with its own micro-batches: the contributions are summed over the replicas
+and then inside the replica, and a worker's weightless padding forward leaves the
+buffers as they were.
 Non-persistent buffers (masks, caches) are not training state: they are not in
 the state dict, not sent to joiners nor saved, and are left alone here too.
 """
@@ -162,6 +166,17 @@ class BufferSync:
                 value = e.before.to(torch.int64) + delta
             new.append(value.to(e.before.dtype))
         self._new = new
+
+    def hold(self) -> list[torch.Tensor] | None:
+        """The live buffers' values now (None without buffers), for :meth:`put_back`: a
+        sharded replica's worker pads with a weightless forward that must not count."""
+        if not self._entries:
+            return None
+        return [self._live(e).detach().clone() for e in self._entries]
+
+    def put_back(self, values: list[torch.Tensor]) -> None:
+        """The live buffers as :meth:`hold` found them."""
+        self._write(values)
 
     def commit(self) -> None:
         """The step committed: the reduced values become the buffers."""

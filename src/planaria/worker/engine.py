@@ -213,6 +213,8 @@ class StepEngine:
                     continue
                 batch = real[0]
             vitals.work = f"m{first + j}"
+            # A weightless forward leaves the buffers (BatchNorm's statistics) as they were.
+            held = state.buffer_sync.hold() if not n and self.sharded else None
             # The micro-batch's own random stream: the same at any width, on any rank.
             seed_torch(micro_batch_seed(self.spec.seed, step, first + j))
             try:
@@ -231,6 +233,8 @@ class StepEngine:
             except Failure as err:
                 err.work = Work(step=step, micro_batch=first + j)
                 raise
+            if held is not None:
+                state.buffer_sync.put_back(held)
             if n:
                 loss_sum += float(loss.detach()) * n
                 for key, value in metrics.items():
@@ -264,8 +268,9 @@ class StepEngine:
         ranks; the next step's share loads meanwhile."""
         self.vitals.set_phase("reduce", step)
         spec, state = self.spec, self.state
-        extra = state.buffer_sync.contributions(
-            rank=comm.rank, width=comm.world_size, first=first, count=count,
+        k, shard = state.shape.k, state.shape.shard_index  # a sharded replica's workers
+        extra = state.buffer_sync.contributions(  # each runs micro-batches of its own
+            rank=comm.rank * k + shard, width=comm.world_size * k, first=first, count=count,
             total=spec.global_batch_size // spec.micro_batch_size,
         )
         # The step's totals, known to every rank after the reduction.

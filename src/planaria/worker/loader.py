@@ -12,6 +12,10 @@ step takes what was loaded if its ids and step match (a width change or a re-run
 loads again); a dataset error raised then is kept and raised by that next step,
 as its own. A dataset that draws from the global generators always loads on the
 training thread (see :mod:`planaria.data.randomness`).
+
+With ``RunConfig.loader_workers=N`` the samples are decoded in N processes beside
+the worker (:mod:`planaria.worker.loader_processes`), each served and recorded as
+here; the loader thread (or the training thread) only waits for them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from planaria.config import TrainSpec
 from planaria.data.integrity import Served, dataset_fingerprint
+from planaria.data.map_style import check_map_style
 from planaria.data.plan import micro_batch_range
 from planaria.data.randomness import probe_sample, serve_samples
 from planaria.faults.errors import Failure, PlanariaError, Work
@@ -33,6 +38,7 @@ from planaria.faults.user_code import user_call
 from planaria.wire.worker_markers import live_workers
 from planaria.worker.busy import current_thread_ids
 from planaria.worker.collective import Collective
+from planaria.worker.loader_processes import LoaderProcesses
 from planaria.worker.replica_state import run_factory
 from planaria.worker.vitals import Vitals
 
@@ -69,7 +75,7 @@ class SampleLoader:
 
     def __init__(self, name: str, spec: TrainSpec, device: torch.device, vitals: Vitals, *,
                  k: int, shard_index: int, threads: int, record_digests: bool,
-                 prefetch: bool | None) -> None:
+                 prefetch: bool | None, processes: int = 0) -> None:
         self.name = name
         self.spec = spec
         self.device = device
@@ -78,6 +84,8 @@ class SampleLoader:
         self.record_digests = record_digests
         self.prefetch_setting = prefetch
         self.prefetch_on = bool(prefetch)  # decided at each join (see want_prefetch)
+        self.processes = processes  # RunConfig.loader_workers
+        self.pool: LoaderProcesses | None = None  # their loader, once the dataset is built
         # The global generators dataset[i] draws from, found at setup (fingerprint_sample):
         # if any, every sample is served with them seeded, on the training thread only.
         self.global_draws: set[str] = set()
@@ -94,6 +102,7 @@ class SampleLoader:
         """Builds the dataset from the spec; returns its size and fingerprint."""
         spec = self.spec
         self.dataset = run_factory("dataset", spec.seed, spec.dataset)
+        check_map_style(self.dataset)  # a stream cannot be served exactly once
         if spec.collate is not None:
             self.collate = spec.collate
         else:
@@ -105,6 +114,14 @@ class SampleLoader:
         fingerprint = user_call(
             "dataset[i]", dataset_fingerprint, self.dataset, spec.seed, self.fingerprint_sample
         )
+        if self.processes:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = LoaderProcesses(
+                self.name, self.dataset, processes=self.processes, seed=spec.seed,
+                reseed=bool(self.global_draws), collate=self.collate,
+                digests=self.record_digests)
+            self.pool.start()
         return int(num_samples), fingerprint
 
     def fingerprint_sample(self, i: int) -> Any:
@@ -117,7 +134,11 @@ class SampleLoader:
         """RunConfig.prefetch, or (auto) whether this node has a core to spare for a loader
         thread: more cores than the planaria workers alive on it use. Never for a dataset
         that draws from the global generators: they are the process's, and the training
-        thread draws from torch's (dropout) and seeds it while the loader thread would run."""
+        thread draws from torch's (dropout) and seeds it while the loader thread would run.
+        With loader processes (which own their generators) the thread only waits for them:
+        on unless RunConfig.prefetch is False."""
+        if self.pool is not None:
+            return self.prefetch_setting is not False
         if self.global_draws:
             return False
         if self.prefetch_setting is not None:
@@ -157,6 +178,8 @@ class SampleLoader:
         thread for a dataset that draws from them. Skipped samples (a work fault the user
         chose to skip) are left out; a micro-batch left with none is ``(0, None)``. Each
         sample bumps the progress, and the heartbeat names it."""
+        if self.pool is not None:
+            return self.load_in_processes(ids, step, first)
         mbs, seed, base = self.spec.micro_batch_size, self.spec.seed, self.dataset.__getitem__
         reseed = bool(self.global_draws)  # then never in the loader thread: want_prefetch
         vitals = self.vitals
@@ -186,6 +209,41 @@ class SampleLoader:
                 raise
             served.extend(chunk, samples)
             batch = user_call("collate", self.collate, samples)
+            out.append((len(chunk), to_device(batch, self.device)))
+        return Loaded(out, served)
+
+    def load_in_processes(self, ids: np.ndarray, step: int, first: int) -> Loaded:
+        """:meth:`load`, the samples decoded in the loader processes (micro-batches left
+        with no sample are ``(0, None)`` as there; each micro-batch bumps the progress)."""
+        assert self.pool is not None
+        mbs, skip, vitals = self.spec.micro_batch_size, self.skipped_samples, self.vitals
+        vitals.loader_thread = current_thread_ids()
+        chunks = [ids[start : start + mbs].tolist() for start in range(0, len(ids), mbs)]
+        if skip:
+            chunks = [[i for i in chunk if i not in skip] for chunk in chunks]
+        loaded = [chunk for chunk in chunks if chunk]
+
+        def got(chunk: list[int]) -> None:
+            vitals.loading = f"i{chunk[-1]}"
+            vitals.progress += len(chunk)
+
+        vitals.loading = f"i{loaded[0][0]}" if loaded else ""
+        results = iter(self.pool.load(step, loaded, got) if loaded else ())
+        served = Served(digests_on=self.record_digests)
+        out: list[tuple[int, Any]] = []
+        for n, chunk in enumerate(chunks):
+            if not chunk:
+                out.append((0, None))
+                continue
+            result = next(results)
+            try:
+                batch, digests = user_call(result.what or "dataset[i]", result.unwrap)
+            except Failure as err:
+                if result.what == "dataset[i]":  # as load's: the sample's work is named
+                    sample = getattr(err.__cause__, "planaria_sample", None)
+                    err.work = Work(step=step, micro_batch=first + n, sample=sample)
+                raise
+            served.add(chunk, digests)
             out.append((len(chunk), to_device(batch, self.device)))
         return Loaded(out, served)
 
@@ -248,3 +306,5 @@ class SampleLoader:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.close()

@@ -84,6 +84,8 @@ class ShardedReducer:
             raise failed
         if tail[0] > 0:
             raise StepAborted("the reduction failed on another worker of this replica")
+        for tensor in extra:  # the buffers' contributions: summed over every worker
+            dist.all_reduce(tensor)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -18,7 +18,7 @@ import torch
 
 from planaria.config import TrainSpec
 from planaria.data.randomness import factory_seed, seed_globals
-from planaria.faults.errors import PlanariaError, UserCodeError
+from planaria.faults.errors import ConfigError, PlanariaError, UserCodeError
 from planaria.faults.user_code import user_call
 from planaria.worker.buffers import BufferSync
 from planaria.worker.reduce import FlatGradients, FlatReducer, Reducer
@@ -27,7 +27,8 @@ from planaria.worker.reduce_sharded import ShardedReducer
 from planaria.worker.sharded import init_replica_group, shard_model
 from planaria.worker.state import flatten_state, jsonable, model_checksum
 
-__all__ = ["ReplicaShape", "ReplicaState", "check_optimizer", "run_factory"]
+__all__ = ["ReplicaShape", "ReplicaState", "check_optimizer", "refuse_unsharded_state",
+           "run_factory"]
 
 T = TypeVar("T")
 
@@ -36,6 +37,26 @@ def run_factory(what: str, seed: int, fn: Callable[..., T], *args: Any) -> T:
     """A user factory, run with every global generator seeded from (spec seed, factory)."""
     seed_globals(factory_seed(seed, what))
     return user_call(f"the {what} factory", fn, *args)
+
+
+def refuse_unsharded_state(model: torch.nn.Module, k: int) -> None:
+    """ConfigError for a model with state beside its parameters and buffers (a module's
+    ``get_extra_state``), which sharded replicas do not keep: a planaria limitation, said
+    as one. Buffers (BatchNorm's running statistics) stay whole on each worker and are kept
+    in step (:mod:`planaria.worker.buffers`); a tied weight (a language model's head sharing
+    its embedding's matrix) is a parameter under a second name: it shards."""
+    known = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    known |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    other = [name for name in model.state_dict() if name not in known]
+    if other:
+        shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
+        raise ConfigError(
+            f"workers_per_replica={k} is not valid with this model: it has state beside its "
+            f"parameters and buffers ({shown}: a module's get_extra_state). Sharded "
+            "replicas do not support that yet (a planaria limitation, not an error in your "
+            "model): they would neither keep it equal across the replica's workers nor save "
+            "it in checkpoints or send it to joining replicas. Use workers_per_replica=1"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,13 +169,7 @@ class ReplicaState:
 
     def _shard(self) -> None:
         """Shards the model over the replica's workers (planaria.worker.sharded)."""
-        params = {name for name, _ in self.model.named_parameters()}
-        if any(name not in params for name in self.model.state_dict()):  # persistent buffers
-            raise UserCodeError(
-                "the model has buffers (BatchNorm running statistics, ...): sharded replicas "
-                "(workers_per_replica > 1) do not keep buffers in step yet; use "
-                "workers_per_replica=1, or a model without buffers (LayerNorm has none)"
-            )
+        refuse_unsharded_state(self.model, self.shape.k)
         shape = self.shape
         init_replica_group(self.store, shape.replica_key, shape.shard_index, shape.k,
                            shape.backend, shape.timeout_s)
