@@ -8,7 +8,7 @@ Needs Lightning (``pip install "planaria[lightning]"``; ``lightning.pytorch`` or
 
     result = fit_lightning(module=LitModel, datamodule=LitData, global_batch_size=256,
                            micro_batch_size=64, steps=1000, replicas=3, run_dir="runs/lit",
-                           chaos="kill:w1@step300")
+                           chaos="kill:w1@step300", eval_every=100)  # validation_step
 
 ``module`` and ``datamodule`` are factories (the classes themselves, or functions returning
 an instance): each worker builds its own. What maps:
@@ -34,12 +34,12 @@ an instance): each worker builds its own. What maps:
   ``"epoch"`` interval (Lightning's default for a bare scheduler), a frequency other than 1,
   and ``ReduceLROnPlateau`` (``reduce_on_plateau``, ``monitor``).
 - The datamodule: each worker's dataset factory calls ``prepare_data()`` (make it safe to run
-  in every worker, or download beforehand), ``setup("fit")`` and ``train_dataloader()``,
-  and takes the loader's ``dataset`` (map-style: exactly-once needs an index) and its
-  ``collate_fn``. planaria owns batching, order and sampling: the global batch, the
-  micro-batches and the order come from planaria's plan (seeded, the same at any width), so
-  the loader's ``batch_size``, ``shuffle``, ``sampler`` and ``num_workers`` are not used
-  (a log line says so).
+  in every worker, or download beforehand), ``setup("fit")`` (once: the eval set comes from
+  the same datamodule) and ``train_dataloader()``, and takes the loader's ``dataset``
+  (map-style: exactly-once needs an index) and its ``collate_fn``. planaria owns batching,
+  order and sampling: the global batch, the micro-batches and the order come from
+  planaria's plan (seeded, the same at any width), so the loader's ``batch_size``,
+  ``shuffle``, ``sampler`` and ``num_workers`` are not used (a log line says so).
 - ``validation_step(batch, batch_idx)`` is the spec's ``evaluate``, run under ``eval()``
   and ``no_grad`` (Lightning's validation uses ``inference_mode``: the same figures) on
   each eval batch, every ``eval_every`` committed steps (``fit_lightning(...,
