@@ -39,6 +39,8 @@ def spec(**overrides):
         ({"eval_dataset": mlp.Regression, "evaluate": {"loss": 0}}, ["evaluate=", "callable"]),
         ({"eval_dataset": mlp.Regression, "eval_batch_size": 0},
          ["eval_batch_size=0", ">= 1 or None"]),
+        ({"eval_dataset": mlp.Regression, "eval_collate": "stack"},
+         ["eval_collate='stack'", "callable or None"]),
         # A custom step has no loss to evaluate by default: evaluate is needed, by name.
         ({"eval_dataset": mlp.Regression, "loss": None, "forward_backward": print},
          ["evaluate=None", "no loss to evaluate by default"]),
@@ -98,6 +100,7 @@ def test_hang_config_rejects_a_timeout_shorter_than_the_heartbeat():
 
 def test_an_eval_set_is_optional_and_evaluates_by_the_loss_when_evaluate_is_none():
     assert spec().eval_dataset is None and spec().eval_batch_size is None
+    assert spec().eval_collate is None  # the eval set is batched by the training's collate
     with_eval = spec(eval_dataset=mlp.Regression)  # evaluate: {"loss": loss(model, batch)}
     assert with_eval.evaluate is None and with_eval.loss is mlp.mse
 

@@ -147,11 +147,15 @@ class TrainSpec:
     (with ``loss``'s metrics, if it returns them)."""
     eval_batch_size: int | None = None
     """Samples per evaluation batch (the last batch may be shorter); None: ``micro_batch_size``."""
+    eval_collate: Callable[[list[Any]], Any] | None = None
+    """Turns a list of eval samples into a batch, when the eval set's samples or batches
+    differ from the training's (a validation loader's own ``collate_fn``); None: ``collate``."""
 
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "dataset"):
             check(callable(getattr(self, name)), name, getattr(self, name), "a callable")
-        for name in ("loss", "forward_backward", "lr_scheduler", "collate", "shard"):
+        for name in ("loss", "forward_backward", "lr_scheduler", "collate", "eval_collate",
+                     "shard"):
             value = getattr(self, name)
             check(value is None or callable(value), name, value, "a callable or None")
         check((self.loss is None) != (self.forward_backward is None), "loss", self.loss,

@@ -133,6 +133,24 @@ def test_figures_equal_at_1_and_3_replicas_and_training_left_alone(tmp_path, ref
     assert_same_state(plain.state_dict, state, atol=0, rtol=0)
 
 
+def marked_collate(samples: list[Any]) -> tuple[Any, ...]:
+    from torch.utils.data import default_collate
+
+    return (*default_collate(samples), "eval")
+
+
+def count_marked(model: torch.nn.Module, batch: Any) -> dict[str, float]:
+    return {"marked": float(len(batch) == 3 and batch[2] == "eval")}
+
+
+def test_the_eval_collate_batches_the_eval_set_and_the_training_keeps_its_own(tmp_path):
+    job = Job(spec(evaluate=count_marked, eval_collate=marked_collate),
+              RunConfig(steps=1, replicas=1, run_dir=tmp_path, threads_per_worker=1))
+    with job:
+        job.run_steps(1)  # the training's batches are default_collate's (x, y)
+        assert job.evaluate().metrics == {"marked": 1.0}
+
+
 class KillAtBatch:
     """At the evaluation after ``step`` steps, batch ``batch``: this worker dies (once)."""
 

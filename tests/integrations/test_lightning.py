@@ -27,16 +27,18 @@ from tests.assertions import assert_exactly_once, drive, events, of  # noqa: E40
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 N, G, M, STEPS, DIM, CLASSES = 256, 32, 8, 12, 16, 4
+VAL_N, VAL_BS = 50, 8  # 7 batches, the last of 2 samples
 
 
 class Blobs(Dataset):
     """Four classes of points around fixed centres: deterministic, map-style."""
 
-    def __init__(self, n: int = N) -> None:
+    def __init__(self, n: int = N, skip: int = 0) -> None:
+        """The points skip..skip+n of the draw (a validation set: skip=N)."""
         g = torch.Generator().manual_seed(0)
         centres = 2.0 * torch.randn(CLASSES, DIM, generator=g)
-        self.y = torch.randint(0, CLASSES, (n,), generator=g)
-        self.x = centres[self.y] + torch.randn(n, DIM, generator=g)
+        self.y = torch.randint(0, CLASSES, (skip + n,), generator=g)[skip:]
+        self.x = centres[self.y] + torch.randn(skip + n, DIM, generator=g)[skip:]
 
     def __len__(self) -> int:
         return len(self.y)
@@ -67,7 +69,9 @@ class LitMLP(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y))
+        self.log_dict({"val_acc": (logits.argmax(1) == y).float().mean()})
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
@@ -85,6 +89,27 @@ class BlobData(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train, batch_size=7, shuffle=True)  # planaria's plan decides
+
+
+def val_set() -> Blobs:
+    return Blobs(VAL_N, skip=N)
+
+
+def val_collate(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The val loader's own collate (the training's is default_collate): (x, y) as lists."""
+    return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+
+
+def val_loader() -> DataLoader:
+    return DataLoader(val_set(), batch_size=VAL_BS, collate_fn=val_collate)
+
+
+class ValBlobData(BlobData):
+    """BlobData with a validation loader: its dataset, batch_size and collate_fn are the
+    eval set's."""
+
+    def val_dataloader(self) -> DataLoader:
+        return val_loader()
 
 
 class ManualMLP(LitMLP):
@@ -148,6 +173,70 @@ def test_equal_to_a_lightning_trainer_with_a_kill(tmp_path, ray_cluster):
         assert 0.0 <= e["metrics"]["train_acc"] <= 1.0
 
 
+def initial_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The module as planaria's workers build it (the generators seeded from the seed)."""
+    seed_globals(factory_seed(seed, "model"))
+    return LitMLP().state_dict()
+
+
+def lightning_validate(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """A one-device Lightning Trainer's validate of ``state`` on the val loader: each
+    logged value's epoch mean."""
+    module = LitMLP()
+    module.load_state_dict(state)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    (figures,) = trainer.validate(module, dataloaders=val_loader(), verbose=False)
+    return figures
+
+
+def assert_lightnings(figures: dict[str, float], lightning: dict[str, float]) -> None:
+    """Equal to float32 rounding: Lightning sums its epoch means in float32, planaria in
+    float64."""
+    assert figures.keys() == lightning.keys() == {"val_loss", "val_acc"}
+    torch.testing.assert_close({k: torch.tensor(v, dtype=torch.float32)
+                                for k, v in figures.items()},
+                               {k: torch.tensor(v, dtype=torch.float32)
+                                for k, v in lightning.items()})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_validation_at_3_replicas_is_lightnings_and_the_same_at_1(tmp_path, ray_cluster):
+    """validation_step over val_dataloader() (7 batches of its batch_size 8, the last of 2,
+    by its own collate_fn), every 4 steps: the figures of a Trainer's validate of the same
+    weights, at step 0 and at the end; and the same figures at 1 replica."""
+    steps, every = 8, 4
+    spec = adapter.spec_from_lightning(LitMLP, datamodule=ValBlobData, global_batch_size=G,
+                                       micro_batch_size=M)
+    assert spec.eval_batch_size == VAL_BS
+    job = planaria.Job(spec, RunConfig(steps=steps, replicas=3, run_dir=tmp_path / "three",
+                                       eval_every=every))
+    with job:
+        first = job.evaluate()
+        while job.steps_done < steps or job.evaluation.due():
+            try:
+                if job.steps_done < steps:
+                    job.run_steps(steps)
+                else:
+                    job.evaluation.if_due()
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+        state = job.model_state_dict()
+        evals = [e for e in job.evaluation.results if e.step]
+    assert (first.step, first.samples) == (0, VAL_N)
+    assert_lightnings(first.metrics, lightning_validate(initial_state()))
+    assert [(e.step, e.samples) for e in evals] == [(4, VAL_N), (8, VAL_N)]
+    assert_lightnings(evals[-1].metrics, lightning_validate(state))
+    assert [e["step"] for e in of(events(tmp_path / "three"), "eval")] == [0, 4, 8]
+    one = adapter.fit_lightning(LitMLP, datamodule=ValBlobData, global_batch_size=G,
+                                micro_batch_size=M, steps=steps, replicas=1,
+                                run_dir=tmp_path / "one", eval_every=every)
+    assert [(e.step, e.samples) for e in one.evals] == [(e.step, e.samples) for e in evals]
+    for at_one, at_three in zip(one.evals, evals, strict=True):
+        torch.testing.assert_close(at_one.metrics, at_three.metrics, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_fit_lightning_returns_fits_result_with_the_metrics(tmp_path, ray_cluster):
@@ -179,7 +268,7 @@ def test_the_specs_parts_map_a_module_and_a_datamodule(caplog):
     with caplog.at_level("WARNING", logger="planaria.integrations.lightning"):
         module = spec.model()
         dataset = spec.dataset()
-    assert "LitMLP.validation_step is not run" in caplog.text
+    assert "LitMLP.validation_step is not run: no eval set" in caplog.text
     assert "batch_size=7" in caplog.text and "RandomSampler" in caplog.text
     assert isinstance(dataset, Blobs)
     optimizer = spec.optimizer(module)
@@ -190,6 +279,71 @@ def test_the_specs_parts_map_a_module_and_a_datamodule(caplog):
     loss, metrics = spec.loss(module, batch)
     assert loss.requires_grad and set(metrics) == {"train_loss", "train_acc"}
     assert metrics["train_loss"] == pytest.approx(float(loss.detach()))
+
+
+def test_validation_figures_in_one_process_are_a_trainers_validate():
+    """The spec's evaluation run here as a replica runs it (eval mode, no_grad, batches by
+    index, the val loader's collate_fn), combined as the controller does: a Trainer's
+    validate of the same weights, the shorter last batch weighted by its samples."""
+    from planaria.control.evaluation import combine
+    from planaria.wire.evaluation import EvalBatch
+
+    spec = adapter.spec_from_lightning(LitMLP, datamodule=ValBlobData, global_batch_size=G,
+                                       micro_batch_size=M)
+    assert spec.eval_batch_size == VAL_BS and isinstance(spec.evaluate, adapter.ValidationStep)
+    seed_globals(factory_seed(0, "model"))
+    module = spec.model()
+    spec.dataset()
+    data = spec.eval_dataset()
+    assert len(data) == VAL_N and spec.eval_collate.__self__.val_collate_fn is val_collate
+    module.eval()
+    batches = []
+    with torch.no_grad():
+        for j, start in enumerate(range(0, VAL_N, VAL_BS)):
+            ids = range(start, min(start + VAL_BS, VAL_N))
+            batch = spec.eval_collate([data[i] for i in ids])
+            batches.append(EvalBatch(index=j, samples=len(ids),
+                                     metrics=spec.evaluate(module, batch)))
+    assert batches[-1].samples == 2
+    assert_lightnings(combine(batches), lightning_validate(module.state_dict()))
+
+
+def test_the_eval_set_from_val_dataset_or_none():
+    spec = adapter.spec_from_lightning(LitMLP, train_dataset=Blobs, val_dataset=val_set,
+                                       global_batch_size=G, micro_batch_size=M)
+    assert isinstance(spec.eval_dataset(), Blobs) and len(spec.eval_dataset()) == VAL_N
+    assert spec.eval_batch_size is None and spec.eval_collate is None  # the training's
+    given = adapter.spec_from_lightning(LitMLP, datamodule=ValBlobData, eval_batch_size=5,
+                                        global_batch_size=G, micro_batch_size=M)
+    assert given.eval_batch_size == 5
+    plain = adapter.spec_from_lightning(LitMLP, datamodule=BlobData, global_batch_size=G,
+                                        micro_batch_size=M)
+    assert plain.eval_dataset is None and plain.evaluate is None
+
+
+class NoValidation(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(DIM, CLASSES)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+
+def test_an_eval_set_without_validation_step_is_not_used(caplog):
+    with caplog.at_level("WARNING", logger="planaria.integrations.lightning"):
+        spec = adapter.spec_from_lightning(NoValidation, datamodule=ValBlobData,
+                                           global_batch_size=G, micro_batch_size=M)
+    assert spec.eval_dataset is None
+    assert "NoValidation has no validation_step: the eval set is not used" in caplog.text
+    # a function factory is not built here: the evaluations run, with no figures
+    spec = adapter.spec_from_lightning(lambda: NoValidation(), datamodule=ValBlobData,
+                                       global_batch_size=G, micro_batch_size=M)
+    assert spec.eval_dataset is not None
+    with caplog.at_level("WARNING", logger="planaria.integrations.lightning"):
+        module = spec.model()
+    assert "NoValidation has no validation_step: its evaluations have no figures" in caplog.text
+    assert spec.evaluate(module, val_collate([val_set()[0]])) == {}
 
 
 def test_training_step_outputs():
@@ -263,10 +417,14 @@ def test_what_the_spec_refuses():
     with pytest.raises(ConfigError, match="give a factory"):
         adapter.spec_from_lightning(LitMLP(), train_dataset=Blobs, global_batch_size=G,
                                     micro_batch_size=M)
-    with pytest.raises(ConfigError, match="val_dataset is not valid yet: planaria runs no "
-                                          "evaluation"):
-        adapter.spec_from_lightning(LitMLP, train_dataset=Blobs, val_dataset=Blobs,
+    with pytest.raises(ConfigError, match="val_dataset is not valid with a datamodule"):
+        adapter.spec_from_lightning(LitMLP, datamodule=BlobData, val_dataset=Blobs,
                                     global_batch_size=G, micro_batch_size=M)
+    with pytest.raises(ConfigError, match=r"eval_every=0.25 is refused: a float is "
+                                          "Lightning's val_check_interval as a fraction"):
+        adapter.fit_lightning(LitMLP, datamodule=ValBlobData, global_batch_size=G,
+                              micro_batch_size=M, steps=2, replicas=1, run_dir="unused",
+                              eval_every=0.25)
     with pytest.raises(ConfigError, match="give exactly one"):
         adapter.spec_from_lightning(LitMLP, global_batch_size=G, micro_batch_size=M)
 

@@ -8,7 +8,7 @@ Needs Lightning (``pip install "planaria[lightning]"``; ``lightning.pytorch`` or
 
     result = fit_lightning(module=LitModel, datamodule=LitData, global_batch_size=256,
                            micro_batch_size=64, steps=1000, replicas=3, run_dir="runs/lit",
-                           chaos="kill:w1@step300")
+                           chaos="kill:w1@step300", eval_every=100)  # validation_step
 
 ``module`` and ``datamodule`` are factories (the classes themselves, or functions returning
 an instance): each worker builds its own. What maps:
@@ -34,15 +34,35 @@ an instance): each worker builds its own. What maps:
   ``"epoch"`` interval (Lightning's default for a bare scheduler), a frequency other than 1,
   and ``ReduceLROnPlateau`` (``reduce_on_plateau``, ``monitor``).
 - The datamodule: each worker's dataset factory calls ``prepare_data()`` (make it safe to run
-  in every worker, or download beforehand), ``setup("fit")`` and ``train_dataloader()``,
-  and takes the loader's ``dataset`` (map-style: exactly-once needs an index) and its
-  ``collate_fn``. planaria owns batching, order and sampling: the global batch, the
-  micro-batches and the order come from planaria's plan (seeded, the same at any width), so
-  the loader's ``batch_size``, ``shuffle``, ``sampler`` and ``num_workers`` are not used
-  (a log line says so).
-- Not run: ``validation_step`` (planaria runs no evaluation yet; a log line names it, and a
-  ``val_dataset`` is refused) and the ``Trainer``'s hooks (``on_train_batch_start``,
-  ``on_before_optimizer_step``, ...: a log line names those the module overrides).
+  in every worker, or download beforehand), ``setup("fit")`` (once: the eval set comes from
+  the same datamodule) and ``train_dataloader()``, and takes the loader's ``dataset``
+  (map-style: exactly-once needs an index) and its ``collate_fn``. planaria owns batching,
+  order and sampling: the global batch, the micro-batches and the order come from
+  planaria's plan (seeded, the same at any width), so the loader's ``batch_size``,
+  ``shuffle``, ``sampler`` and ``num_workers`` are not used (a log line says so).
+- ``validation_step(batch, batch_idx)`` is the spec's ``evaluate``, run under ``eval()``
+  and ``no_grad`` (Lightning's validation uses ``inference_mode``: the same figures) on
+  each eval batch, every ``eval_every`` committed steps (``fit_lightning(...,
+  eval_every=N)``: the Trainer's ``val_check_interval`` counted in steps; a float, a
+  fraction of an epoch, is refused) and on demand (``Job.evaluate()``); ``batch_idx`` is 0.
+  What it logs with ``self.log`` / ``self.log_dict`` (the last value of each name) is the
+  batch's figure, and planaria's figure is their mean weighted by the batches' sizes, over
+  the whole eval set, the same at any width (``FitResult.evals``, the ``eval`` event).
+  That is Lightning's epoch value of an ``on_epoch=True`` mean, which weights each batch
+  by its size too, so a shorter last batch counts for its samples alone in both (as long
+  as Lightning finds the batch size from the batch, or is told it by ``batch_size=``).
+  The eval set is the datamodule's ``val_dataloader()`` (after ``setup("fit")``, as in
+  Lightning's fit, on the datamodule that gave the training set) with its ``collate_fn``
+  (``TrainSpec.eval_collate``), or ``val_dataset`` (batched by ``collate_fn``);
+  ``eval_batch_size`` is the val loader's ``batch_size`` unless given (read on the
+  calling process, which builds the datamodule once for it: ``prepare_data()``,
+  ``setup("fit")``, ``val_dataloader()``; give ``eval_batch_size`` to skip that). The
+  eval set is cut into batches by index and split over the replicas, so the val loader's
+  sampler, ``drop_last`` and ``num_workers`` are not used. A ``validation_step`` with no
+  eval set is not run, and an eval set with no ``validation_step`` is not used (said once
+  by name, as Lightning skips its validation then).
+- Not run: the ``Trainer``'s hooks (``on_train_batch_start``, ``on_before_optimizer_step``,
+  ``on_validation_epoch_end``, ...: a log line names those the module overrides).
   ``configure_model()`` is called after the module is built. Dropout and other randomness
   draw from planaria's per-micro-batch streams (the same at any width), not Lightning's.
 """
@@ -58,11 +78,11 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
 
 from planaria.config import TrainSpec
 from planaria.faults.errors import ConfigError
 from planaria.fit import FitResult, fit
+from planaria.integrations.lightning_data import LightningData
 from planaria.integrations.lightning_optimizers import LightningOptimization, optimization_of
 
 __all__ = [
@@ -70,6 +90,7 @@ __all__ = [
     "LightningModel",
     "LightningOptimization",
     "TrainingStep",
+    "ValidationStep",
     "check_module",
     "fit_lightning",
     "optimization_of",
@@ -105,7 +126,9 @@ UNRUN_HOOKS = (
     "setup", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
     "on_train_batch_end", "on_before_backward", "on_after_backward", "on_before_zero_grad",
     "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step",
-    "on_train_epoch_end", "on_train_end", "on_fit_end",
+    "on_train_epoch_end", "on_train_end", "on_fit_end", "on_validation_start",
+    "on_validation_epoch_start", "on_validation_batch_start", "on_validation_batch_end",
+    "on_validation_epoch_end", "on_validation_end",
 )
 _said: set[str] = set()
 
@@ -118,9 +141,10 @@ def _say_once(message: str, *args: Any) -> None:
 
 # ---- the module ------------------------------------------------------------------------------
 
-def check_module(module: Any) -> None:
+def check_module(module: Any, *, evaluates: bool = False) -> None:
     """Raises :class:`ConfigError` for a module planaria cannot train as it is; logs, once,
-    what it does not run (``validation_step``, the Trainer's hooks)."""
+    what it does not run (``validation_step`` without an eval set, the Trainer's hooks).
+    ``evaluates``: the spec has an eval set."""
     base = next((b for b in MODULE_BASES if isinstance(module, b)), None)
     if base is None:
         raise ConfigError(
@@ -133,7 +157,7 @@ def check_module(module: Any) -> None:
             "planaria owns the reduction, the clipping, the non-finite check and the update "
             "of every step; port that step to TrainSpec(forward_backward=...), which may run "
             "several forwards and backwards")
-    validation(module, base)
+    validation(module, evaluates)
     unrun = [h for h in UNRUN_HOOKS
              if getattr(type(module), h, None) is not getattr(base, h, None)]
     if unrun:
@@ -141,12 +165,23 @@ def check_module(module: Any) -> None:
                   ", ".join(unrun))
 
 
-def validation(module: Any, base: type) -> None:
-    """The mapping of ``validation_step`` (``base``: the module's LightningModule class): not
-    run yet (planaria runs no evaluation in this version), said once by name."""
-    if type(module).validation_step is not getattr(base, "validation_step", None):
-        _say_once("%s.validation_step is not run: planaria runs no evaluation in this "
-                  "version; only training_step trains", type(module).__name__)
+def has_validation_step(module_class: type) -> bool:
+    """``module_class`` (a LightningModule class) overrides ``validation_step``."""
+    return all(getattr(module_class, "validation_step", None)
+               is not getattr(base, "validation_step", None) for base in MODULE_BASES)
+
+
+def validation(module: Any, evaluates: bool) -> None:
+    """What becomes of ``validation_step``, said once: not run without an eval set; with
+    one but no ``validation_step``, the evaluations have no figures (Lightning skips its
+    validation loop)."""
+    name = type(module).__name__
+    if has_validation_step(type(module)) and not evaluates:
+        _say_once("%s.validation_step is not run: no eval set (give val_dataset=, or a "
+                  "datamodule with val_dataloader())", name)
+    elif evaluates and not has_validation_step(type(module)):
+        _say_once("%s has no validation_step: its evaluations have no figures (Lightning "
+                  "skips validation too)", name)
 
 
 class LoggedValues:
@@ -193,14 +228,15 @@ class LoggedValues:
 
 class LightningModel:
     """``TrainSpec.model``: builds the module in the worker, refuses what cannot map, calls
-    ``configure_model()`` and captures its log calls."""
+    ``configure_model()`` and captures its log calls (``evaluates``: the spec has an eval
+    set)."""
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
-        self.factory = factory
+    def __init__(self, factory: Callable[[], Any], *, evaluates: bool = False) -> None:
+        self.factory, self.evaluates = factory, evaluates
 
     def __call__(self) -> Any:
         module = self.factory()
-        check_module(module)
+        check_module(module, evaluates=self.evaluates)
         module.configure_model()
         LoggedValues.install(module)
         return module
@@ -226,61 +262,17 @@ class TrainingStep:
         return out, logged.values
 
 
-# ---- data ------------------------------------------------------------------------------------
+class ValidationStep:
+    """``TrainSpec.evaluate``: what ``validation_step(batch, 0)`` logged, each value the
+    batch's mean (planaria runs it under ``eval()`` and ``no_grad``; its return value is
+    not used); nothing for a module without ``validation_step``."""
 
-def _map_style(dataset: Any, where: str) -> Any:
-    if isinstance(dataset, IterableDataset) or not (
-            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise ConfigError(
-            f"{where} is {type(dataset).__name__}, not a map-style dataset (__len__ and "
-            "__getitem__): planaria's exactly-once data plan names every sample by its index; "
-            "give a map-style view of the data (or shards of known length indexed as "
-            "(shard, offset))")
-    return dataset
-
-
-class LightningData:
-    """``TrainSpec.dataset`` and ``collate`` from a datamodule factory, or a dataset (or a
-    factory of one) with an optional ``collate_fn``."""
-
-    def __init__(self, *, datamodule: Callable[[], Any] | None = None,
-                 train_dataset: Any = None, collate_fn: Callable[[list[Any]], Any] | None = None
-                 ) -> None:
-        if (datamodule is None) == (train_dataset is None):
-            raise ConfigError(
-                "datamodule and train_dataset are not valid together: give exactly one, a "
-                "LightningDataModule factory or a map-style dataset (or a factory of one)")
-        self.datamodule, self.train_dataset, self.collate_fn = (
-            datamodule, train_dataset, collate_fn)
-
-    def dataset(self) -> Any:
-        if self.datamodule is None:
-            data = self.train_dataset
-            factory = isinstance(data, type) or (callable(data)
-                                                 and not hasattr(data, "__getitem__"))
-            return _map_style(data() if factory else data, "train_dataset")
-        datamodule = self.datamodule()
-        datamodule.prepare_data()
-        datamodule.setup("fit")
-        loader = datamodule.train_dataloader()
-        if not isinstance(loader, DataLoader):
-            raise ConfigError(
-                f"train_dataloader() returned {type(loader).__name__}: planaria takes one "
-                "DataLoader over a map-style dataset (not several loaders)")
-        dataset = _map_style(loader.dataset, "train_dataloader().dataset")
-        _say_once("train_dataloader(): planaria batches, orders and splits the samples "
-                  "itself (the global batch, micro-batches and order of its data plan), so "
-                  "the DataLoader's batch_size=%s, sampler=%s (shuffle) and num_workers=%s "
-                  "are not used; its dataset and collate_fn are", loader.batch_size,
-                  type(loader.sampler).__name__, loader.num_workers)
-        if self.collate_fn is None:
-            self.collate_fn = loader.collate_fn
-        return dataset
-
-    def collate(self, samples: list[Any]) -> Any:
-        if self.collate_fn is None:
-            raise ConfigError("the Lightning collate ran before its dataset factory")
-        return self.collate_fn(samples)
+    def __call__(self, module: Any, batch: Any) -> dict[str, float]:
+        logged = LoggedValues.of(module)
+        logged.values = {}
+        if has_validation_step(type(module)):
+            module.validation_step(batch, 0)
+        return logged.values
 
 
 # ---- the spec and the run --------------------------------------------------------------------
@@ -294,6 +286,7 @@ def spec_from_lightning(
     train_dataset: Any = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     val_dataset: Any = None,
+    eval_batch_size: int | None = None,
     seed: int = 0,
     grad_clip_norm: float | None = None,
     precision: str | None = None,
@@ -301,22 +294,33 @@ def spec_from_lightning(
 ) -> TrainSpec:
     """The :class:`~planaria.TrainSpec` that trains ``module`` (a factory of a
     ``LightningModule``) on ``datamodule`` (a factory of a ``LightningDataModule``) or
-    ``train_dataset``; see the module's docstring for what maps. ``grad_clip_norm`` is the
-    Trainer's ``gradient_clip_val`` (norm clipping); ``precision`` planaria's (``"bf16"``,
-    ``"fp16"`` or None)."""
+    ``train_dataset``, and evaluates it with its ``validation_step`` on the datamodule's
+    ``val_dataloader()`` or ``val_dataset``; see the module's docstring for what maps.
+    ``eval_batch_size``: None, the val loader's ``batch_size`` (read from a datamodule
+    built and set up here; ``micro_batch_size`` for ``val_dataset``). ``grad_clip_norm``
+    is the Trainer's ``gradient_clip_val`` (norm clipping); ``precision`` planaria's
+    (``"bf16"``, ``"fp16"`` or None)."""
     if not callable(module) or isinstance(module, MODULE_BASES):
         raise ConfigError(
             f"module={type(module).__name__} is not valid: give a factory (the class, or a "
             "function returning the module), so that each worker builds its own")
-    if val_dataset is not None:
+    if val_dataset is not None and datamodule is not None:
         raise ConfigError(
-            "val_dataset is not valid yet: planaria runs no evaluation in this version "
-            "(validation_step is not run); train without it")
+            "val_dataset is not valid with a datamodule (nor is it in Lightning's fit): the "
+            "datamodule's eval set is its val_dataloader(); give val_dataset with "
+            "train_dataset")
     data = LightningData(datamodule=datamodule, train_dataset=train_dataset,
-                         collate_fn=collate_fn)
+                         collate_fn=collate_fn, val_dataset=val_dataset)
+    evaluates = data.has_eval_set()
+    if evaluates and isinstance(module, type) and not has_validation_step(module):
+        _say_once("%s has no validation_step: the eval set is not used (Lightning skips "
+                  "validation too)", module.__name__)
+        evaluates = False
+    if evaluates and eval_batch_size is None:
+        eval_batch_size = data.val_batch_size()
     optimization = LightningOptimization()
     return TrainSpec(
-        model=LightningModel(module),
+        model=LightningModel(module, evaluates=evaluates),
         optimizer=optimization.optimizer,
         optimizer_gets="model",
         lr_scheduler=optimization.scheduler,
@@ -325,6 +329,10 @@ def spec_from_lightning(
         collate=data.collate if datamodule is not None or collate_fn is not None else None,
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
+        eval_dataset=data.eval_dataset if evaluates else None,
+        evaluate=ValidationStep() if evaluates else None,
+        eval_batch_size=eval_batch_size if evaluates else None,
+        eval_collate=data.eval_collate if evaluates and datamodule is not None else None,
         seed=seed,
         grad_clip_norm=grad_clip_norm,
         precision=precision,
@@ -344,6 +352,8 @@ def fit_lightning(
     train_dataset: Any = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     val_dataset: Any = None,
+    eval_batch_size: int | None = None,
+    eval_every: int | None = None,
     seed: int = 0,
     grad_clip_norm: float | None = None,
     precision: str | None = None,
@@ -353,11 +363,20 @@ def fit_lightning(
     """Trains a Lightning module elastic: :func:`spec_from_lightning`, run with
     :func:`~planaria.fit` (``fit_options``: its keyword arguments, such as ``chaos``,
     ``policy``, ``checkpoint``, ``spares``). The global batch stays ``global_batch_size``
-    whatever the number of replicas. Returns fit's :class:`~planaria.FitResult`; its
-    ``state_dict`` is the module's (``module.load_state_dict(result.state_dict)``)."""
+    whatever the number of replicas. ``eval_every``: run ``validation_step`` over the eval
+    set every this many committed steps (the Trainer's ``val_check_interval`` counted in
+    steps; its results in ``FitResult.evals``). Returns fit's :class:`~planaria.FitResult`;
+    its ``state_dict`` is the module's (``module.load_state_dict(result.state_dict)``)."""
+    if isinstance(eval_every, float):
+        raise ConfigError(
+            f"eval_every={eval_every!r} is refused: a float is Lightning's "
+            "val_check_interval as a fraction of an epoch, and planaria counts evaluations "
+            "in committed steps; give an int (an epoch is len(dataset) // global_batch_size "
+            "steps)")
     spec = spec_from_lightning(
         module, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
         datamodule=datamodule, train_dataset=train_dataset, collate_fn=collate_fn,
-        val_dataset=val_dataset, seed=seed, grad_clip_norm=grad_clip_norm,
-        precision=precision, name=name)
-    return fit(spec, steps=steps, replicas=replicas, run_dir=run_dir, **fit_options)
+        val_dataset=val_dataset, eval_batch_size=eval_batch_size, seed=seed,
+        grad_clip_norm=grad_clip_norm, precision=precision, name=name)
+    return fit(spec, steps=steps, replicas=replicas, run_dir=run_dir, eval_every=eval_every,
+               **fit_options)

@@ -5,9 +5,10 @@ generators seeded from (seed, "eval_dataset"), as every factory). An evaluation 
 batches :func:`~planaria.wire.evaluation.eval_batches` gives this replica's place, under
 ``model.eval()`` and ``torch.no_grad()`` (and the training's autocast), each with torch
 seeded from (seed, step, batch) and each sample served in its own scope, so a batch's
-figures do not depend on the width or on the replica that runs it. The global generators'
-states are put back afterwards and the model is put back in training mode: an evaluation
-changes nothing the training reads.
+figures do not depend on the width or on the replica that runs it; a batch is collated by
+``spec.eval_collate``, or else by the training's collate. The global generators' states
+are put back afterwards and the model is put back in training mode: an evaluation changes
+nothing the training reads.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class Evaluator:
             self.faults.hit("worker.eval_batch", step=step, batch=j)
         samples = user_call("eval_dataset[i]", serve_samples, self.spec.seed, step,
                             dataset.__getitem__, ids, True)
-        batch = to_device(user_call("collate", self.collate(), samples), self.state.device)
+        collate = self.spec.eval_collate or self.collate()
+        batch = to_device(user_call("collate", collate, samples), self.state.device)
         vitals.set_phase("compute", step)
         seed_torch(eval_batch_seed(self.spec.seed, step, j))
         with self._autocast():
