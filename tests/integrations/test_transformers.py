@@ -309,3 +309,16 @@ def test_import_planaria_does_not_import_transformers():
     done = _python("import sys, planaria; print('transformers' in sys.modules)")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_example_runs_with_a_kill(tmp_path, ray_cluster):
+    from planaria.examples import hf_causal_lm
+
+    trainer = hf_causal_lm.main(["--replicas", "2", "--steps", "4", "--chaos", "kill:w1@step2",
+                                 "--output-dir", str(tmp_path)])
+    assert trainer.result.final_step == 4
+    assert trainer.train_dataset.column_names == ["input_ids", "labels"]
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert_same_weights(trainer.result.state_dict, loaded.state_dict())
