@@ -253,6 +253,31 @@ def test_the_model_factory_rebuilds_the_given_weights():
     assert rebuilt.config.use_cache is False
 
 
+def test_model_init_builds_the_workers_model(tmp_path):
+    trainer = ElasticTrainer(model_init=tiny_gpt2, args=arguments(tmp_path),
+                             train_dataset=samples(), replicas=2)
+    factory = pickle.loads(pickle.dumps(trainer.spec().model))
+    assert_same_weights(tiny_gpt2().state_dict(), factory().state_dict())
+
+
+class SavedTokenizer:
+    def __init__(self) -> None:
+        self.saved_to: list[str] = []
+
+    def save_pretrained(self, where) -> None:
+        self.saved_to.append(str(where))
+
+
+def test_the_final_save_writes_the_model_and_the_processing_class(tmp_path):
+    tokenizer = SavedTokenizer()
+    trainer = ElasticTrainer(tiny_gpt2(), arguments(tmp_path), train_dataset=samples(),
+                             processing_class=tokenizer, replicas=1)
+    trainer.save_model()
+    assert tokenizer.saved_to == [str(tmp_path)]
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert_same_weights(trainer.model.state_dict(), loaded.state_dict())
+
+
 @pytest.mark.parametrize(("overrides", "named"), [
     ({"optim": "adafactor"}, "optim='adafactor'"),
     ({"report_to": "wandb"}, "report_to="),

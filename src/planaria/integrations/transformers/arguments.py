@@ -67,11 +67,7 @@ def plan_training(args: Any, *, replicas: int, num_samples: int) -> TrainingPlan
         if steps < 1:
             raise ConfigError(f"num_train_epochs={args.num_train_epochs!r} is not valid: it "
                               "makes no step; give max_steps or more epochs")
-    ratio = getattr(args, "warmup_ratio", 0.0) or 0.0
-    warmup = (args.get_warmup_steps(steps) if hasattr(args, "get_warmup_steps")
-              else int(args.warmup_steps))
-    if ratio and not args.warmup_steps:  # transformers 4: warmup_ratio beside warmup_steps
-        warmup = math.ceil(steps * ratio)
+    warmup = args.get_warmup_steps(steps)  # Trainer's rule (and transformers 4's warmup_ratio)
     optim = _plain(args.optim)
     logging_strategy = _plain(args.logging_strategy)
     save_strategy = _plain(args.save_strategy)

@@ -63,6 +63,7 @@ HONOURED: dict[str, str] = {
 
 _EVALUATION_OFF = "only used by evaluation, which is off (eval_strategy='no')"
 _HUB_OFF = "only used by push_to_hub, which is refused"
+_TRACKERS_OFF = "only used by report_to='trackio', which is refused"
 
 HARMLESS: dict[str, str] = {
     "overwrite_output_dir": "output cosmetics: the final save overwrites output_dir's files",
@@ -103,18 +104,27 @@ HARMLESS: dict[str, str] = {
     "hub_strategy": _HUB_OFF,
     "hub_always_push": _HUB_OFF,
     "hub_revision": _HUB_OFF,
+    "trackio_space_id": _TRACKERS_OFF,
+    "trackio_bucket_id": _TRACKERS_OFF,
+    "trackio_static_space_id": _TRACKERS_OFF,
 }
 """Fields that change nothing planaria computes, and why."""
 
 _LOADER = "planaria loads the samples itself (the data plan's exactly-once order)"
+_OWN_REDUCTION = "planaria reduces the gradients itself (no DDP)"
+_OWN_SHARDING = "planaria shards replicas itself (RunConfig(workers_per_replica=k))"
+_CHECKPOINTING = ("not mapped yet: call model.gradient_checkpointing_enable() in "
+                  "model_init")
 
 REFUSED: dict[str, str] = {
     "optim_args": "planaria builds torch's AdamW from learning_rate, adam_beta1/2, "
                   "adam_epsilon and weight_decay only",
     "optim_target_modules": "only for optimizers planaria does not build (GaLore, APOLLO)",
     "label_smoothing_factor": "the loss is the model's own (model(**batch).loss)",
-    "gradient_checkpointing": "not mapped yet: call model.gradient_checkpointing_enable() in "
-                              "model_init",
+    "gradient_checkpointing": _CHECKPOINTING,
+    "gradient_checkpointing_kwargs": _CHECKPOINTING,
+    "activation_checkpointing": _CHECKPOINTING,
+    "activation_checkpointing_kwargs": _CHECKPOINTING,
     "data_seed": "planaria's data order is drawn from seed alone (width-invariant)",
     "full_determinism": "not mapped: planaria's runs are width-invariant but do not switch "
                         "torch to deterministic algorithms",
@@ -130,9 +140,25 @@ REFUSED: dict[str, str] = {
     "load_best_model_at_end": "evaluation comes with a later change",
     "metric_for_best_model": "evaluation comes with a later change",
     "push_to_hub": "planaria does not upload; push the saved output_dir yourself",
-    "deepspeed": "planaria shards replicas itself (RunConfig(workers_per_replica=k))",
-    "fsdp": "planaria shards replicas itself (RunConfig(workers_per_replica=k))",
-    "fsdp_config": "planaria shards replicas itself (RunConfig(workers_per_replica=k))",
+    "deepspeed": _OWN_SHARDING,
+    "fsdp": _OWN_SHARDING,
+    "fsdp_config": _OWN_SHARDING,
+    "parallelism_config": _OWN_SHARDING,
+    "accelerator_config": "planaria runs no Accelerator",
+    "ddp_find_unused_parameters": _OWN_REDUCTION,
+    "ddp_bucket_cap_mb": _OWN_REDUCTION + ": RunConfig(overlap_reduction=True) buckets it",
+    "ddp_broadcast_buffers": _OWN_REDUCTION + " and buffers (BatchNorm's: reduced at commit)",
+    "ddp_static_graph": _OWN_REDUCTION,
+    "ddp_backend": _OWN_REDUCTION + ": RunConfig(backend=...)",
+    "ddp_timeout": _OWN_REDUCTION + ": RunConfig(collective_timeout_s=...)",
+    "dataloader_multiprocessing_context": _LOADER,
+    "dataloader_in_order": _LOADER,
+    "length_column_name": _LOADER,
+    "ignore_data_skip": "planaria resumes at its data plan's position, never skipping",
+    "save_only_model": "planaria's checkpoints hold the whole training state",
+    "restore_callback_states_from_checkpoint": "callbacks' state is not checkpointed",
+    "use_liger_kernel": "the model's forward is not patched",
+    "liger_kernel_config": "the model's forward is not patched",
     "local_rank": "ElasticTrainer starts its own workers: do not launch it with torchrun",
     "neftune_noise_alpha": "the model's forward is not patched",
     "torch_empty_cache_steps": "not mapped",
