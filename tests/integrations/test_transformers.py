@@ -138,6 +138,39 @@ def trainer_alone(output_dir, *, global_batch: int, **overrides) -> dict[str, to
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def test_trainers_gradient_is_the_mean_of_the_micro_batches_losses(tmp_path):
+    """What the equality rests on, seen without Adam (which hides a gradient's scale): one
+    SGD step of Trainer at lr 1 moves the weights by its gradient, which equals planaria's,
+    the micro-batches' own losses (model(**batch).loss, token means) each scaled by its share
+    of the global batch: with equal-length unpadded sequences, Trainer's token-weighted mean
+    over the gradient accumulation (num_items_in_batch) is that mean of means."""
+    from transformers import default_data_collator
+
+    from planaria.integrations.transformers.factories import model_loss
+
+    data = samples()[: 2 * MICRO]
+    model = tiny_gpt2()
+    model.loss_type = "ForCausalLM"  # Trainer counts the shifted labels (see trainer_alone)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return PlannedOrder(np.arange(2 * MICRO))
+
+    args = arguments(tmp_path, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+                     warmup_steps=0, max_grad_norm=0.0, weight_decay=0.0, max_steps=1)
+    InOrder(model=model, args=args, train_dataset=data).train()
+
+    ours = tiny_gpt2()
+    for j in range(2):
+        batch = default_data_collator([{k: s[k] for k in ("input_ids", "labels")}
+                                       for s in data[j * MICRO:(j + 1) * MICRO]])
+        (model_loss(ours, batch) * (MICRO / (2 * MICRO))).backward()
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(before[name] - dict(model.named_parameters())[name], p.grad,
+                                   msg=lambda m, k=name: f"{k}: {m}")
+
+
 @pytest.fixture(scope="module")
 def three_with_a_kill(tmp_path_factory, ray_cluster):
     """ElasticTrainer at 3 replicas, w1 killed while step 3 runs, checkpoints every 4 steps,
