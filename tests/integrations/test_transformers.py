@@ -356,6 +356,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
                           timeout=120, check=False)
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch
 def test_without_transformers_the_import_error_says_what_to_install():
     done = _python("import sys; sys.modules['transformers'] = None\n"
                    "import planaria.integrations.transformers")
@@ -363,6 +364,7 @@ def test_without_transformers_the_import_error_says_what_to_install():
     assert 'pip install "planaria[hf]"' in done.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch
 def test_import_planaria_does_not_import_transformers():
     done = _python("import sys, planaria; print('transformers' in sys.modules)")
     assert done.returncode == 0, done.stderr
