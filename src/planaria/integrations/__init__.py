@@ -1,6 +1,9 @@
 """Adapters from the training code users already have to planaria jobs.
 
-Each adapter is a module of its own, importable only where its library is installed
-(``planaria.integrations.lightning`` needs ``pip install "planaria[lightning]"``);
-``import planaria`` imports none of them.
+Each adapter is importable only where its library is installed (an ``ImportError`` naming
+the extra otherwise): ``planaria.integrations.transformers`` (``pip install
+"planaria[hf]"``), ``planaria.integrations.lightning`` (``pip install
+"planaria[lightning]"``); ``import planaria`` imports none of them.
 """
+
+__all__: list[str] = []
