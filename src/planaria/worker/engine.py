@@ -48,6 +48,7 @@ class StepComputed:
 
     grad_norm: float
     overflow: bool
+    lr: float
     metric_sums: Mapping[str, float]
     served: Served
     data_wait_s: float
@@ -298,6 +299,7 @@ class StepEngine:
         assert attempt is not None
         return StepComputed(
             grad_norm=self.commits.grad_norm, overflow=overflow, metric_sums=metric_sums,
+            lr=float(self.state.optimizer.param_groups[0]["lr"]),  # the lr this step applies
             served=attempt.served,  # what dataset[i] was called with, not an echo of ids
             data_wait_s=data_wait_s, compute_s=t1 - t0 - data_wait_s, reduce_s=t2 - t1,
         )
