@@ -131,3 +131,26 @@ def test_trackers_by_name(tmp_path: Path) -> None:
     assert isinstance(built[0], CsvTracker) and built[1] is mine
     assert built[0].dir == tmp_path / "trackers" / "csv"
     built[0].close()
+
+
+def test_fit_closes_its_trackers_when_it_raises(tmp_path: Path) -> None:
+    from planaria import ConfigError, fit
+    from planaria.examples.mlp import spec
+
+    mine = _Recorder()
+    with pytest.raises(ConfigError):
+        fit(spec, steps=1, replicas=0, run_dir=tmp_path, loggers=[mine])
+    assert mine.closed == 1
+
+
+@pytest.mark.parametrize(("name", "module"), [("tensorboard", "torch.utils.tensorboard"),
+                                              ("wandb", "wandb"), ("mlflow", "mlflow.tracking")])
+def test_a_missing_library_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           name: str, module: str) -> None:
+    import sys
+
+    from planaria.observe.trackers import TrackerOptions, build_tracker
+
+    monkeypatch.setitem(sys.modules, module, None)  # an import of it raises ImportError
+    with pytest.raises(ImportError, match=rf'pip install "planaria\[{name}\]"'):
+        build_tracker(name, tmp_path, TrackerOptions())
