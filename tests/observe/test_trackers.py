@@ -154,3 +154,11 @@ def test_a_missing_library_names_the_extra(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, module, None)  # an import of it raises ImportError
     with pytest.raises(ImportError, match=rf'pip install "planaria\[{name}\]"'):
         build_tracker(name, tmp_path, TrackerOptions())
+
+
+def test_a_closed_feed_ignores_later_records() -> None:
+    rec = _Recorder()
+    feed = TrackerFeed([rec])
+    feed.close()
+    feed(STREAM[1])
+    assert rec.scalars == [] and rec.closed == 1

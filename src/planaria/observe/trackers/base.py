@@ -42,9 +42,10 @@ class Annotation:
 
 
 class Tracker(Protocol):
-    """An experiment tracker fed from the event stream, on the controller's thread.
+    """An experiment tracker fed from the event stream.
 
-    Calls arrive in event order; a call that raises disables the tracker (the run goes on).
+    Calls arrive one at a time, in event order; a call that raises disables the tracker
+    (the run goes on).
     ``close`` flushes and ends the tracker's run; it is called once, also when the run fails.
     """
 

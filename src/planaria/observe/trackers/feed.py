@@ -7,6 +7,7 @@ A tracker that raises is logged once and disabled: tracking never stops training
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -30,11 +31,17 @@ class TrackerFeed:
         self.counts: Counter[str] = Counter()
         self.last_step = 0
         self._closed = False
+        self._lock = threading.Lock()
 
     def __call__(self, record: dict[str, Any]) -> None:
         entry = tracker_entry(record)
         if entry is None:
             return
+        with self._lock:  # records come from the controller's and the saver's threads
+            if not self._closed:  # a job left open (FinalSaveFailed) logs on after fit
+                self._dispatch(record, entry)
+
+    def _dispatch(self, record: dict[str, Any], entry: StepScalars | Annotation) -> None:
         if isinstance(entry, StepScalars):
             if record.get("event") == "step_committed":
                 self.last_step = entry.step
@@ -60,9 +67,10 @@ class TrackerFeed:
 
     def close(self) -> None:
         """Closes every tracker (idempotent); a close that raises is logged."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         for tracker in self.trackers:
             try:
                 tracker.close()
