@@ -32,6 +32,7 @@ class WandbTracker:
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         init: Any = wandb.init  # mode: a str checked by wandb, not a Literal here
+        # create_new (wandb 0.19.10): a run of the caller's own stays open beside this one
         self.run: Any = init(project=project, name=run_name, dir=str(self.dir), mode=mode,
                              config=config or {}, reinit="create_new")
         self.run.define_metric("step")
