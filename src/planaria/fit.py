@@ -19,6 +19,7 @@ from planaria.faults.chaos import ChaosPlan
 from planaria.faults.errors import CheckpointError, ElasticRuntimeError, Failure, FinalSaveFailed
 from planaria.observe.events import EVENTS_FILE
 from planaria.observe.loss_history import LossHistory
+from planaria.observe.trackers import Tracker, TrackerFeed, TrackerOptions, build_trackers
 from planaria.wire.evaluation import EvalResult
 
 __all__ = ["FitResult", "fit"]
@@ -55,6 +56,8 @@ def fit(
     checkpoint: CheckpointConfig | None = None,
     on_step: Callable[[StepResult], None] | None = None,
     listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
+    loggers: Sequence[str | Tracker] = (),
+    tracker_options: TrackerOptions | None = None,
     **options: Any,
 ) -> FitResult:
     """Trains ``spec`` on ``replicas`` workers until ``steps`` steps are committed.
@@ -71,7 +74,22 @@ def fit(
     save that does not commit raises :class:`~planaria.faults.errors.FinalSaveFailed` with the
     job left open (``err.job``): save its state elsewhere (``err.job.save(root=...)``),
     then close it (``err.job.close()``).
+
+    ``loggers``: experiment trackers fed live from the event stream, by name
+    (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"csv"``, written under
+    ``RUN_DIR/trackers/<name>`` unless ``tracker_options`` say otherwise) or as
+    :class:`~planaria.observe.trackers.Tracker` objects; they are closed when ``fit`` returns
+    or raises, and one that raises is disabled without stopping the run.
     """
+    if loggers:
+        run_path = local_run_dir(run_dir)
+        feed = TrackerFeed(build_trackers(loggers, run_path, tracker_options))
+        try:
+            return fit(spec, steps=steps, replicas=replicas, run_dir=run_path, address=address,
+                       policy=policy, hang=hang, chaos=chaos, checkpoint=checkpoint,
+                       on_step=on_step, listeners=[*listeners, feed], **options)
+        finally:
+            feed.close()
     config = RunConfig(
         steps=steps, replicas=replicas, run_dir=local_run_dir(run_dir), address=address, **options
     )

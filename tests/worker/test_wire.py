@@ -28,7 +28,7 @@ from planaria.wire.reports import (
 def _record(step: int, ids: tuple[int, ...], digests: tuple[int, ...] | None,
             metrics: dict[str, float]) -> StepRecord:
     return StepRecord(step=step, t0=1.0, t=2.0, grad_norm=0.5, overflow=False, finite=True,
-                      data_wait_s=0.0, global_loss_sum=6.0, global_samples=4,
+                      data_wait_s=0.0, global_loss_sum=6.0, global_samples=4, lr=0.01,
                       global_metric_sums={"acc": 2.0}, served=Served(ids=ids, digests=digests),
                       metric_sums=metrics, compute_s=0.1, reduce_s=0.1)
 
@@ -85,6 +85,7 @@ def test_the_store_carries_a_steps_totals_and_a_ranks_served_samples_as_json():
     [totals] = read_stream_chunk(stream_chunk([rec]).encode())
     assert type(totals) is StepTotals and totals.step == 1 and totals.loss == rec.loss
     assert totals.global_metric_sums == {"acc": 2.0} and totals.t0 == rec.t0
+    assert totals.lr == 0.01  # the learning rate the step applied, for the trackers
     text = served_line(1, "w0", rec.served) + served_line(2, "w1", Served(ids=[5], digests=None))
     assert list(read_served_lines(text)) == [(1, "w0", Served(ids=[1, 2], digests=[3, 4])),
                                              (2, "w1", Served(ids=[5], digests=None))]

@@ -14,6 +14,12 @@ from planaria.cli.ckpt import MissingPath, ckpt_main
 from planaria.cli.config_file import write_resolved
 from planaria.cli.flags import HelpWithDefaults, with_global_flags
 from planaria.cli.spec_file import load_spec
+from planaria.cli.tracking import (
+    add_tracking_flags,
+    metrics_exporter,
+    tracker_options,
+    trackers_named,
+)
 from planaria.faults.errors import ConfigError
 
 __all__ = ["load_spec", "main"]  # load_spec: planaria.cli.spec_file's, kept importable here
@@ -193,7 +199,7 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
         default=None,
         help="compare the replicas' parameter checksums every N steps",
     )
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    add_tracking_flags(p)
     p.add_argument("--gpu", action="store_true", help="train on GPUs (one per worker, NCCL)")
     p.add_argument("--gpus-per-worker", type=float, default=1.0,
                    help="with --gpu: a fraction lets workers share a GPU (over gloo)")
@@ -268,13 +274,10 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
         args.steps, args.replicas, quiet=args.quiet, events_path=run_dir / "events.jsonl"
     )
     listeners.append(display)
-    exporter = None
-    if args.metrics_port is not None:
-        from planaria.observe.prometheus import MetricsExporter
-
-        exporter = MetricsExporter(args.metrics_port)
+    loggers = trackers_named(args)
+    exporter = metrics_exporter(args, spec.name)
+    if exporter is not None:
         listeners.append(exporter)
-        print(f"Prometheus metrics on http://127.0.0.1:{exporter.port}/metrics")
     if args.verbose:
         from planaria.observe.logs import log_event
 
@@ -306,6 +309,8 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             gpus_per_worker=args.gpus_per_worker,
             backend=args.backend,
             listeners=listeners,
+            loggers=loggers,
+            tracker_options=tracker_options(args, run_dir),
         )
     finally:
         display.stop()

@@ -103,7 +103,7 @@ class CommitLog:
         self.log.emit(
             "step_committed", t=t, step=step, gen=gen, width=width,
             duration_s=duration, loss=loss, samples=n, samples_per_s=result.samples_per_s,
-            data_wait_s=rec.data_wait_s, metrics=metrics,
+            data_wait_s=rec.data_wait_s, metrics=metrics, lr=rec.lr, grad_norm=rec.grad_norm,
         )
         self.on_commit(step, t)
         for callback in self.step_callbacks:

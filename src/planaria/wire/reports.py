@@ -17,6 +17,7 @@ before each step's collective (:func:`served_line`).
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -127,6 +128,8 @@ class StepTotals:
     global_loss_sum: float
     global_samples: int
     global_metric_sums: Mapping[str, float]
+    lr: float = math.nan
+    """The learning rate the step was applied with (the optimizer's first parameter group)."""
 
     @property
     def loss(self) -> float:
@@ -140,7 +143,7 @@ class StepTotals:
                 "overflow": self.overflow, "finite": self.finite,
                 "data_wait_s": self.data_wait_s, "global_loss_sum": self.global_loss_sum,
                 "global_samples": self.global_samples,
-                "global_metric_sums": dict(self.global_metric_sums)}
+                "global_metric_sums": dict(self.global_metric_sums), "lr": self.lr}
 
 
 def stream_chunk(records: Sequence[StepTotals]) -> str:

@@ -48,6 +48,7 @@ class StepComputed:
 
     grad_norm: float
     overflow: bool
+    lr: float
     metric_sums: Mapping[str, float]
     served: Served
     data_wait_s: float
@@ -303,6 +304,16 @@ class StepEngine:
         assert attempt is not None
         return StepComputed(
             grad_norm=self.commits.grad_norm, overflow=overflow, metric_sums=metric_sums,
+            lr=_learning_rate(self.state.optimizer),  # the lr this step is applied with
             served=attempt.served,  # what dataset[i] was called with, not an echo of ids
             data_wait_s=data_wait_s, compute_s=t1 - t0 - data_wait_s, reduce_s=t2 - t1,
         )
+
+
+def _learning_rate(optimizer: Any) -> float:
+    """The first parameter group's learning rate; NaN where it has none (an optimizer that
+    sets its own step size) or it is not a number."""
+    try:
+        return float(optimizer.param_groups[0]["lr"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return math.nan

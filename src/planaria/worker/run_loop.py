@@ -225,7 +225,7 @@ def _record(step: int, t0: float, c: StepComputed, *, finite: bool, loss_sum: fl
     rank (``loss_sum``, ``samples``, ``metric_sums``, off the reduced status); its ``t`` is
     now, when it was applied or found not finite."""
     return StepRecord(
-        step=step, t0=t0, t=time.time(), grad_norm=c.grad_norm, overflow=c.overflow,
+        step=step, t0=t0, t=time.time(), grad_norm=c.grad_norm, overflow=c.overflow, lr=c.lr,
         finite=finite, data_wait_s=c.data_wait_s, global_loss_sum=loss_sum,
         global_samples=samples, global_metric_sums=metric_sums, served=c.served,
         metric_sums=c.metric_sums, compute_s=c.compute_s, reduce_s=c.reduce_s,
