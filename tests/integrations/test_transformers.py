@@ -39,6 +39,7 @@ from tests.assertions import events, of  # noqa: E402
 
 VOCAB, LENGTH, N = 97, 16, 96
 MICRO, STEPS, SEED = 4, 8, 3
+EVAL_SAMPLES, EVAL_BATCH = 10, 3  # a shorter last batch
 
 
 def token_rows(n: int = N) -> torch.Tensor:
@@ -75,6 +76,7 @@ class Recorder(TrainerCallback):
 
     calls: list[tuple[str, int]] = field(default_factory=list)
     logs: list[tuple[int, dict]] = field(default_factory=list)
+    evals: list[tuple[int, dict]] = field(default_factory=list)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.calls.append(("on_train_begin", state.global_step))
@@ -91,6 +93,10 @@ class Recorder(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.calls.append(("on_train_end", state.global_step))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.calls.append(("on_evaluate", state.global_step))
+        self.evals.append((state.global_step, dict(metrics)))
 
     def steps(self, hook: str) -> list[int]:
         return [step for name, step in self.calls if name == hook]
@@ -173,13 +179,15 @@ def test_trainers_gradient_is_the_mean_of_the_micro_batches_losses(tmp_path):
 
 @pytest.fixture(scope="module")
 def three_with_a_kill(tmp_path_factory, ray_cluster):
-    """ElasticTrainer at 3 replicas, w1 killed while step 3 runs, checkpoints every 4 steps,
-    a callback recording its hooks."""
+    """ElasticTrainer at 3 replicas, w1 killed while step 3 runs, checkpoints and an
+    evaluation every 4 steps, a callback recording its hooks."""
     out = tmp_path_factory.mktemp("elastic")
     recorder = Recorder()
-    trainer = ElasticTrainer(tiny_gpt2(), arguments(out, save_strategy="steps", save_steps=4),
-                             train_dataset=samples(), callbacks=[recorder], replicas=3,
-                             chaos="kill:w1@step3")
+    args = arguments(out, save_strategy="steps", save_steps=4, eval_strategy="steps",
+                     eval_steps=4, per_device_eval_batch_size=EVAL_BATCH)
+    trainer = ElasticTrainer(tiny_gpt2(), args, train_dataset=samples(),
+                             eval_dataset=samples()[:EVAL_SAMPLES], callbacks=[recorder],
+                             replicas=3, chaos="kill:w1@step3")
     output = trainer.train()
     return trainer, output, recorder, out
 
@@ -203,16 +211,33 @@ def test_callbacks_hear_the_steps_logs_and_saves(three_with_a_kill):
     assert recorder.calls[0] == ("on_train_begin", 0)
     assert recorder.calls[-1] == ("on_train_end", STEPS)
     assert recorder.steps("on_step_end") == list(range(1, STEPS + 1))
-    assert recorder.steps("on_log") == [2, 4, 6, 8]
+    assert recorder.steps("on_log") == [2, 4, 4, 6, 8, 8]  # the evaluations' logs too
     assert recorder.steps("on_save") == [4, 8]
+    assert recorder.steps("on_evaluate") == [4, 8]
     losses = dict(trainer.result.losses)
     rates = trainer.plan.scheduler.learning_rates(1e-3, STEPS)
-    for step, logs in recorder.logs:
+    for step, logs in [(s, g) for s, g in recorder.logs if "eval_loss" not in g]:
         assert set(logs) == {"loss", "learning_rate", "epoch"}
         assert logs["loss"] == pytest.approx((losses[step - 2] + losses[step - 1]) / 2)
         assert logs["learning_rate"] == pytest.approx(rates[step - 1])
         assert logs["epoch"] == pytest.approx(step * trainer.plan.global_batch_size / N)
     assert rates[0] == 0.0 and max(rates) == pytest.approx(1e-3)  # warm-up, then cosine
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_evaluation_equals_trainers_evaluate_of_the_same_weights(three_with_a_kill,
+                                                                    tmp_path):
+    trainer, _, recorder, _ = three_with_a_kill
+    (final,) = [m for step, m in recorder.evals if step == STEPS]
+    model = tiny_gpt2()
+    model.load_state_dict(trainer.result.state_dict)
+    model.loss_type = "ForCausalLM"  # Trainer counts the shifted labels (see trainer_alone)
+    alone = Trainer(model=model, args=arguments(tmp_path, per_device_eval_batch_size=EVAL_BATCH),
+                    eval_dataset=samples()[:EVAL_SAMPLES])
+    expected = alone.evaluate()["eval_loss"]
+    assert final["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert [e.step for e in trainer.result.evals] == [4, 8]
 
 
 @pytest.mark.multiprocess
@@ -317,12 +342,14 @@ def test_the_final_save_writes_the_model_and_the_processing_class(tmp_path):
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
     ({"dataloader_drop_last": True}, "dataloader_drop_last=True"),
     ({"save_strategy": "epoch"}, "save_strategy='epoch'"),
-    ({"eval_strategy": "steps", "eval_steps": 2}, "eval_strategy='steps' with an eval_dataset"),
+    ({"eval_strategy": "epoch"}, "compute_metrics is not valid"),
+    ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
+     "load_best_model_at_end=True"),
 ])
 def test_refused_by_name(tmp_path, overrides, named):
     with pytest.raises(ConfigError, match=re.escape(named)):
         ElasticTrainer(tiny_gpt2(), arguments(tmp_path, **overrides), train_dataset=samples(),
-                       eval_dataset=samples(), replicas=2)
+                       eval_dataset=samples(), compute_metrics=lambda p: {}, replicas=2)
 
 
 def test_a_field_no_table_knows_is_refused(tmp_path):

@@ -100,17 +100,29 @@ def plan_training(args: Any, *, replicas: int, num_samples: int) -> TrainingPlan
     )
 
 
-def plan_evaluation(args: Any, eval_dataset: Any) -> None:
-    """Evaluation while training: refused for now (planaria's evaluation comes with a later
-    change); this is the one place that will map eval_strategy / eval_steps to it."""
+def plan_evaluation(args: Any, eval_dataset: Any, compute_metrics: Any, *, steps: int,
+                    steps_per_epoch: int) -> int | None:
+    """Evaluation while training: ``eval_strategy`` / ``eval_steps`` as planaria's
+    ``eval_every`` (None: no evaluation). The figure is the eval set's loss (the model's
+    own, ``eval_loss``), a mean over its batches weighted by their samples."""
     strategy = _plain(getattr(args, "eval_strategy", getattr(args, "evaluation_strategy", "no")))
-    if strategy != "no":
-        given = " with an eval_dataset" if eval_dataset is not None else ""
+    if strategy == "no":
+        return None
+    if eval_dataset is None:
+        raise ConfigError(f"eval_strategy={strategy!r} is not valid without an eval_dataset "
+                          "(as for Trainer): give eval_dataset=..., or eval_strategy='no'")
+    if compute_metrics is not None:
         raise ConfigError(
-            f"eval_strategy={strategy!r}{given} is not valid: ElasticTrainer does not evaluate "
-            "while training yet (planaria's evaluation comes with a later change); use "
-            "eval_strategy='no' and evaluate the saved output_dir with Trainer.evaluate()"
-        )
+            "compute_metrics is not valid with ElasticTrainer: it needs every prediction of "
+            "the eval set gathered in one process, while planaria's evaluation reduces each "
+            "batch's figures over the live replicas; the eval loss is reported (eval_loss). "
+            "Evaluate the saved output_dir with Trainer.evaluate() for other metrics")
+    if strategy == "epoch":
+        return max(1, steps_per_epoch)
+    every = args.eval_steps if args.eval_steps is not None else args.logging_steps
+    if isinstance(every, float) and every < 1:
+        every = math.ceil(every * steps)
+    return max(1, int(every))
 
 
 def _refuse_values(args: Any) -> None:

@@ -9,11 +9,13 @@ Which hooks fire, and when:
   ``logging_first_step``), with ``loss`` (the mean since the last log), ``learning_rate``
   (the rate the step trained with) and ``epoch``; planaria's events carry no gradient norm,
   so there is no ``grad_norm``;
+- ``on_evaluate`` (after an ``on_log`` of the same figures): after each evaluation
+  (``eval_strategy``), with ``eval_loss`` and ``eval_runtime``;
 - ``on_save``: after each checkpoint planaria commits;
 - ``on_train_end``: once, after the final model is saved.
 
 No other hook fires (no ``on_step_begin``, ``on_substep_end``, ``on_*_optimizer_step``,
-``on_epoch_*``: they belong to the workers' steps; no ``on_evaluate`` yet). Hooks get
+``on_epoch_*``: they belong to the workers' steps). Hooks get
 ``model=None``, ``optimizer=None`` and ``lr_scheduler=None`` (they live in the workers) and
 the ``processing_class``. ``TrainerControl``'s flags are not acted on: a callback that asks
 ``should_training_stop`` is logged, not obeyed. A callback that raises is logged and
@@ -62,6 +64,14 @@ class CallbackBridge:
         if event == "step_committed":
             with self._lock:
                 self._step_committed(int(record["step"]), float(record["loss"]))
+        elif event == "eval":
+            with self._lock:
+                metrics = {f"eval_{k}": float(v) for k, v in record["metrics"].items()}
+                metrics["eval_runtime"] = float(record["seconds"])
+                metrics["epoch"] = self.state.epoch
+                self.state.log_history.append({**metrics, "step": int(record["step"])})
+                self.call("on_log", logs=metrics)
+                self.call("on_evaluate", metrics=metrics)
         elif event == "checkpoint_saved":
             with self._lock:
                 self.state.global_step = int(record["step"])

@@ -20,6 +20,7 @@ __all__ = [
     "ModelInit",
     "SchedulerFactory",
     "decay_parameter_names",
+    "eval_loss",
     "model_loss",
 ]
 
@@ -170,3 +171,9 @@ class ColumnFilter:
         if samples and isinstance(samples[0], Mapping):
             samples = [{k: v for k, v in s.items() if k in self.keep} for s in samples]
         return self.collate(samples)
+
+
+def eval_loss(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The evaluation's figure of a batch, as Trainer's ``evaluate``: the model's own loss
+    (reported as ``eval_loss``)."""
+    return {"loss": model_loss(model, batch)}

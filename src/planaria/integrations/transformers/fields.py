@@ -47,8 +47,11 @@ HONOURED: dict[str, str] = {
     "save_steps": "CheckpointConfig.every (a float < 1: a ratio of steps)",
     "save_total_limit": "CheckpointConfig.keep_last",
     "report_to": "'none' or [] only (trackers come with a later change)",
-    "eval_strategy": "'no' only (evaluation comes with a later change)",
-    "evaluation_strategy": "'no' only (transformers 4's name of eval_strategy)",
+    "eval_strategy": "'steps' or 'epoch': RunConfig.eval_every (planaria's evaluation)",
+    "evaluation_strategy": "transformers 4's name of eval_strategy",
+    "eval_steps": "RunConfig.eval_every with eval_strategy='steps' (a float < 1: a ratio)",
+    "per_device_eval_batch_size": "TrainSpec.eval_batch_size (the eval set's batches, "
+                                  "split over the live replicas)",
     "remove_unused_columns": "drops the columns model.forward does not take, as Trainer does",
     "use_cache": "model.config.use_cache, as Trainer sets it",
     "use_cpu": "True is planaria's default (RunConfig(use_gpu=False))",
@@ -61,7 +64,8 @@ HONOURED: dict[str, str] = {
 }
 """Fields planaria maps, and to what."""
 
-_EVALUATION_OFF = "only used by evaluation, which is off (eval_strategy='no')"
+_EVALUATION_OFF = ("evaluation options planaria's evaluation does not take (it reduces "
+                   "each batch's eval loss over the live replicas)")
 _HUB_OFF = "only used by push_to_hub, which is refused"
 _TRACKERS_OFF = "only used by report_to='trackio', which is refused"
 
@@ -86,8 +90,6 @@ HARMLESS: dict[str, str] = {
     "save_on_each_node": "planaria's checkpoints are sharded and committed once",
     "save_safetensors": "the final model is saved with save_pretrained's default",
     "dataloader_pin_memory": "a host-to-device copy speed-up; planaria loads its own batches",
-    "per_device_eval_batch_size": _EVALUATION_OFF,
-    "eval_steps": _EVALUATION_OFF,
     "eval_delay": _EVALUATION_OFF,
     "eval_accumulation_steps": _EVALUATION_OFF,
     "eval_do_concat_batches": _EVALUATION_OFF,
@@ -136,9 +138,9 @@ REFUSED: dict[str, str] = {
     "group_by_length": _LOADER,
     "train_sampling_strategy": _LOADER,
     "auto_find_batch_size": "the global batch is fixed (it stays constant across resizes)",
-    "eval_on_start": "evaluation comes with a later change",
-    "load_best_model_at_end": "evaluation comes with a later change",
-    "metric_for_best_model": "evaluation comes with a later change",
+    "eval_on_start": "not mapped yet: planaria evaluates after every eval_steps steps",
+    "load_best_model_at_end": "the final model is the trained one; planaria keeps no best",
+    "metric_for_best_model": "the final model is the trained one; planaria keeps no best",
     "push_to_hub": "planaria does not upload; push the saved output_dir yourself",
     "deepspeed": _OWN_SHARDING,
     "fsdp": _OWN_SHARDING,

@@ -30,6 +30,7 @@ from planaria.integrations.transformers.factories import (
     DatasetSource,
     ModelFromWeights,
     ModelInit,
+    eval_loss,
     model_loss,
 )
 
@@ -82,11 +83,9 @@ class ElasticTrainer:
                           compute_loss_func=compute_loss_func, optimizers=optimizers,
                           optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                           processing_class=processing_class, tokenizer=tokenizer)
-        plan_evaluation(self.args, eval_dataset)
         self.model = model if model is not None else model_init()  # type: ignore[misc]
         self.model_init = model_init
         self.processing_class = processing_class if processing_class is not None else tokenizer
-        self.eval_dataset = eval_dataset  # kept for the evaluation to come
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.train_dataset, collate = _prepare_data(self.model, self.args, train_dataset,
@@ -94,6 +93,11 @@ class ElasticTrainer:
         self.data_collator = collate
         self.plan: TrainingPlan = plan_training(self.args, replicas=replicas,
                                                 num_samples=len(self.train_dataset))
+        self.eval_every = plan_evaluation(
+            self.args, eval_dataset, compute_metrics, steps=self.plan.steps,
+            steps_per_epoch=-(-len(self.train_dataset) // self.plan.global_batch_size))
+        self.eval_dataset = None if eval_dataset is None else _prepare_data(
+            self.model, self.args, eval_dataset, collate)[0]
         self.callbacks = list(callbacks or [])
         self.replicas, self.spares, self.chaos, self.policy = replicas, spares, chaos, policy
         self.checkpoint = checkpoint if checkpoint is not None else self.plan.checkpoint()
@@ -122,6 +126,9 @@ class ElasticTrainer:
             lr_scheduler=plan.scheduler, grad_clip_norm=plan.grad_clip_norm, seed=plan.seed,
             precision=plan.precision, compile=plan.compile, compile_options=plan.compile_options,
             name=type(self.model).__name__,
+            eval_dataset=None if self.eval_dataset is None else DatasetSource(self.eval_dataset),
+            evaluate=None if self.eval_dataset is None else eval_loss,
+            eval_batch_size=self.args.per_device_eval_batch_size,
         )
 
     def train(self, resume_from_checkpoint: bool | None = None) -> TrainOutput:
@@ -144,7 +151,7 @@ class ElasticTrainer:
         self.result = fit(
             self.spec(), steps=self.plan.steps, replicas=self.replicas, run_dir=self.run_dir,
             spares=self.spares, chaos=self.chaos, checkpoint=checkpoint, policy=self.policy,
-            listeners=[self.bridge], **self.options,
+            listeners=[self.bridge], eval_every=self.eval_every, **self.options,
         )
         self.model.load_state_dict(self.result.state_dict)
         self.save_model()
