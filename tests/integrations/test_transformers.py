@@ -184,7 +184,8 @@ def three_with_a_kill(tmp_path_factory, ray_cluster):
     out = tmp_path_factory.mktemp("elastic")
     recorder = Recorder()
     args = arguments(out, save_strategy="steps", save_steps=4, eval_strategy="steps",
-                     eval_steps=4, per_device_eval_batch_size=EVAL_BATCH)
+                     eval_steps=4, per_device_eval_batch_size=EVAL_BATCH,
+                     report_to="tensorboard")
     trainer = ElasticTrainer(tiny_gpt2(), args, train_dataset=samples(),
                              eval_dataset=samples()[:EVAL_SAMPLES], callbacks=[recorder],
                              replicas=3, chaos="kill:w1@step3")
@@ -238,6 +239,20 @@ def test_the_evaluation_equals_trainers_evaluate_of_the_same_weights(three_with_
     expected = alone.evaluate()["eval_loss"]
     assert final["eval_loss"] == pytest.approx(expected, rel=1e-5)
     assert [e.step for e in trainer.result.evals] == [4, 8]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_report_to_feeds_planarias_tracker(three_with_a_kill):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer, _, _, _ = three_with_a_kill
+    trackers = trainer.run_dir / "trackers"
+    (folder,) = {p.parent for p in trackers.rglob("events.out.tfevents.*")}
+    scalars = EventAccumulator(str(folder)).Reload()
+    losses = [e.value for e in scalars.Scalars("train/loss")]
+    assert losses == pytest.approx([loss for _, loss in trainer.result.losses])
 
 
 @pytest.mark.multiprocess
@@ -338,7 +353,7 @@ def test_the_final_save_writes_the_model_and_the_processing_class(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "named"), [
     ({"optim": "adafactor"}, "optim='adafactor'"),
-    ({"report_to": "wandb"}, "report_to="),
+    ({"report_to": "comet_ml"}, "report_to="),
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
     ({"dataloader_drop_last": True}, "dataloader_drop_last=True"),
     ({"save_strategy": "epoch"}, "save_strategy='epoch'"),

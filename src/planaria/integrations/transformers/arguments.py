@@ -14,7 +14,18 @@ from planaria.faults.errors import ConfigError
 from planaria.integrations.transformers.factories import AdamWFactory, SchedulerFactory
 from planaria.integrations.transformers.fields import refuse_unhonoured
 
-__all__ = ["TrainingPlan", "plan_evaluation", "plan_training"]
+__all__ = ["REPORTED", "TrainingPlan", "plan_evaluation", "plan_training", "report_trackers"]
+
+REPORTED = ("tensorboard", "wandb", "mlflow")
+"""The ``report_to`` values planaria's own trackers take (planaria.observe.trackers)."""
+
+
+def report_trackers(args: Any) -> list[str]:
+    """``args.report_to`` as tracker names ("all" is every tracker planaria has)."""
+    report_to = args.report_to
+    names = [str(r) for r in ([report_to] if isinstance(report_to, str) else report_to or [])
+             if r != "none"]
+    return list(REPORTED) if names == ["all"] else names
 
 _log = logging.getLogger(__name__)
 
@@ -135,13 +146,11 @@ def _refuse_values(args: Any) -> None:
             "(write a TrainSpec with your optimizer factory)"
         )
     report_to = args.report_to
-    trackers = [r for r in ([report_to] if isinstance(report_to, str) else report_to or [])
-                if r != "none"]
-    if trackers:
+    unknown = [r for r in report_trackers(args) if r not in REPORTED]
+    if unknown:
         raise ConfigError(
-            f"report_to={report_to!r} is not valid: ElasticTrainer reports to no tracker yet "
-            "(trackers come with a later change); use report_to='none', and a TrainerCallback's "
-            "on_log to forward the logs meanwhile"
+            f"report_to={report_to!r} is not valid: planaria's trackers are "
+            f"{', '.join(REPORTED)} (fed from the controller's events); not {unknown}"
         )
     for name, allowed in (("logging_strategy", ("steps", "no")),
                           ("save_strategy", ("steps", "no"))):

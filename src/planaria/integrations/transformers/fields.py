@@ -46,7 +46,10 @@ HONOURED: dict[str, str] = {
     "save_strategy": "'steps': CheckpointConfig(every=save_steps); 'no': no periodic save",
     "save_steps": "CheckpointConfig.every (a float < 1: a ratio of steps)",
     "save_total_limit": "CheckpointConfig.keep_last",
-    "report_to": "'none' or [] only (trackers come with a later change)",
+    "report_to": "'tensorboard', 'wandb', 'mlflow' (or 'all'): planaria's trackers, fed "
+                 "from the controller's events (fit(loggers=...)); 'none' or []: none",
+    "logging_dir": "the trackers' folder (TrackerOptions.log_dir; transformers 4)",
+    "run_name": "the run's name in W&B and MLflow",
     "eval_strategy": "'steps' or 'epoch': RunConfig.eval_every (planaria's evaluation)",
     "evaluation_strategy": "transformers 4's name of eval_strategy",
     "eval_steps": "RunConfig.eval_every with eval_strategy='steps' (a float < 1: a ratio)",
@@ -71,13 +74,11 @@ _TRACKERS_OFF = "only used by report_to='trackio', which is refused"
 
 HARMLESS: dict[str, str] = {
     "overwrite_output_dir": "output cosmetics: the final save overwrites output_dir's files",
-    "logging_dir": "logging cosmetics: no tracker writes there (report_to is refused)",
     "logging_nan_inf_filter": "logging cosmetics: only the loss Trainer logs",
     "log_level": "logging cosmetics: Trainer's console verbosity",
     "log_level_replica": "logging cosmetics: Trainer's console verbosity",
     "log_on_each_node": "logging cosmetics: Trainer's console verbosity",
     "disable_tqdm": "logging cosmetics: Trainer's progress bar (planaria has its own display)",
-    "run_name": "logging cosmetics: a trackers' label (report_to is refused)",
     "project": "logging cosmetics: a trackers' label (report_to is refused)",
     "skip_memory_metrics": "logging cosmetics: Trainer's memory report",
     "include_num_input_tokens_seen": "logging cosmetics: a figure in Trainer's logs",

@@ -23,6 +23,7 @@ from planaria.integrations.transformers.arguments import (
     TrainingPlan,
     plan_evaluation,
     plan_training,
+    report_trackers,
 )
 from planaria.integrations.transformers.callbacks import CallbackBridge
 from planaria.integrations.transformers.factories import (
@@ -33,6 +34,7 @@ from planaria.integrations.transformers.factories import (
     eval_loss,
     model_loss,
 )
+from planaria.observe.trackers import TrackerOptions
 
 __all__ = ["ElasticTrainer"]
 
@@ -151,7 +153,13 @@ class ElasticTrainer:
         self.result = fit(
             self.spec(), steps=self.plan.steps, replicas=self.replicas, run_dir=self.run_dir,
             spares=self.spares, chaos=self.chaos, checkpoint=checkpoint, policy=self.policy,
-            listeners=[self.bridge], eval_every=self.eval_every, **self.options,
+            listeners=[self.bridge], eval_every=self.eval_every,
+            loggers=report_trackers(self.args),
+            tracker_options=TrackerOptions(
+                log_dir=(Path(str(getattr(self.args, "logging_dir", None)))  # transformers 4
+                         if getattr(self.args, "logging_dir", None) else None),
+                run_name=self.args.run_name),
+            **self.options,
         )
         self.model.load_state_dict(self.result.state_dict)
         self.save_model()
