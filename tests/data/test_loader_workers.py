@@ -77,8 +77,19 @@ def loader_of(dataset, processes: int) -> SampleLoader:
     return loader
 
 
+_OLDER: set[int] = set()
+"""Children of the test session from before the test (a storage server's): not loaders."""
+
+
+@pytest.fixture(autouse=True)
+def _older_children():
+    _OLDER.clear()
+    _OLDER.update(p.pid for p in psutil.Process().children())
+
+
 def children() -> list[psutil.Process]:
-    return psutil.Process().children()
+    """This process's children started by the test: its loader processes."""
+    return [p for p in psutil.Process().children() if p.pid not in _OLDER]
 
 
 def gone(pids, timeout_s: float) -> list[int]:
