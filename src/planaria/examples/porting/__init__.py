@@ -10,7 +10,7 @@ __all__ = ["PAIRS", "diff"]
 
 HERE = Path(__file__).parent
 
-PAIRS = {"ddp": ("ddp_before.py", "ddp_after.py")}
+PAIRS = {"ddp": ("ddp_before.py", "ddp_after.py"), "hf": ("hf_before.py", "hf_after.py")}
 """Name -> (before, after) file names in this folder."""
 
 
