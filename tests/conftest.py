@@ -90,3 +90,41 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         lines = log.read_text(errors="replace").splitlines()[-EVENTS_SHOWN:]
         report.sections.append((f"events: {log.relative_to(tmp)}", "\n".join(
             line[:400] for line in lines)))
+
+
+EXTENDED_VARIANTS = frozenset({
+    # A second or third variant of a scenario another test of the same function (or file)
+    # keeps in the default suite, moved to ``-m extended`` to keep the default suite short.
+    "tests/control/test_fleet_preemption.py::test_a_reclaim_wave_inside_a_step_is_saved_and_restored[sharded-replicas]",
+    "tests/control/test_fleet_preemption.py::test_a_reclaim_wave_inside_a_step_is_saved_and_restored[short-steps]",
+    "tests/control/test_ray_daemons.py::test_the_raylet_killed_mid_run_ends_the_job_with_a_save_and_leaves_nothing[cold]",
+    "tests/control/test_ray_daemons.py::test_a_sigkilled_controller_leaves_no_process_of_its_job[group]",
+    "tests/control/test_ray_daemons.py::test_the_raylet_of_a_cluster_killed_ends_the_job_and_leaves_its_gcs_alone",
+    "tests/worker/test_sharded.py::test_a_fault_of_one_worker_takes_its_replica_out[hang-follower-before-reduce]",
+    "tests/worker/test_sharded.py::test_a_fault_of_one_worker_takes_its_replica_out[preempt-follower]",
+    "tests/worker/test_sharded.py::test_a_sharded_checkpoint_restores_at_another_k[into-2x1]",
+    "tests/worker/test_sharded.py::test_a_sharded_checkpoint_restores_at_another_k[into-1x4]",
+    "tests/control/test_autonomous.py::test_a_fault_after_the_reduction_keeps_the_step[preempt]",
+    "tests/control/test_autonomous.py::test_a_fault_at_each_phase_of_the_loop[kill-loaded]",
+    "tests/control/test_autonomous.py::test_a_fault_at_each_phase_of_the_loop[hang-applied]",
+    "tests/control/test_autonomous.py::test_the_status_carries_the_metrics_in_the_gradients_reduce_or_beside_it[40]",
+    "tests/checkpoint/test_durable_saves.py::test_a_controller_killed_after_a_save_was_written_restores_that_save[steps_after]",
+    "tests/checkpoint/test_checkpoint_trust.py::test_every_replica_lost_and_no_checkpoint_restores[True]",
+    "tests/checkpoint/test_checkpointing.py::test_restore_at_any_width[1-read_all]",
+    "tests/data/test_dataset_randomness.py::test_an_augmenting_dataset_trains_the_same_at_any_width_and_through_a_kill[torch-inline]",
+    "tests/data/test_dataset_randomness.py::test_only_a_dataset_drawing_from_the_globals_loses_the_loader_thread[quiet]",
+    "tests/integrations/test_lightning.py::test_fit_lightning_returns_fits_result_with_the_metrics",
+    "tests/integrations/test_lightning.py::test_manual_optimization_is_refused_from_the_workers",
+    "tests/integrations/test_lightning.py::test_the_example_runs_with_a_kill",
+    "tests/integrations/test_transformers.py::test_the_example_runs_with_a_kill",
+    "tests/control/test_evaluation.py::test_the_eval_collate_batches_the_eval_set_and_the_training_keeps_its_own",
+    "tests/control/test_evaluation.py::test_a_sharded_replica_evaluates_with_its_workers_together",
+})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks :data:`EXTENDED_VARIANTS` ``extended`` before ``-m`` selects."""
+    for item in items:
+        if item.nodeid in EXTENDED_VARIANTS:
+            item.add_marker(pytest.mark.extended)
