@@ -120,3 +120,18 @@ def run_to(job: Any, steps: int) -> dict:
         except planaria.Failure as failure:
             job.recovery.handle(failure)
     return job.model_state_dict()
+
+
+def run_with_evals(job: Any, steps: int) -> None:
+    """fit()'s loop on an open job, the last evaluation included, recovering from every
+    failure (one during an evaluation too: it runs again over the new width)."""
+    import planaria
+
+    while job.steps_done < steps or job.evaluation.due():
+        try:
+            if job.steps_done < steps:
+                job.run_steps(steps)
+            else:
+                job.evaluation.if_due()
+        except planaria.Failure as failure:
+            job.recovery.handle(failure)

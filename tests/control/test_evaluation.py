@@ -18,7 +18,13 @@ import torch
 import planaria
 from planaria import Job, RunConfig, UserCodeError, fit
 from planaria.examples import mlp
-from tests.assertions import assert_exactly_once, assert_same_state, events, of
+from tests.assertions import (
+    assert_exactly_once,
+    assert_same_state,
+    events,
+    of,
+    run_with_evals,
+)
 
 # The workers unpickle this module's helpers by value: they cannot import the tests package.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -58,19 +64,6 @@ def assert_close_figures(a: list[planaria.EvalResult], b: list[planaria.EvalResu
     for x, y in zip(a, b, strict=True):
         assert x.metrics.keys() == y.metrics.keys()
         torch.testing.assert_close(x.metrics, y.metrics, atol=1e-6, rtol=1e-5)
-
-
-def run_with_evals(job: Job, steps: int) -> None:
-    """fit()'s loop on an open job, the last evaluation included, recovering from every
-    failure (one during an evaluation too: it runs again over the new width)."""
-    while job.steps_done < steps or job.evaluation.due():
-        try:
-            if job.steps_done < steps:
-                job.run_steps(steps)
-            else:
-                job.evaluation.if_due()
-        except planaria.Failure as failure:
-            job.recovery.handle(failure)
 
 
 def one_process_figures() -> dict[str, float]:

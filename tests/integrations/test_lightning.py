@@ -21,7 +21,7 @@ from planaria import ConfigError, RunConfig, UserCodeError  # noqa: E402
 from planaria.data.plan import DataPlan  # noqa: E402
 from planaria.data.randomness import factory_seed, seed_globals  # noqa: E402
 from planaria.integrations import lightning as adapter  # noqa: E402
-from tests.assertions import assert_exactly_once, drive, events, of  # noqa: E402
+from tests.assertions import assert_exactly_once, drive, events, of, run_with_evals  # noqa: E402
 
 # The workers unpickle this module's helpers by value: they cannot import the tests package.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -214,14 +214,7 @@ def test_validation_at_3_replicas_is_lightnings_and_the_same_at_1(tmp_path, ray_
                                        eval_every=every))
     with job:
         first = job.evaluate()
-        while job.steps_done < steps or job.evaluation.due():
-            try:
-                if job.steps_done < steps:
-                    job.run_steps(steps)
-                else:
-                    job.evaluation.if_due()
-            except planaria.Failure as failure:
-                job.recovery.handle(failure)
+        run_with_evals(job, steps)
         state = job.model_state_dict()
         evals = [e for e in job.evaluation.results if e.step]
     assert (first.step, first.samples) == (0, VAL_N)
