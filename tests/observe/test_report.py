@@ -95,6 +95,14 @@ def test_report_main_json_is_one_object(run_dir: Path, tmp_path: Path, capsys: A
     assert data["goodput"] + sum(data["badput"].values()) == pytest.approx(1.0)
 
 
+def test_report_shows_the_resolved_config(run_dir: Path, capsys: Any) -> None:
+    (run_dir / "config.json").write_text(json.dumps({"replicas": 3, "steps": 20}))
+    assert report_main(run_dir, json=True, png=run_dir / "t.png") == 0
+    assert json.loads(capsys.readouterr().out)["config"] == {"replicas": 3, "steps": 20}
+    assert report_main(run_dir) == 0
+    assert "replicas=3" in capsys.readouterr().out
+
+
 def test_report_main_damaged_log_warns(run_dir: Path, capsys: Any) -> None:
     with (run_dir / "events.jsonl").open("a") as f:
         f.write('{"t": 22.0, "event": "run_st')

@@ -216,14 +216,30 @@ def report_main(run_dir: str | Path, json: bool = False, png: str | Path | None 
         written = plot_timeline(read.events, summary, png_path)
     except OSError as err:
         summary.warnings.append(f"could not write {png_path}: {err}")
+    config = _resolved_config(base if base.is_dir() else base.parent)
     if json:
         out = summary.to_json()
         out["timeline_png"] = str(written) if written else None
+        out["config"] = config
         sys.stdout.write(_json.dumps(out, default=str) + "\n")
         sys.stdout.flush()
     else:
         console = Console()
         render_summary(summary, console)
+        if config:
+            console.print("config (RUN_DIR/config.json): " + ", ".join(
+                f"{k}={v}" for k, v in config.items() if v not in (None, False, [], {})),
+                highlight=False)
         if written:
             console.print(f"timeline: {written}", highlight=False)
     return 0
+
+
+def _resolved_config(run_dir: Path) -> dict[str, Any] | None:
+    """The options ``planaria run`` resolved (``RUN_DIR/config.json``), if it wrote them."""
+    path = run_dir / "config.json"
+    try:
+        loaded = _json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
