@@ -189,6 +189,10 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
         help="workers per replica, sharding its state with FSDP2 (a replica fails as one)",
     )
     p.add_argument("--ledger", action="store_true", help="record the samples every step served")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="evaluate the spec's eval set every N committed steps")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="processes per worker that load samples (for costly decoding)")
     p.add_argument(
         "--overlap-reduction", action="store_true",
         help="all-reduce the gradients in buckets during the last backward (as DDP does)",
@@ -300,6 +304,8 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             chaos=args.chaos,
             checkpoint=checkpoint,
             ledger=args.ledger,
+            eval_every=args.eval_every,
+            loader_workers=args.loader_workers,
             verify_every=args.verify_every,
             spares=args.spares,
             warm_start={"auto": None, "on": True, "off": False}[args.warm_start],
