@@ -68,7 +68,8 @@ def fit(
     :class:`~planaria.faults.errors.ElasticRuntimeError`. ``options`` are further
     :class:`~planaria.config.RunConfig` fields (``ledger``, ``cpus_per_worker``, ...).
     ``on_step`` is called with each step as it commits (while its run of steps goes on,
-    on this thread; a step computed again after a restore is called again; an exception
+    on this thread: a step's record comes once the next step is applied, at most every
+    0.25 s; a step computed again after a restore is called again; an exception
     it raises ends the job). ``checkpoint`` is a :class:`~planaria.CheckpointConfig`; ``listeners``
     receive every event record as it is logged (progress display, Prometheus). A final
     save that does not commit raises :class:`~planaria.faults.errors.FinalSaveFailed` with the

@@ -1,5 +1,7 @@
 """``fit(on_step=...)`` is called as each step commits, while its run of steps goes on: step 3
-waits (bounded) for step 1's callback, in the same run, and records whether it came. Real
+waits (bounded) for step 1's callback, in the same run, and records whether it came. Rank 0
+publishes a step's record once the next step is applied, at most every ``STREAM_S``: the
+steps before step 3 last at least that long each (a micro-batch sleeps ``STREAM_S``). Real
 workers."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import ray
 
 from planaria import fit
 from planaria.examples import mlp
+from planaria.worker.run_loop import STREAM_S
 from tests.assertions import events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -33,6 +36,8 @@ class WaitsForTheFirstCallback:
 
     def __call__(self, model, batch):
         self.calls += 1
+        if self.calls <= 3 * (G // MBS):  # steps 0-2: as long as the stream's period at least
+            time.sleep(STREAM_S)
         if self.calls > 3 * (G // MBS):  # step 3 on (one replica runs every micro-batch)
             end = time.monotonic() + 60
             while not os.path.exists(self.called) and time.monotonic() < end:
