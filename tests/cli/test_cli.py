@@ -148,7 +148,9 @@ def test_a_url_run_dir_is_refused_before_anything_is_written(tmp_path, monkeypat
 
 def test_checkpoint_options_on_the_command_line(tmp_path):
     """Checkpoints by default (auto), none on request; the first line says where they go."""
-    from planaria.cli.main import _checkpoint_config, _checkpoint_line, _parser
+    from planaria.cli.main import _parser
+    from planaria.cli.run_dir import checkpoint_config as _checkpoint_config
+    from planaria.cli.run_dir import checkpoint_line as _checkpoint_line
     from planaria.faults.errors import ConfigError
 
     def config(*options: str):

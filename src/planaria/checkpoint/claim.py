@@ -19,7 +19,7 @@ from planaria.checkpoint.restore import CheckpointInfo
 from planaria.checkpoint.retention import clean_leftovers, delete_checkpoint
 from planaria.checkpoint.root import CheckpointRoot
 
-__all__ = ["claim_root", "probe_root"]
+__all__ = ["claim_root", "probe_root", "refuse_other_runs"]
 
 _log = logging.getLogger("planaria.checkpoint")
 
@@ -47,7 +47,7 @@ def claim_root(root: CheckpointRoot, members: Sequence[Member], log: EventSink) 
         else:
             parent, mode = (), config.on_other_run
             if committed and mode == "refuse":
-                raise OtherRunCheckpoints(_other_runs_message(root.root, committed, runs))
+                refuse_other_runs(root, committed, runs)
             if committed and mode == "overwrite":
                 st = root.storage()
                 for c in committed:
@@ -89,6 +89,19 @@ def probe_root(root: CheckpointRoot, members: Sequence[Member]) -> None:
             + "; ".join(f"{n}: {e}" for n, e in sorted(bad.items()))
             + "): use storage every node reaches (a shared file system, s3://, gs://)"
         )
+
+
+def refuse_other_runs(root: CheckpointRoot, committed: list[CheckpointInfo] | None = None,
+                      runs: dict[int, str | None] | None = None) -> None:
+    """Raises :class:`OtherRunCheckpoints`, the refusal a run that does not resume meets
+    with ``on_other_run="refuse"``, when ``root`` holds committed checkpoints (``committed``
+    and ``runs``, each one's run by step: the root's, when the caller has read them). Also
+    checked before a job starts anything (``planaria run``), so that the refusal comes
+    before Ray and the workers start."""
+    committed = root.committed() if committed is None else committed
+    if committed:
+        runs = {c.step: root.run_of(c) for c in committed} if runs is None else runs
+        raise OtherRunCheckpoints(_other_runs_message(root.root, committed, runs))
 
 
 def _other_runs_message(where: str, committed: list[CheckpointInfo],

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -13,6 +11,7 @@ from typing import Any
 from planaria.cli.ckpt import MissingPath, ckpt_main
 from planaria.cli.config_file import write_resolved
 from planaria.cli.flags import HelpWithDefaults, with_global_flags
+from planaria.cli.run_dir import before_start, checkpoint_config, checkpoint_line, storage_options
 from planaria.cli.spec_file import load_spec
 from planaria.cli.tracking import (
     add_tracking_flags,
@@ -64,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", type=Path)
     report.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     report.add_argument("--png", type=Path, default=None, help="where the timeline goes")
+    report.add_argument("--run", default=None, metavar="ID",
+                        help="the run to report (default: the run dir's latest)")
+    report.add_argument("--all", action="store_true", help="list the run dir's runs")
 
     plan = sub.add_parser(
         "plan", help="simulate a large job: goodput per recovery strategy, best checkpoint interval"
@@ -111,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     export = ck.add_parser("export", help="the model weights as one safetensors file")
     export.add_argument("path")
     export.add_argument("--out", required=True)
+    for command in (ls, verify, export):  # export: the options reach both ends
+        command.add_argument(
+            "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+            help="an fsspec storage option for a URL, e.g. endpoint_url=http://minio:9000 "
+            "(as --checkpoint-storage-option)")
     with_global_flags(parser)
     return parser
 
@@ -212,62 +219,6 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
-def _storage_options(pairs: list[str]) -> dict[str, Any]:
-    """``--checkpoint-storage-option KEY=VALUE`` pairs as fsspec storage options."""
-    from planaria.faults.errors import ConfigError
-
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(
-                f"--checkpoint-storage-option {pair!r} is not valid: KEY=VALUE, e.g. "
-                "endpoint_url=http://127.0.0.1:9000"
-            )
-        try:
-            value: Any = json.loads(text)
-        except ValueError:
-            value = text
-        options[key.strip()] = value
-    return options
-
-
-def _checkpoint_config(args: argparse.Namespace) -> Any:
-    """The checkpoint options as a CheckpointConfig; None when there is nothing to save or
-    resume (``--checkpoint-every none --no-resume``)."""
-    from planaria.checkpoint.config import CheckpointConfig
-
-    every = args.checkpoint_every
-    if every is not None and str(every).strip().lower() in ("none", "off", "never"):
-        every = None
-    if every is None and args.no_resume:
-        return None
-    return CheckpointConfig.from_cli(
-        every=every, resume=not args.no_resume, root=args.checkpoint_root,
-        on_other_run=args.checkpoint_on_other_run,
-        storage_options=_storage_options(args.checkpoint_storage_option),
-    )
-
-
-def _checkpoint_line(checkpoint: Any, run_dir: Path) -> str:
-    """The run's first line: where checkpoints go (or that none are saved)."""
-    if checkpoint is None or checkpoint.every is None:
-        resume = (f"; resuming from those under {_root(checkpoint, run_dir)}"
-                  if checkpoint is not None else "")
-        return ("checkpoints: none saved (--checkpoint-every none): a crash of this process "
-                f"retrains from step 0{resume}")
-    resume = "resumes from the newest there" if checkpoint.resume else "no resume"
-    every = str(checkpoint.every)
-    every = f"{every} steps" if every.strip().isdigit() else every
-    return (f"checkpoints: every {every} under {_root(checkpoint, run_dir)} "
-            f"({resume}; --checkpoint-every none saves none)")
-
-
-def _root(checkpoint: Any, run_dir: Path) -> str:
-    root = checkpoint.root or str(run_dir / "checkpoints")
-    return root if "://" in root else os.path.abspath(root)
-
-
 def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
     from planaria.control.policy import RecoveryPolicy
     from planaria.fit import fit
@@ -286,8 +237,8 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
         from planaria.observe.logs import log_event
 
         listeners.append(log_event)
-    checkpoint = _checkpoint_config(args)
-    print(_checkpoint_line(checkpoint, run_dir))
+    checkpoint = checkpoint_config(args)
+    print(checkpoint_line(checkpoint, run_dir))
     policy = RecoveryPolicy(on_worker_lost=args.on_worker_lost, min_replicas=args.min_replicas)
     display.start()
     try:
@@ -370,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             args.run_dir = local_run_dir(args.run_dir)  # a URL is refused before any write
+            finished = before_start(args.run_dir, args.steps, checkpoint_config(args))
+            if finished is not None:  # nothing to train: Ray and the workers never start
+                print(finished)
+                return 0
             spec = load_spec(args.target, getattr(args, "spec_args", None))
             write_resolved(args, args.run_dir)
             result = _train(args, spec, args.run_dir)
@@ -383,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from planaria.observe.report import report_main
 
-            return report_main(args.run_dir, json=args.json, png=args.png)
+            return report_main(args.run_dir, json=args.json, png=args.png, run=args.run,
+                               all_runs=args.all)
         if args.command == "ckpt":
             return ckpt_main(args)
         if args.command == "plan":
@@ -435,7 +391,7 @@ def _final_save_failed(err: Any, args: argparse.Namespace) -> int:
               f"{err.__cause__ or err}", file=sys.stderr)
         fallback = getattr(args, "final_save_fallback", None)
         if fallback:
-            options = _storage_options(args.checkpoint_storage_option) if "://" in fallback else {}
+            options = storage_options(args.checkpoint_storage_option) if "://" in fallback else {}
             try:
                 saved = job.save(root=fallback, storage_options=options)
             except Exception as again:
@@ -462,6 +418,10 @@ def _demo(args: argparse.Namespace) -> int:
     from planaria.examples import tiny_gpt
 
     run_dir = local_run_dir(args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
+    finished = before_start(run_dir, args.steps, checkpoint_config(args))
+    if finished is not None:
+        print(finished)
+        return 0
     write_resolved(args, run_dir)
     if args.chaos is None and not args.no_chaos:
         args.chaos = f"kill:w1@step{max(1, args.steps // 3)}"

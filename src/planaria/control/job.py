@@ -117,7 +117,8 @@ class Job:
     def start(self) -> None:
         """Starts Ray (or joins a cluster), hosts the store, starts workers, builds generation 0."""
         cfg, spec = self.config, self.spec
-        startup.log_run_start(self.log, self.run_id, spec, cfg, self.policy)
+        resume = self.checkpoint_config is not None and self.checkpoint_config.resume
+        startup.log_run_start(self.log, self.run_id, spec, cfg, self.policy, resume=resume)
         rt = self.runtime
         rt.start(self.check_ray)
         self.store, self.store_host, self.liveness, self.pool = (rt.store, rt.store_host,

@@ -10,6 +10,9 @@ checkpoint's, or the seed's at 0), ``sample_skipped`` leaves samples out. The le
 earlier one's until the newest commits a step) and the steps it committed.
 :mod:`planaria.control.takeover` rebuilds the controller's state from this and from the
 live workers' reports.
+
+:func:`finished_job` reads the run dir and its checkpoint root for a job run again with
+nothing left to train (``planaria run`` says so and starts nothing).
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from planaria.checkpoint.config import CheckpointConfig
+from planaria.checkpoint.newest import lineage_checkpoints
+from planaria.checkpoint.root import CheckpointRoot
 from planaria.data.ledger import Ledger
+from planaria.faults.errors import CheckpointError, StorageError
 from planaria.observe.events import EVENTS_FILE, read_events
 
-__all__ = ["RunRecord", "read_run_record"]
+__all__ = ["FinishedJob", "RunRecord", "finished_job", "read_run_record"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,3 +96,59 @@ def read_run_record(run_dir: str | Path) -> RunRecord:
         fields.update(ledger_run=records[-1].get("run") if records else None,
                       ledger_steps=commits[-1] + 1 if commits else 0)
     return RunRecord(**fields)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishedJob:
+    """A job that has trained its steps already (see :func:`finished_job`)."""
+
+    step: int
+    """The step of its newest committed checkpoint: the steps it trained."""
+    run_id: str
+    """The run (``run_start.run_id``) whose end says it finished."""
+    checkpoint: str
+    """That checkpoint's path."""
+
+
+def finished_job(run_dir: str | Path, steps: int,
+                 checkpoint: CheckpointConfig | None) -> FinishedJob | None:
+    """The job in ``run_dir`` if running it again to ``steps`` would train nothing, else
+    None; reads the event log and the checkpoint root's listing and commit markers, starts
+    nothing. Finished means all of:
+
+    - the run resumes (``checkpoint`` given with ``resume``): a run that does not is a new
+      job;
+    - the event log's newest controller ended cleanly: its segment's ``run_end`` has
+      status ``ok`` and a ``step`` of at least ``steps`` (a run that failed, was
+      interrupted or crashed is not finished, and resumes as before);
+    - the newest committed checkpoint of the lineage that run continued (its
+      ``checkpoint_lineage`` record) under the root ``checkpoint`` names has a step of at
+      least ``steps``: what a resume would restore has trained them (the final save
+      committed). Whether it verifies is left to the resume of a job given more steps.
+    """
+    if checkpoint is None or not checkpoint.resume:
+        return None
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.exists():
+        return None
+    events = read_events(path).events
+    starts = [i for i, e in enumerate(events) if e["event"] == "run_start"]
+    if not starts:
+        return None
+    last = events[starts[-1]:]
+    end = next((e for e in reversed(last) if e["event"] == "run_end"), None)
+    lineage = next((e for e in last if e["event"] == "checkpoint_lineage"), None)
+    if end is None or end.get("status") != "ok" or int(end.get("step") or 0) < steps:
+        return None
+    if lineage is None or not isinstance(lineage.get("lineage"), list):
+        return None
+    root = CheckpointRoot(checkpoint, run_dir)
+    try:
+        newest = lineage_checkpoints(root.root, lineage["lineage"], storage_options=root.options,
+                                     attempts=checkpoint.storage_attempts).candidates
+    except (OSError, ValueError, CheckpointError, StorageError):  # the job's start says why
+        return None
+    if not newest or newest[0].step < steps:
+        return None
+    return FinishedJob(step=newest[0].step, run_id=str(last[0]["run_id"]),
+                       checkpoint=newest[0].path)

@@ -49,10 +49,12 @@ class ProcessMarker(Protocol):
 
 
 def log_run_start(log: EventLog, run_id: str, spec: TrainSpec, config: RunConfig,
-                  policy: RecoveryPolicy) -> None:
-    """The event log's first record: what the job is."""
+                  policy: RecoveryPolicy, *, resume: bool) -> None:
+    """The event log's first record: what the job is; ``resume``: whether it continues the
+    job the run dir's previous runs trained (it resumes their checkpoints) rather than
+    starting a new one (planaria.observe.segments.split_runs)."""
     log.emit(
-        "run_start", run_id=run_id, replicas=config.replicas, steps=config.steps,
+        "run_start", run_id=run_id, resume=resume, replicas=config.replicas, steps=config.steps,
         start_step=None,  # known once a checkpoint is (or is not) resumed: see `restore`
         global_batch_size=spec.global_batch_size, micro_batch_size=spec.micro_batch_size,
         seed=spec.seed, num_samples=None, config=describe(config, policy),

@@ -42,6 +42,7 @@ from planaria.observe.segments import (
     Segment,
     num,
     replica_efficiency,
+    select_run,
     split_segments,
     throughput_series,
 )
@@ -289,8 +290,13 @@ def _evals(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step, key=lambda s: num(s) or 0)]
 
 
-def summarize(source: str | Path | Iterable[dict[str, Any]]) -> RunSummary:
-    """The run summary of a run directory, an ``events.jsonl`` path, or records.
+def summarize(source: str | Path | Iterable[dict[str, Any]],
+              run: str | None = None) -> RunSummary:
+    """The summary of one run of a run directory, an ``events.jsonl`` path, or records: the
+    latest run, or the one ``run`` names (:func:`~planaria.observe.segments.select_run`:
+    a log holds several runs when a run dir was used again without resuming; a resumed
+    job stays one run of several segments). :class:`~planaria.observe.segments.UnknownRun`
+    if ``run`` names none.
 
     Damaged lines are skipped by :func:`planaria.observe.events.read_events`; their
     warnings are kept in ``RunSummary.warnings``.
@@ -301,6 +307,7 @@ def summarize(source: str | Path | Iterable[dict[str, Any]]) -> RunSummary:
         events, warnings = read.events, list(read.warnings)
     else:
         events = list(source)
+    events = select_run(events, run)
     segments = split_segments(events)
     if not segments:
         return RunSummary(warnings=warnings)

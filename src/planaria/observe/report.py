@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json as _json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,16 @@ from rich.table import Table
 
 from planaria.observe.events import read_events
 from planaria.observe.metrics import RunSummary, Stats, summarize
-from planaria.observe.segments import num, split_segments, throughput_series, width_series
+from planaria.observe.segments import (
+    UnknownRun,
+    num,
+    run_ids,
+    select_run,
+    split_runs,
+    split_segments,
+    throughput_series,
+    width_series,
+)
 
 __all__ = ["plot_timeline", "render_summary", "report_main"]
 
@@ -194,26 +204,39 @@ def plot_timeline(
     return out
 
 
-def report_main(run_dir: str | Path, json: bool = False, png: str | Path | None = None) -> int:
+def report_main(run_dir: str | Path, json: bool = False, png: str | Path | None = None,
+                run: str | None = None, all_runs: bool = False) -> int:
     """The ``planaria report`` command: returns the exit status.
 
-    Writes the timeline to ``png`` (default ``RUN_DIR/timeline.png``) and prints
-    the rich summary, or with ``json=True`` exactly one JSON object to stdout
-    (``RunSummary.to_json()`` plus ``timeline_png``). 2 when there is no log.
+    Reports one run of the run dir's log (:func:`~planaria.observe.segments.select_run`):
+    the latest, or the one ``run`` names. Writes its timeline to ``png`` (default
+    ``RUN_DIR/timeline.png``) and prints the rich summary, or with ``json=True`` exactly
+    one JSON object to stdout (``RunSummary.to_json()`` plus ``timeline_png`` and
+    ``runs``: the ids of every run in the log, oldest first). ``all_runs``: a table of the
+    log's runs instead (with ``json``: a JSON list of their summaries), no picture. 2 when
+    there is no log or no such run.
     """
     try:
         read = read_events(run_dir)
     except FileNotFoundError as err:
         print(f"planaria report: {err}", file=sys.stderr)
         return 2
-    summary = summarize(read.events)
+    runs = split_runs(read.events)
+    if all_runs:
+        return _report_runs(runs, read.warnings, json=json)
+    try:
+        events = select_run(read.events, run)
+    except UnknownRun as err:
+        print(f"planaria report: {err}", file=sys.stderr)
+        return 2
+    summary = summarize(events)
     summary.warnings = list(read.warnings) + summary.warnings
     base = Path(run_dir)
     default = (base if base.is_dir() else base.parent) / TIMELINE_PNG
     png_path = Path(png) if png is not None else default
     written: Path | None = None
     try:
-        written = plot_timeline(read.events, summary, png_path)
+        written = plot_timeline(events, summary, png_path)
     except OSError as err:
         summary.warnings.append(f"could not write {png_path}: {err}")
     config = _resolved_config(base if base.is_dir() else base.parent)
@@ -221,10 +244,15 @@ def report_main(run_dir: str | Path, json: bool = False, png: str | Path | None 
         out = summary.to_json()
         out["timeline_png"] = str(written) if written else None
         out["config"] = config
+        out["runs"] = [ids[0] for r in runs if (ids := run_ids(r))]
         sys.stdout.write(_json.dumps(out, default=str) + "\n")
         sys.stdout.flush()
     else:
         console = Console()
+        if len(runs) > 1:
+            which = "the latest" if run is None else f"run {summary.run_id}"
+            console.print(f"this run dir holds {len(runs)} runs; shown: {which} (--all lists "
+                          "them, --run ID shows one)", highlight=False)
         render_summary(summary, console)
         if config:
             console.print("config (RUN_DIR/config.json): " + ", ".join(
@@ -232,6 +260,31 @@ def report_main(run_dir: str | Path, json: bool = False, png: str | Path | None 
                 highlight=False)
         if written:
             console.print(f"timeline: {written}", highlight=False)
+    return 0
+
+
+def _report_runs(runs: list[list[dict[str, Any]]], warnings: list[str], *, json: bool) -> int:
+    """``planaria report --all``: one row (or JSON summary) per run of the log, oldest first."""
+    summaries = [summarize(r) for r in runs]
+    if json:
+        sys.stdout.write(_json.dumps([s.to_json() for s in summaries], default=str) + "\n")
+        sys.stdout.flush()
+        return 0
+    table = Table(title=f"{len(runs)} runs (planaria report RUN_DIR --run ID shows one)")
+    for col in ("run", "started", "status", "segments", "steps", "wall", "goodput"):
+        table.add_column(col, justify="left" if col in ("run", "started", "status") else "right")
+    for s in summaries:
+        steps = s.steps
+        done = f"{steps.get('committed', 0)}" + (f" / {steps['target']}"
+                                                 if steps.get("target") else "")
+        started = ("-" if s.start_t is None
+                   else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.start_t)))
+        table.add_row(str(s.run_id or "?"), started, s.status, str(s.segments), done,
+                      _s(s.wall_s), _pct(s.goodput))
+    console = Console()
+    console.print(table)
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
     return 0
 
 

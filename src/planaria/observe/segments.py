@@ -5,6 +5,13 @@ log). A segment ends at its ``run_end`` or, if the controller crashed, at the
 latest ``t`` among its records. Records before the first ``run_start`` (a log
 whose head was damaged) form an implicit segment that starts at its first
 record. The log is read in append order; ``t`` gives durations, never order.
+
+A run dir can hold several *runs* (jobs) in its one append-only log: a run is a
+``run_start`` that does not continue the job before it, with the segments that resume
+it after (:func:`split_runs`). Whether a ``run_start`` continues is its ``resume`` field
+(true: it resumes the run dir's checkpoints); a log written before that field existed
+tells by the segment's ``checkpoint_lineage`` record (``mode`` other than ``resume``:
+a new run), and counts a segment without either as a continuation, as it always did.
 """
 
 from __future__ import annotations
@@ -16,8 +23,12 @@ from typing import Any
 
 __all__ = [
     "Segment",
+    "UnknownRun",
     "num",
     "replica_efficiency",
+    "run_ids",
+    "select_run",
+    "split_runs",
     "split_segments",
     "step_of",
     "throughput_series",
@@ -79,6 +90,55 @@ def split_segments(events: Iterable[dict[str, Any]]) -> list[Segment]:
         if record["event"] == "run_end":
             seg.run_end = record
     return segments
+
+
+def _continues(segment: Segment) -> bool:
+    """Whether a segment resumes the run before it (see the module docstring)."""
+    start = segment.run_start
+    if start is None:
+        return True
+    if "resume" in start:
+        return bool(start["resume"])
+    lineage = next((e for e in segment.events if e["event"] == "checkpoint_lineage"), None)
+    return lineage is None or lineage.get("mode", "resume") == "resume"
+
+
+def split_runs(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The log's records cut into runs (jobs), oldest first: a ``run_start`` that does not
+    continue the job before it opens a run (see the module docstring)."""
+    runs: list[list[dict[str, Any]]] = []
+    for seg in split_segments(events):
+        if not runs or not _continues(seg):
+            runs.append([])
+        runs[-1].extend(seg.events)
+    return runs
+
+
+def run_ids(run: Sequence[dict[str, Any]]) -> list[str]:
+    """The ids of a run's segments (its ``run_start`` records), oldest first: the first is
+    the run's id."""
+    return [str(e["run_id"]) for e in run if e["event"] == "run_start" and e.get("run_id")]
+
+
+class UnknownRun(LookupError):
+    """No run in the log has the id asked for (the message lists those it has)."""
+
+
+def select_run(events: Iterable[dict[str, Any]], run_id: str | None = None
+               ) -> list[dict[str, Any]]:
+    """The records of one run of the log: the latest, or the one ``run_id`` names (the id
+    of any of its segments, or a prefix of one that fits one run only); :class:`UnknownRun`
+    if none or several do. An empty log gives an empty list."""
+    runs = split_runs(events)
+    if run_id is None:
+        return runs[-1] if runs else []
+    found = [r for r in runs if run_id in run_ids(r)] or [
+        r for r in runs if any(i.startswith(run_id) for i in run_ids(r))]
+    if len(found) != 1:
+        known = ", ".join(ids[0] for r in runs if (ids := run_ids(r))) or "none"
+        how = "no run" if not found else f"{len(found)} runs"
+        raise UnknownRun(f"{how} in this log with the id {run_id!r} (its runs: {known})")
+    return found[0]
 
 
 def replica_efficiency(segments: Sequence[Segment]) -> float | None:
