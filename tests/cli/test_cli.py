@@ -195,11 +195,32 @@ def test_default_run_checkpoints_and_a_second_run_resumes(tmp_path, capsys):
         f"checkpoints: every auto under {run_dir.resolve() / 'checkpoints'}")
     steps = [c.step for c in list_checkpoints(str(run_dir / "checkpoints")) if c.committed]
     assert steps == [4]
+    assert main([*base, "--steps", "4"]) == 0  # finished: says so, starts nothing
+    assert "the job finished at step 4" in capsys.readouterr().out
     assert main([*base, "--steps", "6"]) == 0
     (restore,) = [e for e in read_events(run_dir).events if e["event"] == "restore"]
     assert restore["step"] == 4 and restore["reason"] == "resume"
     steps = [c.step for c in list_checkpoints(str(run_dir / "checkpoints")) if c.committed]
     assert steps == [4, 6]
+    capsys.readouterr()
+    # --no-resume beside them: refused (before Ray: see tests/cli/test_run_dirs.py), then
+    # overwritten on request; that run is a new run of the run dir, reported alone.
+    assert main([*base, "--steps", "2", "--no-resume"]) == 1
+    assert "--checkpoint-on-other-run overwrite" in capsys.readouterr().err
+    assert main([*base, "--steps", "2", "--no-resume", "--checkpoint-on-other-run",
+                 "overwrite"]) == 0
+    steps = [c.step for c in list_checkpoints(str(run_dir / "checkpoints")) if c.committed]
+    assert steps == [2]
+    capsys.readouterr()
+    assert main(["report", str(run_dir), "--json"]) == 0
+    latest = json.loads(capsys.readouterr().out)
+    assert latest["steps"]["committed"] == 2 and latest["segments"] == 1
+    assert len(latest["runs"]) == 2
+    assert main(["report", str(run_dir), "--json", "--run", latest["runs"][0]]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["steps"]["committed"] == 6 and first["segments"] == 2
+    assert main(["report", str(run_dir), "--all"]) == 0
+    assert "2 runs" in capsys.readouterr().out
 
 
 @pytest.mark.multiprocess
@@ -208,8 +229,9 @@ def test_default_run_checkpoints_and_a_second_run_resumes(tmp_path, capsys):
 def test_checkpoints_on_s3_from_the_command_line_and_a_resume_from_there(
         tmp_path, capsys, s3_options):
     """`--checkpoint-root s3://...` with the endpoint and keys as storage options: the run's
-    checkpoints are in the bucket (none in the run dir), and a run with another local run
-    dir resumes from them."""
+    checkpoints are in the bucket (none in the run dir, which keeps the event log), `ckpt ls`
+    lists them, the same command says the job finished, with more steps resumes from the
+    bucket, and a run with another local run dir resumes from them."""
     from planaria.checkpoint import list_checkpoints
 
     root = "s3://planaria-ckpt/cli-run"
@@ -220,12 +242,27 @@ def test_checkpoints_on_s3_from_the_command_line_and_a_resume_from_there(
     assert capsys.readouterr().out.splitlines()[0].startswith(
         f"checkpoints: every 3 steps under {root}")
     assert not (tmp_path / "a" / "checkpoints").exists()
+    assert not list((tmp_path / "a").rglob("step_*"))
+    assert (tmp_path / "a" / "events.jsonl").exists()
     committed = [c.step for c in list_checkpoints(root, storage_options=s3_options)
                  if c.committed]
     assert committed == [3, 6]
+    assert main(["ckpt", "ls", root, "--json",
+                 *(f"--storage-option={k}={v}" for k, v in s3_options.items())]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["committed"], r["verified"]) for r in rows] == [
+        (3, True, True), (6, True, True)]
+    assert main([*base, "--steps", "6", "--run-dir", str(tmp_path / "a")]) == 0
+    assert "the job finished at step 6" in capsys.readouterr().out  # read from the bucket
+    assert main([*base, "--steps", "7", "--run-dir", str(tmp_path / "a")]) == 0
+    (restore,) = [e for e in read_events(tmp_path / "a").events if e["event"] == "restore"]
+    assert restore["step"] == 6 and restore["path"] == f"{root}/step_000000006"
+    assert not list((tmp_path / "a").rglob("step_*"))
     assert main([*base, "--steps", "8", "--run-dir", str(tmp_path / "b")]) == 0
     (restore,) = [e for e in read_events(tmp_path / "b").events if e["event"] == "restore"]
-    assert restore["step"] == 6 and restore["path"] == f"{root}/step_000000006"
+    assert restore["step"] == 7 and restore["path"] == f"{root}/step_000000007"
     committed = [c.step for c in list_checkpoints(root, storage_options=s3_options)
                  if c.committed]
     assert committed[-1] == 8
+    assert [e["step"] for e in read_events(tmp_path / "b").events
+            if e["event"] == "run_end"] == [8]
