@@ -5,13 +5,14 @@ made before anything starts (a finished job, another run's checkpoints)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 from planaria.checkpoint.config import CheckpointConfig
-from planaria.faults.errors import ConfigError
+from planaria.faults.errors import ConfigError, StorageError
 
 __all__ = ["before_start", "checkpoint_config", "checkpoint_line", "storage_options"]
 
@@ -82,7 +83,9 @@ def before_start(run_dir: Path, steps: int, checkpoint: CheckpointConfig | None)
         from planaria.checkpoint.claim import refuse_other_runs
         from planaria.checkpoint.root import CheckpointRoot
 
-        refuse_other_runs(CheckpointRoot(checkpoint, run_dir))
+        # A root this process cannot read is left to the job's own start to report.
+        with contextlib.suppress(OSError, ValueError, StorageError):
+            refuse_other_runs(CheckpointRoot(checkpoint, run_dir))
     done = finished_job(run_dir, steps, checkpoint)
     if done is None:
         return None

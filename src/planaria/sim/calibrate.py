@@ -30,7 +30,7 @@ from typing import Any
 from planaria.faults.errors import ConfigError
 from planaria.observe.events import read_events
 from planaria.observe.metrics import RunSummary, summarize
-from planaria.observe.segments import num, split_segments
+from planaria.observe.segments import num, select_run, split_segments
 from planaria.sim.params import FailureTrace, SimParams, Strategy
 
 __all__ = ["Calibration", "calibrate"]
@@ -90,7 +90,7 @@ def _joins(events: list[dict[str, Any]], commits: list[dict[str, Any]], overhead
 
 def calibrate(run_dir: str | Path) -> Calibration:
     """Reads ``run_dir``'s event log into simulator figures (module docstring)."""
-    events = read_events(run_dir).events
+    events = select_run(read_events(run_dir).events)  # the latest run, as summarize reads
     segments = split_segments(events)
     if not segments or not any(s.commits() for s in segments):
         raise ConfigError(f"run_dir={str(run_dir)!r} is not valid: its event log has no "
