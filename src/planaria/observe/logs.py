@@ -8,19 +8,24 @@ optional event listener that logs each event record under its concern.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, TextIO
 
 __all__ = [
     "CONCERNS",
+    "RESTATES",
     "checkpoints",
     "commits",
     "data",
     "faults",
     "log_event",
+    "logs_beside_display",
     "membership",
     "setup_logging",
+    "terminal_handlers",
 ]
 
 CONCERNS = ("membership", "commits", "checkpoints", "faults", "data")
@@ -105,3 +110,78 @@ def log_event(record: dict[str, Any]) -> None:
     if ev == "step_committed" and record.get("data_wait_s") and data.isEnabledFor(logging.DEBUG):
         data.debug("step %s waited %.3f s for data", record.get("step"), record["data_wait_s"],
                    extra={"event_record": record})
+
+
+RESTATES = "restates"
+"""The attribute of a log record that restates an event for a reader without a display
+(``_log.warning(..., extra={RESTATES: "fault"})``): while a display that prints that event's
+own line is running, the terminal leaves the record out, so the fault is told once."""
+
+
+def terminal_handlers() -> list[logging.Handler]:
+    """The handlers that write to this process's stdout or stderr: planaria's own
+    (:func:`setup_logging`), the user's (``logging.basicConfig``), a library's, and logging's
+    last resort (which prints a WARNING nobody handles to ``sys.stderr``)."""
+    standard = {id(s) for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+                if s is not None}
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    found: list[logging.Handler] = []
+    for logger in loggers:
+        for handler in logger.handlers:
+            if (isinstance(handler, logging.StreamHandler)
+                    and not isinstance(handler, logging.FileHandler)
+                    and id(handler.stream) in standard and handler not in found):
+                found.append(handler)
+    if logging.lastResort is not None and logging.lastResort not in found:
+        found.append(logging.lastResort)
+    return found
+
+
+class _LeaveOutShown(logging.Filter):
+    """Drops a record that restates an event the display prints."""
+
+    def __init__(self, shown: Collection[str]) -> None:
+        super().__init__()
+        self.shown = frozenset(shown)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, RESTATES, None) not in self.shown
+
+
+@contextlib.contextmanager
+def logs_beside_display(
+    shown: Collection[str], *, through: Callable[[TextIO], TextIO] | None = None
+) -> Iterator[None]:
+    """For the block, the :func:`terminal_handlers` leave out the records that restate an
+    event in ``shown`` (the display prints its own line for it), and, with ``through``,
+    those writing to a terminal write to ``through(their stream)`` instead: a live display's
+    console, which prints each line above its bar. Each handler keeps its format, level and
+    filters; all is put back after the block."""
+    handlers = terminal_handlers()
+    leave_out = _LeaveOutShown(shown)
+    swapped: list[tuple[logging.StreamHandler[TextIO], TextIO]] = []
+    try:
+        for handler in handlers:
+            handler.addFilter(leave_out)
+            if (through is not None and isinstance(handler, logging.StreamHandler)
+                    and not isinstance(getattr(type(handler), "stream", None), property)
+                    and _is_tty(handler.stream)):
+                # (logging's last resort has a property: sys.stderr as it is at each record,
+                # which a live display already sends through its console.)
+                old = handler.stream
+                handler.setStream(through(old))
+                swapped.append((handler, old))
+        yield
+    finally:
+        for handler, old in swapped:
+            handler.setStream(old)
+        for handler in handlers:
+            handler.removeFilter(leave_out)
+
+
+def _is_tty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
