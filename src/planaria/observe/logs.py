@@ -122,8 +122,10 @@ def terminal_handlers() -> list[logging.Handler]:
     """The handlers that write to this process's stdout or stderr: planaria's own
     (:func:`setup_logging`), the user's (``logging.basicConfig``), a library's, and logging's
     last resort (which prints a WARNING nobody handles to ``sys.stderr``)."""
-    standard = {id(s) for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
-                if s is not None}
+    streams = [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__]
+    # a live display's stand-in for a stream (rich's FileProxy) names the stream it wraps
+    streams += [getattr(s, "rich_proxied_file", None) for s in streams]
+    standard = {id(s) for s in streams if s is not None}
     loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
                                       if isinstance(lg, logging.Logger))]
     found: list[logging.Handler] = []

@@ -119,10 +119,12 @@ class ProgressDisplay:
                 TextColumn("{task.fields[status]}"), console=self.console,
             )
             self._task = self._progress.add_task("run", total=self.total_steps, status="")
-            self._progress.start()
             console = self._progress.console
+            # Before the bar starts, which sends sys.stderr through the console: the handlers
+            # on stderr are still found by it.
             self._logs.enter_context(logs_beside_display(
                 SHOWN_EVENTS, through=lambda stream: _through(console, stream)))
+            self._progress.start()
         else:
             self._logs.enter_context(logs_beside_display(SHOWN_EVENTS))
             self._print(f"run: {self.total_steps} steps on {self.target_replicas} replicas")
