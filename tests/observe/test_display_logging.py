@@ -86,3 +86,30 @@ def test_plain_the_last_status_line_prints_once_and_a_summary_line():
     lines = out.getvalue().splitlines()
     assert sum(line.startswith("step 3/3 ") for line in lines) == 1, lines
     assert lines[-1].startswith("run ok: 3 steps in "), lines
+
+
+def test_planaria_leaves_a_record_to_the_users_root_handler_on_the_same_stream(monkeypatch):
+    from planaria.observe.logs import setup_logging
+
+    stream = io.StringIO()
+    root = logging.getLogger()
+    users = logging.StreamHandler(stream)  # as logging.basicConfig() installs
+    users.setFormatter(logging.Formatter("user-format %(message)s"))
+    root.addHandler(users)
+    planaria = logging.getLogger("planaria")
+    before = (planaria.level, list(planaria.handlers))
+    try:
+        mine = setup_logging(0, stream=stream)
+        logging.getLogger("planaria.faults").warning("told once")
+        assert stream.getvalue() == "user-format told once\n"
+        root.removeHandler(users)
+        logging.getLogger("planaria.faults").warning("told by planaria")
+        assert stream.getvalue().count("told by planaria") == 1
+        assert "WARNING faults" in stream.getvalue()
+    finally:
+        root.removeHandler(users)
+        planaria.removeHandler(mine)
+        planaria.setLevel(before[0])
+        for h in before[1]:
+            if h not in planaria.handlers:
+                planaria.addHandler(h)

@@ -52,7 +52,9 @@ class _ConcernFormatter(logging.Formatter):
 def setup_logging(verbosity: int = 0, *, stream: TextIO | None = None) -> logging.Handler:
     """Sends ``planaria.*`` logs to ``stream`` (stderr): 0 WARNING, 1 INFO, 2+ DEBUG.
 
-    Calling it again replaces the handler it installed before (no duplicates).
+    Calling it again replaces the handler it installed before (no duplicates); a record that
+    a handler of the root logger prints to the same stream (the user's code called
+    ``logging.basicConfig``) is left to it, not printed twice.
     """
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     root = logging.getLogger("planaria")
@@ -61,9 +63,36 @@ def setup_logging(verbosity: int = 0, *, stream: TextIO | None = None) -> loggin
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(_ConcernFormatter(FORMAT, datefmt="%H:%M:%S"))
+    handler.addFilter(_LeftToTheRoot(handler))
     root.addHandler(handler)
     root.setLevel(level)
     return handler
+
+
+class _LeftToTheRoot(logging.Filter):
+    """Drops a record that also reaches a handler of the root logger printing to the same
+    stream: without it, a script that calls ``logging.basicConfig`` sees each line twice."""
+
+    def __init__(self, handler: logging.StreamHandler[TextIO]) -> None:
+        super().__init__()
+        self.handler = handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None and logger.propagate and logger.parent is not None:
+            logger = logger.parent
+        if logger is not logging.getLogger():
+            return True  # the record stops before the root
+        mine = _underlying(self.handler.stream)
+        return not any(
+            isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+            and _underlying(h.stream) is mine and record.levelno >= h.level
+            for h in logger.handlers)
+
+
+def _underlying(stream: Any) -> Any:
+    """The stream itself, or the one a live display's stand-in (rich's FileProxy) wraps."""
+    return getattr(stream, "rich_proxied_file", stream)
 
 
 # event -> (concern logger, level)
