@@ -1,4 +1,4 @@
-"""Live progress of ``planaria run``: an event listener that draws on the terminal.
+"""Live progress of ``planaria run`` and ``fit()``: an event listener that draws on the terminal.
 
 On a terminal it shows a rich progress bar (step/total, loss, live replicas,
 samples/s, ETA) with recovery lines printed above it as they happen; while the bar
