@@ -19,6 +19,7 @@ from planaria.faults.chaos import ChaosPlan
 from planaria.faults.errors import CheckpointError, ElasticRuntimeError, Failure, FinalSaveFailed
 from planaria.observe.events import EVENTS_FILE
 from planaria.observe.loss_history import LossHistory
+from planaria.observe.progress import ProgressDisplay
 from planaria.observe.trackers import Tracker, TrackerFeed, TrackerOptions, build_trackers
 from planaria.wire.evaluation import EvalResult
 
@@ -58,6 +59,7 @@ def fit(
     listeners: Sequence[Callable[[dict[str, Any]], None]] = (),
     loggers: Sequence[str | Tracker] = (),
     tracker_options: TrackerOptions | None = None,
+    progress: bool | None = None,
     **options: Any,
 ) -> FitResult:
     """Trains ``spec`` on ``replicas`` workers until ``steps`` steps are committed.
@@ -81,7 +83,24 @@ def fit(
     ``RUN_DIR/trackers/<name>`` unless ``tracker_options`` say otherwise) or as
     :class:`~planaria.observe.trackers.Tracker` objects; they are closed when ``fit`` returns
     or raises, and one that raises is disabled without stopping the run.
+
+    ``progress``: draw planaria's progress bar (:class:`~planaria.observe.progress.ProgressDisplay`:
+    step, loss, replicas, samples/s, ETA; recovery lines and log records printed above it)
+    and a summary line at the end. ``None`` (the default): only when stdout is a terminal;
+    ``False``: never; ``True``: also on a pipe, as plain lines.
     """
+    if progress is not False:
+        display = _display(steps, replicas, run_dir, forced=progress is True)
+        if display is not None:
+            display.start()
+            try:
+                return fit(spec, steps=steps, replicas=replicas, run_dir=run_dir,
+                           address=address, policy=policy, hang=hang, chaos=chaos,
+                           checkpoint=checkpoint, on_step=on_step,
+                           listeners=[*listeners, display], loggers=loggers,
+                           tracker_options=tracker_options, progress=False, **options)
+            finally:
+                display.stop()
     if loggers:
         run_path = local_run_dir(run_dir)
         feed = TrackerFeed(build_trackers(loggers, run_path, tracker_options))
@@ -126,6 +145,14 @@ def fit(
             run_dir=job.run_dir,
             evals=list(job.evaluation.results),
         )
+
+
+def _display(steps: int, replicas: int, run_dir: str | Path, *,
+             forced: bool) -> ProgressDisplay | None:
+    """fit's progress display: on a terminal, or anywhere when ``forced``."""
+    display = ProgressDisplay(steps, replicas, summary="line",
+                              events_path=local_run_dir(run_dir) / EVENTS_FILE)
+    return display if forced or display.terminal else None
 
 
 def _finish(job: Job, attempts: int = 5) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ import logging
 from planaria.checkpoint.config import CheckpointConfig
 from planaria.checkpoint.errors import CheckpointError
 from planaria.checkpoint.host import EventSink
+from planaria.observe.logs import RESTATES
 
 __all__ = ["SaveFailures"]
 
@@ -37,7 +38,8 @@ class SaveFailures:
         (step, path). Logs ``checkpoint_failed``; escalates once ``max_failed_saves`` failed
         in a row."""
         self.last = f"step {step}: {why}"
-        _log.warning("checkpoint of step %d not committed: %s", step, why)
+        _log.warning("checkpoint of step %d not committed: %s", step, why,
+                     extra={RESTATES: "checkpoint_failed"})
         self.log.emit("checkpoint_failed", step=step, error=why, reason=reason)
         self.in_a_row += 1
         if self.in_a_row >= self.config.max_failed_saves:

@@ -265,7 +265,8 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             use_gpu=args.gpu,
             gpus_per_worker=args.gpus_per_worker,
             backend=args.backend,
-            listeners=listeners,
+            listeners=listeners,  # the display among them: fit draws none of its own
+            progress=False,
             loggers=loggers,
             tracker_options=tracker_options(args, run_dir),
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from planaria.faults.errors import Failure, WorkFault
+from planaria.observe.logs import RESTATES
 
 if TYPE_CHECKING:
     from planaria.control.departures import FaultTimes
@@ -66,7 +67,7 @@ class OpenFaults:
             **extra,
         )
         self.log.emit("detected", **common, worker=worker, detect_s=max(0.0, now - fault_t))
-        _log.warning("%s: %s", failure.kind, failure)
+        _log.warning("%s: %s", failure.kind, failure, extra={RESTATES: "fault"})
         self._open.append(fault)
         return fault
 

@@ -8,19 +8,24 @@ optional event listener that logs each event record under its concern.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, TextIO
 
 __all__ = [
     "CONCERNS",
+    "RESTATES",
     "checkpoints",
     "commits",
     "data",
     "faults",
     "log_event",
+    "logs_beside_display",
     "membership",
     "setup_logging",
+    "terminal_handlers",
 ]
 
 CONCERNS = ("membership", "commits", "checkpoints", "faults", "data")
@@ -47,7 +52,9 @@ class _ConcernFormatter(logging.Formatter):
 def setup_logging(verbosity: int = 0, *, stream: TextIO | None = None) -> logging.Handler:
     """Sends ``planaria.*`` logs to ``stream`` (stderr): 0 WARNING, 1 INFO, 2+ DEBUG.
 
-    Calling it again replaces the handler it installed before (no duplicates).
+    Calling it again replaces the handler it installed before (no duplicates); a record that
+    a handler of the root logger prints to the same stream (the user's code called
+    ``logging.basicConfig``) is left to it, not printed twice.
     """
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     root = logging.getLogger("planaria")
@@ -56,9 +63,36 @@ def setup_logging(verbosity: int = 0, *, stream: TextIO | None = None) -> loggin
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(_ConcernFormatter(FORMAT, datefmt="%H:%M:%S"))
+    handler.addFilter(_LeftToTheRoot(handler))
     root.addHandler(handler)
     root.setLevel(level)
     return handler
+
+
+class _LeftToTheRoot(logging.Filter):
+    """Drops a record that also reaches a handler of the root logger printing to the same
+    stream: without it, a script that calls ``logging.basicConfig`` sees each line twice."""
+
+    def __init__(self, handler: logging.StreamHandler[TextIO]) -> None:
+        super().__init__()
+        self.handler = handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None and logger.propagate and logger.parent is not None:
+            logger = logger.parent
+        if logger is not logging.getLogger():
+            return True  # the record stops before the root
+        mine = _underlying(self.handler.stream)
+        return not any(
+            isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+            and _underlying(h.stream) is mine and record.levelno >= h.level
+            for h in logger.handlers)
+
+
+def _underlying(stream: Any) -> Any:
+    """The stream itself, or the one a live display's stand-in (rich's FileProxy) wraps."""
+    return getattr(stream, "rich_proxied_file", stream)
 
 
 # event -> (concern logger, level)
@@ -105,3 +139,80 @@ def log_event(record: dict[str, Any]) -> None:
     if ev == "step_committed" and record.get("data_wait_s") and data.isEnabledFor(logging.DEBUG):
         data.debug("step %s waited %.3f s for data", record.get("step"), record["data_wait_s"],
                    extra={"event_record": record})
+
+
+RESTATES = "restates"
+"""The attribute of a log record that restates an event for a reader without a display
+(``_log.warning(..., extra={RESTATES: "fault"})``): while a display that prints that event's
+own line is running, the terminal leaves the record out, so the fault is told once."""
+
+
+def terminal_handlers() -> list[logging.Handler]:
+    """The handlers that write to this process's stdout or stderr: planaria's own
+    (:func:`setup_logging`), the user's (``logging.basicConfig``), a library's, and logging's
+    last resort (which prints a WARNING nobody handles to ``sys.stderr``)."""
+    streams = [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__]
+    # a live display's stand-in for a stream (rich's FileProxy) names the stream it wraps
+    streams += [getattr(s, "rich_proxied_file", None) for s in streams]
+    standard = {id(s) for s in streams if s is not None}
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    found: list[logging.Handler] = []
+    for logger in loggers:
+        for handler in logger.handlers:
+            if (isinstance(handler, logging.StreamHandler)
+                    and not isinstance(handler, logging.FileHandler)
+                    and id(handler.stream) in standard and handler not in found):
+                found.append(handler)
+    if logging.lastResort is not None and logging.lastResort not in found:
+        found.append(logging.lastResort)
+    return found
+
+
+class _LeaveOutShown(logging.Filter):
+    """Drops a record that restates an event the display prints."""
+
+    def __init__(self, shown: Collection[str]) -> None:
+        super().__init__()
+        self.shown = frozenset(shown)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, RESTATES, None) not in self.shown
+
+
+@contextlib.contextmanager
+def logs_beside_display(
+    shown: Collection[str], *, through: Callable[[TextIO], TextIO] | None = None
+) -> Iterator[None]:
+    """For the block, the :func:`terminal_handlers` leave out the records that restate an
+    event in ``shown`` (the display prints its own line for it), and, with ``through``,
+    those writing to a terminal write to ``through(their stream)`` instead: a live display's
+    console, which prints each line above its bar. Each handler keeps its format, level and
+    filters; all is put back after the block."""
+    handlers = terminal_handlers()
+    leave_out = _LeaveOutShown(shown)
+    swapped: list[tuple[logging.StreamHandler[TextIO], TextIO]] = []
+    try:
+        for handler in handlers:
+            handler.addFilter(leave_out)
+            if (through is not None and isinstance(handler, logging.StreamHandler)
+                    and not isinstance(getattr(type(handler), "stream", None), property)
+                    and _is_tty(handler.stream)):
+                # (logging's last resort has a property: sys.stderr as it is at each record,
+                # which a live display already sends through its console.)
+                old = handler.stream
+                handler.setStream(through(old))
+                swapped.append((handler, old))
+        yield
+    finally:
+        for handler, old in swapped:
+            handler.setStream(old)
+        for handler in handlers:
+            handler.removeFilter(leave_out)
+
+
+def _is_tty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False

@@ -1,31 +1,52 @@
-"""Live progress of ``planaria run``: an event listener that draws on the terminal.
+"""Live progress of ``planaria run`` and ``fit()``: an event listener that draws on the terminal.
 
 On a terminal it shows a rich progress bar (step/total, loss, live replicas,
-samples/s, ETA) with recovery lines printed above it as they happen. When the
-console is not a terminal (a pipe, a log file) it prints plain lines, no
-control codes: the recovery lines and a status line every ``every_s`` seconds.
+samples/s, ETA) with recovery lines printed above it as they happen; while the bar
+is live, log records (planaria's, the user's) are printed above it too, through the
+same console, so a warning never breaks the bar. When the console is not a terminal
+(a pipe, a log file) it prints plain lines, no control codes: the recovery lines and
+a status line every ``every_s`` seconds. Either way a log record that only restates
+an event the display prints (``planaria.observe.logs.RESTATES``) is left out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any, Literal, TextIO, cast
 
 from rich.console import Console
+from rich.file_proxy import FileProxy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 from rich.text import Text
 
+from planaria.observe.logs import logs_beside_display
 from planaria.observe.segments import num
 
-__all__ = ["ProgressDisplay"]
+if TYPE_CHECKING:
+    from planaria.observe.metrics import RunSummary
+
+__all__ = ["SHOWN_EVENTS", "ProgressDisplay"]
+
+SHOWN_EVENTS = frozenset({
+    "fault", "replacement_requested", "spare_lost", "recovered", "joined", "checkpoint_saved",
+    "checkpoint_failed", "restore", "action", "replacement_failed", "preempt_notice",
+    "drained", "eval", "step_skipped", "run_end"})
+"""The events :class:`ProgressDisplay` prints a line for (some only in a case:
+``replacement_requested`` of a spare, ``action`` pause)."""
 
 _VERBS = {"worker_lost": "lost", "lost": "lost", "worker_hung": "hung", "hung": "hung",
           "preempted": "preempted", "preemption": "preempted",
           "replica_divergence": "diverged"}
+
+
+def _through(console: Console, stream: TextIO) -> TextIO:
+    """``stream`` written through ``console``: each line printed above its live display."""
+    return cast(TextIO, FileProxy(console, cast(IO[str], stream)))
 
 
 def _eta(seconds: float | None) -> str:
@@ -40,8 +61,8 @@ class ProgressDisplay:
     """Shows a run's progress; register with ``EventLog.add_listener(display)``.
 
     ``quiet=True`` prints nothing at all. ``summary=True`` prints the run
-    summary (:func:`planaria.observe.report.render_summary`) at :meth:`stop`. Safe to
-    call from any thread.
+    summary (:func:`planaria.observe.report.render_summary`) at :meth:`stop`,
+    ``summary="line"`` one line of it. Safe to call from any thread.
     """
 
     def __init__(
@@ -51,7 +72,7 @@ class ProgressDisplay:
         *,
         console: Console | None = None,
         quiet: bool = False,
-        summary: bool = True,
+        summary: bool | Literal["line"] = True,
         every_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         events_path: Path | None = None,
@@ -80,6 +101,13 @@ class ProgressDisplay:
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._last_status = -float("inf")
+        self._status_step = -1  # the step of the last status line printed (plain mode)
+        self._logs = contextlib.ExitStack()  # the logging set-up while the display runs
+
+    @property
+    def terminal(self) -> bool:
+        """True where the display draws a live bar (its console is a terminal)."""
+        return self._tty
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> None:
@@ -91,8 +119,14 @@ class ProgressDisplay:
                 TextColumn("{task.fields[status]}"), console=self.console,
             )
             self._task = self._progress.add_task("run", total=self.total_steps, status="")
+            console = self._progress.console
+            # Before the bar starts, which sends sys.stderr through the console: the handlers
+            # on stderr are still found by it.
+            self._logs.enter_context(logs_beside_display(
+                SHOWN_EVENTS, through=lambda stream: _through(console, stream)))
             self._progress.start()
         else:
+            self._logs.enter_context(logs_beside_display(SHOWN_EVENTS))
             self._print(f"run: {self.total_steps} steps on {self.target_replicas} replicas")
 
     def stop(self) -> None:
@@ -100,18 +134,15 @@ class ProgressDisplay:
             if self._progress is not None:
                 self._progress.stop()
                 self._progress = None
-            if not self._tty and not self.quiet and self._step >= 0:
-                self._print(self.status_line())
-        if self.summary and not self.quiet and self._events:
-            from planaria.observe.metrics import summarize
+            if not self._tty and not self.quiet and self._step > self._status_step:
+                self._print(self.status_line())  # the steps since the last status line
+        self._logs.close()  # after the bar: a record meanwhile still goes above it
+        if self.summary == "line" and not self.quiet and self._events:
+            self._print(self.summary_line())
+        elif self.summary and not self.quiet and self._events:
             from planaria.observe.report import render_summary
 
-            records = list(self._events)
-            if self.events_path is not None and self.events_path.exists():
-                from planaria.observe.events import read_events
-
-                records = read_events(self.events_path).events
-            render_summary(summarize(records), self.console)
+            render_summary(self._summarize(), self.console)
 
     def __enter__(self) -> ProgressDisplay:
         self.start()
@@ -144,6 +175,26 @@ class ProgressDisplay:
                 f"{'-' if sps is None else f'{sps:.1f}'} samples/s  ETA {_eta(self.eta_s())}"
                 + (f"  spares {len(self._spares)}" if self._spares_seen else ""))
 
+    def summary_line(self) -> str:
+        """The run in one line: status, steps, wall time, faults, goodput."""
+        s = self._summarize()
+        unrecovered = sum(not f.recovered for f in s.faults)
+        where = (f"; planaria report {self.events_path.parent}"
+                 if self.events_path is not None else "")
+        return (f"run {s.status}: {s.steps.get('committed', 0)} steps in "
+                f"{s.wall_s or 0:.1f} s, {len(s.faults)} faults ({unrecovered} unrecovered), "
+                f"goodput {s.goodput:.1%}{where}")
+
+    def _summarize(self) -> RunSummary:
+        from planaria.observe.metrics import summarize
+
+        records = list(self._events)
+        if self.events_path is not None and self.events_path.exists():
+            from planaria.observe.events import read_events
+
+            records = read_events(self.events_path).events
+        return summarize(records)
+
     def __call__(self, record: dict[str, Any]) -> None:
         with self._lock:
             self._events.append(record)
@@ -159,6 +210,7 @@ class ProgressDisplay:
                 now = self._clock()
                 if now - self._last_status >= self.every_s or self._step + 1 >= self.total_steps:
                     self._last_status = now
+                    self._status_step = self._step
                     self._print(self.status_line())
 
     def _print(self, line: str, style: str | None = None) -> None:
