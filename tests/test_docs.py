@@ -45,7 +45,8 @@ def test_a_class_without_source_keeps_its_docstring():
     assert document_fields(cls).__doc__ == "Made at run time."
 
 
-@pytest.mark.slow
+# ~20 s of CPU (50 s on a loaded two-core machine): opt-in here; CI runs `mkdocs build --strict`.
+@pytest.mark.extended
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None
                     or importlib.util.find_spec("mkdocstrings") is None,
                     reason='mkdocs is not installed (pip install -e ".[docs]")')
