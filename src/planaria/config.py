@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from planaria.faults.errors import ConfigError
+from planaria.field_docs import document_fields
 
 __all__ = ["RunConfig", "TrainSpec", "check", "local_run_dir"]
 
@@ -45,6 +46,7 @@ def local_run_dir(value: str | os.PathLike[str]) -> Path:
     return Path(text)
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     """What to train. Factories run inside the workers, so nothing heavy crosses the wire.
@@ -222,6 +224,7 @@ def _default_threads(replicas: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, replicas))
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """How to run a spec: steps, width, where, and the runtime's deadlines."""

@@ -9,10 +9,12 @@ from typing import Any, Literal
 
 from planaria.checkpoint.interval import CheckpointInterval
 from planaria.config import check
+from planaria.field_docs import document_fields
 
 __all__ = ["CheckpointConfig"]
 
 
+@document_fields
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Where and how often a job saves checkpoints, and whether it resumes from them."""
