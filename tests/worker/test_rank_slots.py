@@ -20,11 +20,11 @@ def _reduced(slots: RankSlots, step: int, width: int, times: dict[int, tuple[flo
     (load, compute, previous reduce-wait, previous apply)."""
     total = torch.zeros(slots.length, dtype=torch.float64)
     for rank in range(width):
-        status = torch.zeros(slots.length, dtype=torch.float64)
+        status = slots.new_status(torch.device("cpu"))
         load, compute, wait, apply = times[rank]
-        slots.write_own(status, step, rank, load, compute)
+        slots.write_own(step, rank, load, compute)
         if step:
-            slots.write_previous(status, step, rank, wait, apply)
+            slots.write_previous(step, rank, wait, apply)
         total += status
     return total.tolist()
 
@@ -69,8 +69,8 @@ def test_a_status_reduced_on_its_own_carries_every_rank():
     none = RankSlots(offset=STATUS_TAIL - 2, width=3, room=STATUS_TAIL)  # no room left
     assert none.per_step == 0 and none.length == STATUS_TAIL - 2
     assert none.read([0.0] * none.length, 5) is None
-    status = torch.zeros(none.length, dtype=torch.float64)
-    none.write_own(status, 5, 1, 1.0, 1.0)  # nowhere to go: nothing written
+    status = none.new_status(torch.device("cpu"))
+    none.write_own(5, 1, 1.0, 1.0)  # nowhere to go: nothing written
     assert not status.any()
 
 

@@ -132,7 +132,7 @@ class StepEngine:
         t1 = time.perf_counter()
         if rank_slots is not None:  # a sharded replica's slot: its workers' mean
             k = self.state.shape.k
-            rank_slots.write_own(status, step, comm.rank, (data_wait_s + ahead_s) / k,
+            rank_slots.write_own(step, comm.rank, (data_wait_s + ahead_s) / k,
                                  (t1 - t0 - data_wait_s) / k)
         reduce_wait_s = self._reduce(step, loaded, first, count, comm, status, metric_keys,
                                      loss_sum, metric_sums)

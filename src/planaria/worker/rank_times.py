@@ -26,6 +26,7 @@ mean. The vector's length is fixed for a run (a width change starts another run)
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -45,6 +46,15 @@ class RankSlots:
         self.offset, self.width = offset, width
         self.per_step = width if free is None else min(width, free // 4)
         self.pages = math.ceil(width / self.per_step) if self.per_step else 0
+        self.cells: Any = None
+        """The status as written: a NumPy view of a host one, else the tensor (new_status)."""
+
+    def new_status(self, device: torch.device) -> torch.Tensor:
+        """The run's status vector, zero (fp64, :attr:`length` slots); a host one is written
+        through a NumPy view of it (a tensor's item assignment costs microseconds)."""
+        status = torch.zeros(self.length, dtype=torch.float64, device=device)
+        self.cells = status.numpy() if status.device.type == "cpu" else status
+        return status
 
     @property
     def length(self) -> int:
@@ -62,22 +72,21 @@ class RankSlots:
         i = rank - self.first(step)
         return self.offset + i if 0 <= i < self.per_step else -1
 
-    def write_own(self, status: torch.Tensor, step: int, rank: int, load_s: float,
-                  compute_s: float) -> None:
-        """This rank's load and compute times of step ``step`` into its status."""
+    def write_own(self, step: int, rank: int, load_s: float, compute_s: float) -> None:
+        """This rank's load and compute times of step ``step`` into the status."""
         at = self.slot(step, rank)
         if at >= 0:
-            status[at] = load_s
-            status[at + self.per_step] = compute_s
+            self.cells[at] = load_s
+            self.cells[at + self.per_step] = compute_s
 
-    def write_previous(self, status: torch.Tensor, step: int, rank: int, reduce_wait_s: float,
-                       apply_s: float) -> None:
+    def write_previous(self, step: int, rank: int, reduce_wait_s: float, apply_s: float
+                       ) -> None:
         """This rank's reduce-wait and apply times of step ``step - 1`` into step ``step``'s
         status."""
         at = self.slot(step - 1, rank)
         if at >= 0:
-            status[at + 2 * self.per_step] = reduce_wait_s
-            status[at + 3 * self.per_step] = apply_s
+            self.cells[at + 2 * self.per_step] = reduce_wait_s
+            self.cells[at + 3 * self.per_step] = apply_s
 
     def read(self, values: list[float], step: int) -> RankTimes | None:
         """Step ``step``'s times as its reduced status (``values``) holds them: the load and

@@ -162,7 +162,7 @@ class RunLoop:
         slots = RankSlots(offset=len(STATUS) + len(metric_keys), width=width,
                           room=self.engine.state.reducer.status_room())
         # One status for the run, zeroed each step: its length is fixed until the width changes.
-        status = torch.zeros(slots.length, dtype=torch.float64, device=device)
+        status = slots.new_status(device)
         reduce_wait_s = reduced_t = 0.0  # the previous step's, sent with the next
 
         def share(s: int) -> np.ndarray:  # this rank's ids of step s
@@ -175,10 +175,10 @@ class RunLoop:
             nxt = share(step + 1) if step + 1 < max(until, horizon) else None
             stop_seen = rank == 0 and self.keys.seen(key)  # polled off this thread
             status.zero_()
-            status[2] = float(vitals.preempting)
-            status[3] = float(stop_seen)
+            slots.cells[2] = float(vitals.preempting)  # written through a host view: cheaper
+            slots.cells[3] = float(stop_seen)
             if step > start:  # the previous step's reduce-wait, and its apply until now
-                slots.write_previous(status, step, rank, reduce_wait_s / k,
+                slots.write_previous(step, rank, reduce_wait_s / k,
                                      (time.perf_counter() - reduced_t) / k)
             t0 = time.time()
             c = self.engine.step(gen, step, ids, done, nxt, skipped=skipped, status=status,
