@@ -160,8 +160,9 @@ def plot_ranks(ax: Any, ranks: RankSummary) -> None:
         ax.bar(xs, heights, bottom=bottom, color=_PART_COLOURS[part],
                label=part.replace("_", "-"), width=0.6)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    ax.set_xticks(xs, [f"{m.rank}" + (f"\n{m.worker}" if m.worker else "") for m in ranks.ranks],
-                  fontsize=8)
+    named = len(xs) <= 16  # a wide job's ticks: the ranks alone
+    ax.set_xticks(xs, [f"{m.rank}" + (f"\n{m.worker}" if m.worker and named else "")
+                       for m in ranks.ranks], fontsize=8 if named else 6)
     for label, m in zip(ax.get_xticklabels(), ranks.ranks, strict=True):
         if m.rank == ranks.slowest:
             label.set_color("red")
