@@ -104,6 +104,7 @@ class CommitLog:
             "step_committed", t=t, step=step, gen=gen, width=width,
             duration_s=duration, loss=loss, samples=n, samples_per_s=result.samples_per_s,
             data_wait_s=rec.data_wait_s, metrics=metrics, lr=rec.lr, grad_norm=rec.grad_norm,
+            **({} if rec.ranks is None else {"ranks": rec.ranks.to_json()}),
         )
         self.on_commit(step, t)
         for callback in self.step_callbacks:

@@ -38,6 +38,7 @@ from typing import Any
 
 from planaria.observe.events import read_events
 from planaria.observe.goodput import time_breakdown
+from planaria.observe.rank_times import RankSummary, summarize_ranks
 from planaria.observe.segments import (
     Segment,
     num,
@@ -244,6 +245,9 @@ class RunSummary:
     evals: list[dict[str, Any]] = field(default_factory=list)
     """The evaluations (``eval`` records: step, metrics, samples, seconds), one per step
     (the last recorded), in step order."""
+    ranks: RankSummary | None = None
+    """Where each rank's step time went (:mod:`planaria.observe.rank_times`); None when the
+    log's steps do not say."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (no series; see ``throughput`` for the samples/s series)."""
@@ -344,4 +348,5 @@ def summarize(source: str | Path | Iterable[dict[str, Any]],
         throughput=throughput_series(events),
         warnings=warnings,
         evals=_evals(events),
+        ranks=summarize_ranks(events),
     )

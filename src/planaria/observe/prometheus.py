@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from planaria.observe.goodput import GoodputTracker
+from planaria.observe.rank_times import record_ranks
 from planaria.observe.segments import num
 
 __all__ = ["MetricsExporter"]
@@ -87,6 +88,10 @@ class MetricsExporter:
                              "Kept step time over wall time since the run started.")
         self.samples_per_s = gauge("planaria_samples_per_second",
                                    "Samples per second of the latest committed step.")
+        self.rank_time = gauge("planaria_rank_step_seconds",
+                               "Each rank's time in each part of the latest committed step "
+                               "that carried it (load, compute, reduce_wait, apply).",
+                               ("rank", "part"))
         self._tracker = GoodputTracker()
         self._lock = threading.Lock()
         self._server: Any = None
@@ -121,6 +126,9 @@ class MetricsExporter:
             self._set(self.loss, record.get("loss"))
             self._set(self.lr, record.get("lr"))
             self._set(self.grad_norm, record.get("grad_norm"))
+            for rank, parts in record_ranks(record):
+                for part, value in parts.items():
+                    self._set(self.rank_time, value, rank=str(rank), part=part)
         elif ev == "eval":
             for name, value in (record.get("metrics") or {}).items():
                 self._set(self.eval_metric, value, metric=str(name))

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from planaria.observe.events import read_events
 from planaria.observe.metrics import RunSummary, Stats, summarize
+from planaria.observe.rank_times import PARTS, RankSummary
 from planaria.observe.segments import (
     UnknownRun,
     num,
@@ -30,7 +31,7 @@ from planaria.observe.segments import (
     width_series,
 )
 
-__all__ = ["plot_timeline", "render_summary", "report_main"]
+__all__ = ["plot_ranks", "plot_timeline", "render_ranks", "render_summary", "report_main"]
 
 TIMELINE_PNG = "timeline.png"
 
@@ -130,8 +131,58 @@ def render_summary(summary: RunSummary, console: Console) -> None:
             if summary.badput_s.get(bucket, 0.0) > 0:
                 badput.add_row(bucket, f"{summary.badput_s[bucket]:.2f}", _pct(share))
         console.print(badput)
+    if summary.ranks is not None and summary.ranks.ranks:
+        render_ranks(summary.ranks, console)
     for warning in summary.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+
+
+def render_ranks(ranks: RankSummary, console: Console) -> None:
+    """The per-rank table: each rank's mean seconds per step of each part, the slowest
+    named (the one the others' reduce-wait is spent on)."""
+    table = Table(title=f"time per rank (mean s per step, width {ranks.width})", box=None,
+                  pad_edge=False, padding=(0, 1, 0, 0), header_style="bold underline")
+    for col in ("rank", "worker", "steps", *(p.replace("_", "-") for p in PARTS)):
+        table.add_column(col, justify="left" if col == "worker" else "right")
+    for m in ranks.ranks:
+        mark = "[bold red]" if m.rank == ranks.slowest else ""
+        table.add_row(f"{mark}{m.rank}", m.worker or "-", str(m.steps),
+                      *(_s(getattr(m, p), "") for p in PARTS))
+    console.print(table)
+    if ranks.slowest is not None and len(ranks.ranks) > 1:
+        who = f"rank {ranks.slowest}" + (f" ({ranks.slowest_worker})" if ranks.slowest_worker
+                                          else "")
+        console.print(f"slowest: {who}, in {ranks.slowest_part}: the others wait for it in "
+                      "their reduce-wait", highlight=False)
+
+
+_PART_COLOURS = {"load": "tab:orange", "compute": "tab:blue", "reduce_wait": "tab:red",
+                 "apply": "tab:green"}
+
+
+def plot_ranks(ax: Any, ranks: RankSummary) -> None:
+    """The per-rank panel: a stacked bar per rank of its mean seconds per step in each part;
+    the slowest rank's label in bold red."""
+    xs = [m.rank for m in ranks.ranks]
+    bottom = [0.0] * len(xs)
+    for part in PARTS:
+        heights = [getattr(m, part) or 0.0 for m in ranks.ranks]
+        ax.bar(xs, heights, bottom=bottom, color=_PART_COLOURS[part],
+               label=part.replace("_", "-"), width=0.6)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    named = len(xs) <= 16  # a wide job's ticks: the ranks alone
+    ax.set_xticks(xs, [f"{m.rank}" + (f"\n{m.worker}" if m.worker and named else "")
+                       for m in ranks.ranks], fontsize=8 if named else 6)
+    for label, m in zip(ax.get_xticklabels(), ranks.ranks, strict=True):
+        if m.rank == ranks.slowest:
+            label.set_color("red")
+            label.set_fontweight("bold")
+    ax.set_ylim(0, max(bottom, default=0.0) * 1.3 or 1.0)  # room for the legend
+    ax.set_ylabel("s per step (mean)")
+    ax.set_xlabel("rank" + (f" (slowest: {ranks.slowest}, in {ranks.slowest_part})"
+                            if ranks.slowest is not None and len(xs) > 1 else ""))
+    ax.legend(loc="upper right", fontsize=7, ncols=4)
+    ax.grid(alpha=0.3, axis="y")
 
 
 def _fault_label(f: Any) -> str:
@@ -141,7 +192,9 @@ def _fault_label(f: Any) -> str:
 def plot_timeline(
     events: Sequence[dict[str, Any]], summary: RunSummary, png_path: str | Path
 ) -> Path:
-    """Writes a three-panel timeline (samples/s, live replicas, loss) to ``png_path``.
+    """Writes a three-panel timeline (samples/s, live replicas, loss) to ``png_path``, and
+    a fourth, per-rank panel (:func:`plot_ranks`) when the steps say where each rank's
+    time went.
 
     Faults are red vertical lines labelled with kind and worker, fault →
     recovered spans are shaded, checkpoint saves are green dotted lines, and
@@ -153,8 +206,15 @@ def plot_timeline(
     import matplotlib.pyplot as plt
 
     t0 = summary.start_t if summary.start_t is not None else 0.0
-    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(11, 7.5), constrained_layout=True)
-    ax_tp, ax_w, ax_loss = axes
+    ranks = summary.ranks if summary.ranks is not None and summary.ranks.ranks else None
+    fig = plt.figure(figsize=(11, 10 if ranks else 7.5), constrained_layout=True)
+    grid = fig.add_gridspec(4 if ranks else 3, 1, height_ratios=[1, 1, 1, 1.1][: 4 if ranks else 3])
+    ax_tp = fig.add_subplot(grid[0])
+    ax_w = fig.add_subplot(grid[1], sharex=ax_tp)
+    ax_loss = fig.add_subplot(grid[2], sharex=ax_tp)
+    axes = (ax_tp, ax_w, ax_loss)
+    for ax in (ax_tp, ax_w):
+        ax.tick_params(labelbottom=False)
     segments = split_segments(events)
     tp = throughput_series(events)
     if tp:
@@ -193,6 +253,8 @@ def plot_timeline(
         ax_tp.annotate(_fault_label(f), (f.fault_t - t0, top), rotation=90, va="top", ha="right",
                        fontsize=8, color="red",
                        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 1})
+    if ranks is not None:
+        plot_ranks(fig.add_subplot(grid[3]), ranks)
     title = (f"run {summary.run_id or '?'}: goodput {_pct(summary.goodput)}, "
              f"{len(summary.faults)} faults, wall {summary.wall_s:.1f} s "
              "(red: fault → recovered, green: checkpoint, orange: restore, grey: down)")

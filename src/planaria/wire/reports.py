@@ -24,9 +24,11 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 __all__ = [
+    "RANK_PARTS",
     "Attempt",
     "Hold",
     "Joined",
+    "RankTimes",
     "RunEnd",
     "RunReport",
     "Served",
@@ -108,6 +110,49 @@ class Attempt:
     served: Served
 
 
+RANK_PARTS = ("load", "compute", "reduce_wait", "apply")
+"""Where a rank's step time goes (:class:`RankTimes`), in this order."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankTimes:
+    """Where a step's time went on each rank, in seconds, rank order from rank ``first`` (a
+    wide job's step carries a page of its ranks: see :mod:`planaria.worker.rank_times`):
+    ``load`` (waiting for its samples, and loading them ahead during the previous step's
+    reduction), ``compute`` (forward and backward), ``reduce_wait`` (blocked in the
+    gradient's all-reduce: the peers' lateness), ``apply`` (the optimizer step and the
+    bookkeeping until the next step starts). NaN where not known: the reduce-wait and
+    apply of a run's last step, which the next step's status would have carried."""
+
+    first: int
+    load: tuple[float, ...]
+    compute: tuple[float, ...]
+    reduce_wait: tuple[float, ...]
+    apply: tuple[float, ...]
+
+    def to_json(self) -> dict[str, object]:
+        """``{"load": [...], ..., "first": N}`` (``first`` only when not 0; null for NaN)."""
+        out: dict[str, object] = {
+            part: [None if math.isnan(v) else round(v, 6) for v in getattr(self, part)]
+            for part in RANK_PARTS}
+        if self.first:
+            out["first"] = self.first
+        return out
+
+    @staticmethod
+    def from_json(raw: Mapping[str, object]) -> RankTimes:
+        """What :meth:`to_json` wrote."""
+        def part(name: str) -> tuple[float, ...]:
+            values = raw.get(name) or ()
+            assert isinstance(values, (list, tuple))
+            return tuple(math.nan if v is None else float(v) for v in values)
+
+        first = raw.get("first") or 0
+        assert isinstance(first, (int, float))
+        return RankTimes(first=int(first), load=part("load"), compute=part("compute"),
+                         reduce_wait=part("reduce_wait"), apply=part("apply"))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepTotals:
     """A step as every rank knows it once its reduction completed: what the controller
@@ -130,6 +175,8 @@ class StepTotals:
     global_metric_sums: Mapping[str, float]
     lr: float = math.nan
     """The learning rate the step was applied with (the optimizer's first parameter group)."""
+    ranks: RankTimes | None = None
+    """Where the step's time went on each rank (None: not carried)."""
 
     @property
     def loss(self) -> float:
@@ -143,7 +190,8 @@ class StepTotals:
                 "overflow": self.overflow, "finite": self.finite,
                 "data_wait_s": self.data_wait_s, "global_loss_sum": self.global_loss_sum,
                 "global_samples": self.global_samples,
-                "global_metric_sums": dict(self.global_metric_sums), "lr": self.lr}
+                "global_metric_sums": dict(self.global_metric_sums), "lr": self.lr,
+                "ranks": None if self.ranks is None else self.ranks.to_json()}
 
 
 def stream_chunk(records: Sequence[StepTotals]) -> str:
@@ -153,7 +201,11 @@ def stream_chunk(records: Sequence[StepTotals]) -> str:
 
 def read_stream_chunk(raw: str | bytes) -> list[StepTotals]:
     """The totals of a chunk :func:`stream_chunk` wrote."""
-    return [StepTotals(**rec) for rec in json.loads(raw)]
+    out = []
+    for rec in json.loads(raw):
+        ranks = rec.pop("ranks", None)
+        out.append(StepTotals(**rec, ranks=None if ranks is None else RankTimes.from_json(ranks)))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

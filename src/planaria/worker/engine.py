@@ -33,6 +33,7 @@ from planaria.worker.commit import Commits
 from planaria.worker.custom_step import StepBackward
 from planaria.worker.loader import Loaded, SampleLoader, to_device
 from planaria.worker.membership import Membership
+from planaria.worker.rank_times import RankSlots
 from planaria.worker.replica import replica_failed
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.vitals import Vitals
@@ -44,7 +45,9 @@ __all__ = ["StepComputed", "StepEngine"]
 class StepComputed:
     """A step computed and reduced here, not applied yet: this rank's part of its record
     (:class:`planaria.wire.reports.StepRecord`). ``grad_norm`` is the reduced gradient's
-    (an fp16 step's unscaled); ``overflow``: a loss scaler's scale was too high."""
+    (an fp16 step's unscaled); ``overflow``: a loss scaler's scale was too high;
+    ``reduce_wait_s``: the time blocked in the reduction (the next share's load while it
+    was in flight left out)."""
 
     grad_norm: float
     overflow: bool
@@ -54,6 +57,7 @@ class StepComputed:
     data_wait_s: float
     compute_s: float
     reduce_s: float
+    reduce_wait_s: float
 
 
 class StepEngine:
@@ -73,13 +77,16 @@ class StepEngine:
         self.faults = faults
         self.sharded = state.shape.k > 1
         self.last_attempt: Attempt | None = None  # what the last step was served
-        self._load_planned = loader.load_planned  # bound once: run while the reduce is in flight
+        self._load_planned = loader.load_planned
+        self._ahead_s = 0.0  # how long the last reduction's load of the next share took
+        self._load_ahead = self._timed_load_ahead  # bound once: run while the reduce is in flight
         self._backward = StepBackward(sharded=self.sharded)  # armed per micro-batch
 
     def step(
         self, gen: int, step: int, ids: np.ndarray, steps_done: int,
         next_ids: np.ndarray | None, *, skipped: int, status: torch.Tensor,
         metric_keys: tuple[str, ...], record_served: Callable[[Attempt], None] | None,
+        rank_slots: RankSlots | None = None,
     ) -> StepComputed:
         """Computes step ``step`` on ``ids`` and reduces the gradient; applies nothing yet.
 
@@ -90,7 +97,8 @@ class StepEngine:
         in the gradient's own all-reduce, in place, the sums of ``metric_keys`` after its
         fixed slots. ``next_ids`` (this rank's share of the next step) load on the loader
         thread, or on this one while the reduction is in flight. ``record_served(attempt)``,
-        if given, is called once the share is loaded, before the reduction.
+        if given, is called once the share is loaded, before the reduction. ``rank_slots``:
+        where this rank's load and compute times go in the status, if they go there.
         """
         self.state.refuse_if_dirty(self.name, "step")
         self.vitals.train_thread = current_thread_ids()
@@ -104,6 +112,7 @@ class StepEngine:
         comm = self.membership.comm
         assert comm is not None, "step before join"
         first, count, ids, rounds = self.loader.own_share(ids, comm)
+        ahead_s, self._ahead_s = self._ahead_s, 0.0  # this share, loaded in the last reduce
         t0 = time.perf_counter()
         self.state.reducer.start_step()
         try:
@@ -121,9 +130,13 @@ class StepEngine:
         if faults.armed:  # a fault injected before the reduction
             faults.hit("worker.computed", step=step)
         t1 = time.perf_counter()
-        self._reduce(step, loaded, first, count, comm, status, metric_keys, loss_sum,
-                     metric_sums)
-        return self._result(step, metric_sums, t0, t1, data_wait_s)
+        if rank_slots is not None:  # a sharded replica's slot: its workers' mean
+            k = self.state.shape.k
+            rank_slots.write_own(step, comm.rank, (data_wait_s + ahead_s) / k,
+                                 (t1 - t0 - data_wait_s) / k)
+        reduce_wait_s = self._reduce(step, loaded, first, count, comm, status, metric_keys,
+                                     loss_sum, metric_sums)
+        return self._result(step, metric_sums, t0, t1, data_wait_s, reduce_wait_s)
 
     def warm_compile(self) -> None:
         """Compiles now, off the critical path: one forward and backward of a micro-batch of
@@ -264,9 +277,9 @@ class StepEngine:
 
     def _reduce(self, step: int, loaded: Loaded, first: int, count: int, comm: Collective,
                 status: torch.Tensor, metric_keys: tuple[str, ...], loss_sum: float,
-                metric_sums: dict[str, float]) -> None:
+                metric_sums: dict[str, float]) -> float:
         """Sums the gradient, the module buffers' contributions and the status over the
-        ranks; the next step's share loads meanwhile."""
+        ranks; the next step's share loads meanwhile. Returns the time blocked in it."""
         self.vitals.set_phase("reduce", step)
         spec, state = self.spec, self.state
         k, shard = state.shape.k, state.shape.shard_index  # a sharded replica's workers
@@ -280,16 +293,26 @@ class StepEngine:
         status[1] += sum(n for n, _ in loaded.batches)
         for i, key in enumerate(metric_keys):
             status[4 + i] += metric_sums.get(key, 0.0)
+        t = time.perf_counter()
         try:
-            norm = state.reducer.reduce(comm, status, extra, self._load_planned)
+            norm = state.reducer.reduce(comm, status, extra, self._load_ahead)
         except BaseException:
             self.membership.abort_generation(step)  # no peer waits on this rank next
             raise
+        waited = time.perf_counter() - t - self._ahead_s
         state.buffer_sync.reduced(extra)
         self.commits.grad_norm = norm
+        return waited
+
+    def _timed_load_ahead(self) -> None:
+        """The next step's share, loaded while the reduction is in flight, and how long that
+        took (the next step's load time, not this one's wait)."""
+        t = time.perf_counter()
+        self._load_planned()
+        self._ahead_s = time.perf_counter() - t
 
     def _result(self, step: int, metric_sums: dict[str, float], t0: float, t1: float,
-                data_wait_s: float) -> StepComputed:
+                data_wait_s: float, reduce_wait_s: float) -> StepComputed:
         """This rank's part of the step's record; an fp16 step's norm unscaled, and whether
         it overflowed."""
         overflow = False
@@ -307,6 +330,7 @@ class StepEngine:
             lr=_learning_rate(self.state.optimizer),  # the lr this step is applied with
             served=attempt.served,  # what dataset[i] was called with, not an echo of ids
             data_wait_s=data_wait_s, compute_s=t1 - t0 - data_wait_s, reduce_s=t2 - t1,
+            reduce_wait_s=reduce_wait_s,
         )
 
 

@@ -80,6 +80,12 @@ class Reducer(Protocol):
         (raises ``StepAborted`` on those that did when one did not). One worker: nothing."""
         ...
 
+    def status_room(self) -> int | None:
+        """The most slots a step's status may have and still ride in the collectives the
+        step makes anyway (a fixed tail of the gradient's buffer); None: any length, the
+        status being reduced as a tensor of its own whatever its length."""
+        ...
+
     def reduce(
         self, comm: Collective, status: torch.Tensor | None, extra: list[torch.Tensor],
         meanwhile: Callable[[], None],
@@ -179,6 +185,12 @@ class FlatReducer:
 
     def agree_loaded(self, ok: bool) -> None:
         pass
+
+    def status_room(self) -> int | None:
+        tail = self.grads.tail
+        if tail is None or not status_in_tail(tail, 0, self.global_batch_size):
+            return None  # the status goes beside the gradient, on its own
+        return len(tail)
 
     def reduce(
         self, comm: Collective, status: torch.Tensor | None, extra: list[torch.Tensor],

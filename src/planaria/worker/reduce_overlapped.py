@@ -160,6 +160,9 @@ class OverlappedReducer:
     def agree_loaded(self, ok: bool) -> None:
         pass
 
+    def status_room(self) -> int | None:
+        return None  # the status is reduced after the buckets, as a tensor of its own
+
     def reduce(
         self, comm: Collective, status: torch.Tensor | None, extra: list[torch.Tensor],
         meanwhile: Callable[[], None],

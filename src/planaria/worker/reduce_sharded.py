@@ -107,5 +107,8 @@ class ShardedReducer:
         if ok and flag.item() > 0:
             raise StepAborted("another worker of this replica could not load its samples")
 
+    def status_room(self) -> int | None:
+        return None  # the status is reduced beside the shards, as a tensor of its own
+
     def close(self) -> None:
         pass

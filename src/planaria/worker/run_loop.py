@@ -12,7 +12,9 @@ run of one) and each worker:
   (the step's loss and sample counts, a "leaving" flag set by a worker that got
   a preemption notice, and a "stop" flag set by rank 0 when the controller asked
   for a boundary), so after the collective every rank knows the same things and
-  decides alike, with no round trip to the controller;
+  decides alike, with no round trip to the controller; each rank's step times ride
+  after them, in slots of its own (:mod:`planaria.worker.rank_times`), so rank 0's
+  records say where every rank's time went;
 - applies the step at once when its reduced gradient is finite (the collective
   completing everywhere is the agreement), or stops the run without applying it
   when it is not (the controller's non-finite policy decides, as before);
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +45,7 @@ from planaria.faults.points import FaultPoints
 from planaria.wire import store_keys
 from planaria.wire.reports import (
     Attempt,
+    RankTimes,
     RunEnd,
     RunReport,
     Settled,
@@ -53,13 +57,15 @@ from planaria.worker.commit import Commits
 from planaria.worker.engine import StepComputed, StepEngine
 from planaria.worker.key_watch import KeyWatch
 from planaria.worker.membership import Membership
+from planaria.worker.rank_times import RankSlots
 from planaria.worker.vitals import Vitals
 
 __all__ = ["STATUS", "STOP_POLL_S", "STREAM_S", "RunLoop", "StepStream"]
 
 STATUS = ("loss_sum", "samples", "leaving", "stop")
 """The status vector summed in every step's all-reduce, in this order; the sums of the
-step's metrics (``metric_keys``, in that order) follow."""
+step's metrics (``metric_keys``, in that order) follow, then the ranks' step times
+(:class:`planaria.worker.rank_times.RankSlots`)."""
 STOP_POLL_S = 0.05
 """Rank 0 looks for the controller's stop request this often (one store read, made by its
 :class:`planaria.worker.key_watch.KeyWatch` thread)."""
@@ -152,6 +158,12 @@ class RunLoop:
         stream = StepStream(self.store, gen, run_id) if rank == 0 and self.leads else None
         vitals, faults, records = self.vitals, self.faults, self.records
         record_served = self._record_served if self._ledger is not None else None
+        k = self.engine.state.shape.k  # a sharded replica's workers share its rank's slots
+        slots = RankSlots(offset=len(STATUS) + len(metric_keys), width=width,
+                          room=self.engine.state.reducer.status_room())
+        # One status for the run, zeroed each step: its length is fixed until the width changes.
+        status = slots.new_status(device)
+        reduce_wait_s = reduced_t = 0.0  # the previous step's, sent with the next
 
         def share(s: int) -> np.ndarray:  # this rank's ids of step s
             return split_micro_batches(data_plan.batch(s), width, mbs)[rank]
@@ -162,22 +174,32 @@ class RunLoop:
             assert ids is not None
             nxt = share(step + 1) if step + 1 < max(until, horizon) else None
             stop_seen = rank == 0 and self.keys.seen(key)  # polled off this thread
-            status = torch.zeros(len(STATUS) + len(metric_keys), dtype=torch.float64,
-                                 device=device)
-            status[2] = float(vitals.preempting)
-            status[3] = float(stop_seen)
+            status.zero_()
+            slots.cells[2] = float(vitals.preempting)  # written through a host view: cheaper
+            slots.cells[3] = float(stop_seen)
+            if step > start:  # the previous step's reduce-wait, and its apply until now
+                slots.write_previous(step, rank, reduce_wait_s / k,
+                                     (time.perf_counter() - reduced_t) / k)
             t0 = time.time()
             c = self.engine.step(gen, step, ids, done, nxt, skipped=skipped, status=status,
-                                 metric_keys=metric_keys, record_served=record_served)
+                                 metric_keys=metric_keys, record_served=record_served,
+                                 rank_slots=slots)
+            reduced_t, reduce_wait_s = time.perf_counter(), c.reduce_wait_s
             skipped = -1
             if faults.armed:  # a fault injected after the reduction
                 faults.hit("worker.reduced", step=step)
-            loss_sum, samples, leaving, stop, *metric_sums = status.tolist()
+            values = status.tolist()
+            loss_sum, samples, leaving, stop = values[:4]
+            global_metric_sums = dict(zip(metric_keys, values[4 : slots.offset], strict=True))
             finite = math.isfinite(loss_sum) and (c.overflow or math.isfinite(c.grad_norm))
-            global_metric_sums = dict(zip(metric_keys, metric_sums, strict=True))
+            ranks = slots.read(values, step)
+            last = records[-1] if records else None
+            if last is not None and last.step == step - 1 and last.ranks is not None:
+                records[-1] = replace(last, ranks=slots.complete(last.ranks, values))
             if not finite:
                 records.append(_record(step, t0, c, finite=False, loss_sum=loss_sum,
-                                       samples=int(samples), metric_sums=global_metric_sums))
+                                       samples=int(samples), metric_sums=global_metric_sums,
+                                       ranks=ranks))
                 ended = "nonfinite"  # not applied: the controller's policy decides
                 break
             done = step + 1
@@ -186,7 +208,8 @@ class RunLoop:
             if faults.armed:  # a fault injected after the apply
                 faults.hit("worker.applied", step=step)
             records.append(_record(step, t0, c, finite=True, loss_sum=loss_sum,
-                                   samples=int(samples), metric_sums=global_metric_sums))
+                                   samples=int(samples), metric_sums=global_metric_sums,
+                                   ranks=ranks))
             if stream is not None:
                 # This step's reduction completed: every rank applied the steps before it.
                 stream.publish(records, len(records) - 1)
@@ -220,15 +243,15 @@ class RunLoop:
 
 
 def _record(step: int, t0: float, c: StepComputed, *, finite: bool, loss_sum: float,
-            samples: int, metric_sums: dict[str, float]) -> StepRecord:
+            samples: int, metric_sums: dict[str, float], ranks: RankTimes | None) -> StepRecord:
     """The record of step ``step``: this rank's part ``c`` and the step's totals over every
-    rank (``loss_sum``, ``samples``, ``metric_sums``, off the reduced status); its ``t`` is
-    now, when it was applied or found not finite."""
+    rank (``loss_sum``, ``samples``, ``metric_sums``, ``ranks``, off the reduced status); its
+    ``t`` is now, when it was applied or found not finite."""
     return StepRecord(
         step=step, t0=t0, t=time.time(), grad_norm=c.grad_norm, overflow=c.overflow, lr=c.lr,
         finite=finite, data_wait_s=c.data_wait_s, global_loss_sum=loss_sum,
         global_samples=samples, global_metric_sums=metric_sums, served=c.served,
-        metric_sums=c.metric_sums, compute_s=c.compute_s, reduce_s=c.reduce_s,
+        metric_sums=c.metric_sums, compute_s=c.compute_s, reduce_s=c.reduce_s, ranks=ranks,
     )
 
 

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from planaria.observe.rank_times import rank_scalars
+
 __all__ = ["ANNOTATED", "Annotation", "StepScalars", "Tracker", "tracker_entry"]
 
 
@@ -112,6 +114,7 @@ def _step_scalars(record: Mapping[str, Any], step: int, t: float) -> StepScalars
     for key, value in (record.get("metrics") or {}).items():
         if (v := _float(value)) is not None:
             values[f"train/{key}"] = v
+    values.update(rank_scalars(record))
     return StepScalars(step=step, t=t, values=values)
 
 
@@ -120,8 +123,10 @@ def tracker_entry(record: Mapping[str, Any]) -> StepScalars | Annotation | None:
 
     ``step_committed`` → the step's loss, learning rate, samples/s, gradient norm, step time,
     replicas and user metrics (``train/...``; a value that is not a finite number is left
-    out); ``eval`` → ``eval/<metric>`` at the step evaluated (its ``step`` steps done) and
-    ``eval/samples``; the events of :data:`ANNOTATED` → an :class:`Annotation`.
+    out), and where each rank's time went (``time/rank<r>/<part>``, bounded for wide jobs:
+    :func:`planaria.observe.rank_times.rank_scalars`); ``eval`` → ``eval/<metric>`` at the
+    step evaluated (its ``step`` steps done) and ``eval/samples``; the events of
+    :data:`ANNOTATED` → an :class:`Annotation`.
     """
     event = str(record.get("event"))
     t = _float(record.get("t")) or 0.0
