@@ -22,3 +22,15 @@ def test_the_custom_step_example_runs_through_a_kill(tmp_path):
     assert [f["kind"] for f in of(evs, "fault")] == ["worker_lost"]
     assert [e["step"] for e in of(evs, "step_committed")][-1] == 5
     assert all("penalty" in e["metrics"] for e in of(evs, "step_committed"))
+
+
+def test_the_torchtitan_example_runs_through_a_kill(tmp_path):
+    pytest.importorskip("torchtitan")
+    from planaria.examples import torchtitan_llama
+
+    result = torchtitan_llama.main(["--replicas", "2", "--steps", "6", "--run-dir",
+                                    str(tmp_path), "--chaos", "kill:w1@step2"])
+    assert result.final_step == 6
+    evs = events(tmp_path)
+    assert [f["kind"] for f in of(evs, "fault")] == ["worker_lost"]
+    assert [e["step"] for e in of(evs, "step_committed")][-1] == 5

@@ -31,7 +31,7 @@ from planaria.worker.commit import Commits
 from planaria.worker.loader import SampleLoader
 from planaria.worker.membership import Membership
 from planaria.worker.replica_state import ReplicaState
-from planaria.worker.state import load_state, shard_origins
+from planaria.worker.state import load_hooked_model_tensors, load_state, shard_origins
 from planaria.worker.vitals import Vitals
 
 __all__ = ["SMALL_TENSOR_BYTES", "CheckpointRestorer", "broadcast_units"]
@@ -189,6 +189,7 @@ class CheckpointRestorer:
                     continue
                 if target.data_ptr() != tensor.data_ptr():
                     target.copy_(tensor)
+            load_hooked_model_tensors(state.model, tensors)
         optim = {k: v for k, v in live.items() if k.startswith("optim/")}  # non-strict: kept
         optim.update({k: v for k, v in tensors.items() if not k.startswith("model/")})
         load_state(None, state.optimizer, state.scheduler, optim, meta)

@@ -18,7 +18,8 @@ import torch
 from planaria.checkpoint.checksum import byte_view, crc32c
 from planaria.worker.sharded import local as _local
 
-__all__ = ["TrainState", "flatten_state", "jsonable", "load_state", "model_checksum",
+__all__ = ["TrainState", "flatten_state", "jsonable", "load_hooked_model_tensors",
+           "load_state", "model_checksum",
            "shard_origins", "tensor_layout"]
 
 TrainState = tuple[dict[str, torch.Tensor], dict[str, Any]]
@@ -160,6 +161,20 @@ def _like_param(value: Any, param: torch.Tensor) -> Any:
     placements = param.placements  # type: ignore[attr-defined]
     return DTensor.from_local(value, mesh, placements, run_check=False,
                               shape=param.shape, stride=param.stride())
+
+
+def load_hooked_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Loads the ``model/`` tensors whose state-dict entries are not the model's own storage
+    through ``load_state_dict``: a state_dict hook's copies (torchtitan's fused QKV linear
+    saves its ``wqkv`` as ``wq``/``wk``/``wv`` copies, and its load hook merges them back),
+    which a fill in place would leave the model without. A no-op for other models."""
+    own = {t.data_ptr() for t in (*model.parameters(), *model.buffers())
+           if not hasattr(t, "device_mesh")}
+    copies = {name: t for name, t in model.state_dict().items()
+              if not hasattr(t, "device_mesh") and t.data_ptr() not in own}
+    if copies:
+        model.load_state_dict({name: tensors[f"model/{name}"] for name in copies
+                               if f"model/{name}" in tensors}, strict=False)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from planaria.worker.commit import Commits
 from planaria.worker.membership import Membership
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.sharded import local
-from planaria.worker.state import load_state, tensor_layout
+from planaria.worker.state import load_hooked_model_tensors, load_state, tensor_layout
 from planaria.worker.vitals import Vitals
 
 __all__ = ["SMALL_TENSOR_BYTES", "StateTransfer", "nbytes", "transfer_plan"]
@@ -127,6 +127,7 @@ class StateTransfer:
             for name, tensor in tensors.items():
                 if name in model_live and model_live[name].data_ptr() != tensor.data_ptr():
                     model_live[name].copy_(tensor)
+            load_hooked_model_tensors(state.model, tensors)
         optim = {k: v for k, v in tensors.items() if k.startswith("optim/")}
         load_state(None, state.optimizer, state.scheduler, optim, source.meta)
         state.set_extra_state(source.meta)
