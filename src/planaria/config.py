@@ -345,7 +345,9 @@ class RunConfig:
     on a node Ray drains leave at the next step boundary, as after a preemption notice
     (see planaria.control.drain). None: do not ask."""
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for ``ray.init`` (local start only)."""
+    """Extra keyword arguments for ``ray.init``, with ``address`` too (a ``runtime_env``
+    carrying the user's code to a cluster's workers: ``{"runtime_env": {"working_dir":
+    "."}}``; ``planaria run --runtime-env``)."""
 
     def __post_init__(self) -> None:
         check(

@@ -2,9 +2,10 @@
 as far as one machine allows.
 
 A head (``ray start --head``) and a worker node (``ray start --address``) on loopback, with
-token authentication on; ``planaria run --address`` of a tiny job whose workers must run
-on the worker node (the head offers no CPU); the same from Python with a ``runtime_env``
-that carries a module of the user's project; a driver with the wrong token refused.
+token authentication on; ``planaria run --address --runtime-env`` of a tiny job whose
+workers must run on the worker node (the head offers no CPU) and import a module of the
+user's project that only the runtime_env carries there; the same from Python; a driver
+with the wrong token refused.
 The nodes run with ``--block`` and are stopped by ending those processes: ``ray stop``
 would stop every Ray on the machine, other jobs' included. The sbatch template is checked by
 ``bash -n`` and shellcheck, and run for real where a Slurm cluster answers (one node here).
@@ -147,13 +148,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.cluster
-def test_planaria_run_with_address_trains_on_the_worker_node(cluster, tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SELF_CONTAINED)
+def test_planaria_run_with_address_and_a_runtime_env_trains_on_the_worker_node(cluster, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "helper.py").write_text(HELPER)
+    (project / "train.py").write_text(TRAIN)
     done = subprocess.run(
-        ["planaria", "run", str(script), "--address", cluster.address, "--replicas", "2",
-         "--steps", "6", "--run-dir", str(tmp_path / "run"), "--checkpoint-every", "none"],
-        env=cluster.env, capture_output=True, text=True, timeout=300)
+        ["planaria", "run", "train.py", "--address", cluster.address, "--replicas", "2",
+         "--steps", "6", "--run-dir", str(tmp_path / "run"), "--checkpoint-every", "none",
+         "--runtime-env", '{"working_dir": "."}'],
+        cwd=project, env=cluster.env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "done: 6 steps" in done.stdout
 

@@ -112,8 +112,8 @@ def file_values(config: str | None, sets: Sequence[str],
 
 def _as_flag(action: argparse.Action, value: Any, key: str) -> Any:
     """``value`` as the flag would have parsed it (its type, its choices)."""
-    if value is None or isinstance(value, (bool, list)):
-        return value
+    if value is None or isinstance(value, (bool, list, dict)):
+        return value  # a table (runtime_env) is checked by the option's own parser
     text = value if isinstance(value, str) else str(value)
     try:
         parsed = action.type(text) if callable(action.type) else text

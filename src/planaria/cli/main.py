@@ -12,6 +12,7 @@ from planaria.cli.ckpt import MissingPath, ckpt_main
 from planaria.cli.config_file import write_resolved
 from planaria.cli.flags import HelpWithDefaults, with_global_flags
 from planaria.cli.run_dir import before_start, checkpoint_config, checkpoint_line, storage_options
+from planaria.cli.runtime_env import ray_init_options
 from planaria.cli.spec_file import load_spec
 from planaria.cli.tracking import (
     add_tracking_flags,
@@ -136,12 +137,18 @@ def _run_options(p: argparse.ArgumentParser, *, steps: int | None, replicas: int
                    + (" (required)" if steps is None else ""))
     p.add_argument("--address", default=None, help="Ray cluster address (default: start Ray here)")
     p.add_argument(
+        "--runtime-env", default=None, metavar="JSON_OR_FILE",
+        help="Ray runtime_env for the job, e.g. '{\"working_dir\": \".\"}' to carry your "
+        "project's code to a cluster's workers (JSON, or a .json/.yaml file)",
+    )
+    p.add_argument(
         "--placement", default=None, choices=["spread", "strict_spread", "pack"],
         help="lay the workers out over the nodes with a placement group (default: Ray decides)",
     )
     p.add_argument(
         "--store-host", default=None,
-        help="the address the controller's store listens on (default: see the README)",
+        help="the address the controller's store listens on (default: --network-interface's "
+        "address, else 127.0.0.1 on a Ray planaria started, else this node's IP as Ray sees it)",
     )
     p.add_argument(
         "--network-interface", default=None,
@@ -248,6 +255,7 @@ def _train(args: argparse.Namespace, spec: Any, run_dir: Path) -> Any:
             replicas=args.replicas,
             run_dir=run_dir,
             address=args.address,
+            ray_init_kwargs=ray_init_options(args.runtime_env),
             placement=args.placement,
             store_host=args.store_host,
             network_interface=args.network_interface,
