@@ -122,9 +122,25 @@ EXTENDED_VARIANTS = frozenset({
 })
 
 
+def _long_tests() -> frozenset[str]:
+    from pathlib import Path
+
+    path = Path(__file__).with_name("long_tests.txt")
+    return frozenset(line.strip() for line in path.read_text().splitlines()
+                     if line.strip() and not line.startswith("#"))
+
+
+LONG_TESTS = _long_tests()
+"""Tests of more than ~10 s each (tests/long_tests.txt, written by tests/long_tests.py from a
+timed run): ``long``, out of the default suite, run by ``.ci/run`` after it."""
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks :data:`EXTENDED_VARIANTS` ``extended`` before ``-m`` selects."""
+    """Marks :data:`EXTENDED_VARIANTS` ``extended`` and :data:`LONG_TESTS` ``long`` before
+    ``-m`` selects."""
     for item in items:
         if item.nodeid in EXTENDED_VARIANTS:
             item.add_marker(pytest.mark.extended)
+        elif item.nodeid in LONG_TESTS:
+            item.add_marker(pytest.mark.long)
