@@ -135,3 +135,23 @@ def run_with_evals(job: Any, steps: int) -> None:
                 job.evaluation.if_due()
         except planaria.Failure as failure:
             job.recovery.handle(failure)
+
+
+def assert_the_reference_training(state: dict, reference: Any, steps: int) -> None:
+    """``state`` equals ``reference(steps)`` (a training outside planaria on the same batches),
+    key for key within ``assert_close``, and the comparison can see one step's difference
+    (``reference(steps - 1)`` differs)."""
+    import torch
+
+    expected = reference(steps)
+    assert state.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(state[key], expected[key], msg=key)
+    one_step_short = reference(steps - 1)
+    assert any(not torch.allclose(one_step_short[k], expected[k]) for k in expected)
+
+
+def assert_one_kill_healed_by_a_transfer(evs: list[dict]) -> None:
+    """The run had one fault, a lost worker, and its replacement received the state."""
+    assert [f["kind"] for f in of(evs, "fault")] == ["worker_lost"]
+    assert of(evs, "state_transfer"), "the replacement received no state"

@@ -145,14 +145,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.cluster
-def test_planaria_run_with_address_and_a_runtime_env_trains_on_the_worker_node(cluster, tmp_path):
+def _project(tmp_path: Path) -> Path:
+    """A user's project: the script and a module of its own that the workers must import."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "helper.py").write_text(HELPER)
     (project / "train.py").write_text(TRAIN)
+    return project
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.cluster
+def test_planaria_run_with_address_and_a_runtime_env_trains_on_the_worker_node(cluster, tmp_path):
+    project = _project(tmp_path)
     done = subprocess.run(
         ["planaria", "run", "train.py", "--address", cluster.address, "--replicas", "2",
          "--steps", "6", "--run-dir", str(tmp_path / "run"), "--checkpoint-every", "none",
@@ -166,10 +172,7 @@ def test_planaria_run_with_address_and_a_runtime_env_trains_on_the_worker_node(c
 @pytest.mark.multiprocess
 @pytest.mark.cluster
 def test_fit_with_a_runtime_env_carries_the_project_to_the_workers(cluster, tmp_path):
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "helper.py").write_text(HELPER)
-    (project / "train.py").write_text(TRAIN)
+    project = _project(tmp_path)
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     done = subprocess.run(

@@ -21,7 +21,15 @@ from planaria import ConfigError, RunConfig, UserCodeError  # noqa: E402
 from planaria.data.plan import DataPlan  # noqa: E402
 from planaria.data.randomness import factory_seed, seed_globals  # noqa: E402
 from planaria.integrations import lightning as adapter  # noqa: E402
-from tests.assertions import assert_exactly_once, drive, events, of, run_with_evals  # noqa: E402
+from tests.assertions import (  # noqa: E402
+    assert_exactly_once,
+    assert_one_kill_healed_by_a_transfer,
+    assert_the_reference_training,
+    drive,
+    events,
+    of,
+    run_with_evals,
+)
 
 # The workers unpickle this module's helpers by value: they cannot import the tests package.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -154,16 +162,10 @@ def test_equal_to_a_lightning_trainer_with_a_kill(tmp_path, ray_cluster):
         drive(job, STEPS, wait_width_at=STEPS - 3)
         state = job.model_state_dict()
     assert job.steps_done == STEPS
-    reference = trainer_reference(STEPS)
-    assert state.keys() == reference.keys()
-    for key in reference:
-        torch.testing.assert_close(state[key], reference[key], msg=key)
-    one_step_short = trainer_reference(STEPS - 1)  # the comparison sees a step's difference
-    assert any(not torch.allclose(one_step_short[k], reference[k]) for k in reference)
+    assert_the_reference_training(state, trainer_reference, STEPS)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(tmp_path)
-    assert [f["kind"] for f in of(evs, "fault")] == ["worker_lost"]
-    assert of(evs, "state_transfer"), "the replacement received no state"
+    assert_one_kill_healed_by_a_transfer(evs)
     # self.log / self.log_dict reached the step's metrics: the global batch's mean
     committed = of(evs, "step_committed")
     assert [e["step"] for e in committed][-1] == STEPS - 1

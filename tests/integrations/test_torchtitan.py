@@ -26,7 +26,13 @@ from planaria import ConfigError, RunConfig
 from planaria.data.plan import DataPlan
 from planaria.data.randomness import factory_seed, seed_globals
 from planaria.integrations import torchtitan as adapter
-from tests.assertions import assert_exactly_once, drive, events, of
+from tests.assertions import (
+    assert_exactly_once,
+    assert_one_kill_healed_by_a_transfer,
+    assert_the_reference_training,
+    drive,
+    events,
+)
 
 # The workers unpickle this module's helpers by value: they cannot import the tests package.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -106,16 +112,10 @@ def test_equal_to_torchtitans_loop_with_a_kill(tmp_path, ray_cluster):
         drive(job, STEPS, wait_width_at=STEPS - 2, width=REPLICAS)
         state = job.model_state_dict()
     assert job.steps_done == STEPS
-    reference = titan_reference(STEPS)
-    assert state.keys() == reference.keys()
-    for key in reference:
-        torch.testing.assert_close(state[key], reference[key], msg=key)
-    one_step_short = titan_reference(STEPS - 1)  # the comparison sees a step's difference
-    assert any(not torch.allclose(one_step_short[k], reference[k]) for k in reference)
+    assert_the_reference_training(state, titan_reference, STEPS)
     assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(tmp_path)
-    assert [f["kind"] for f in of(evs, "fault")] == ["worker_lost"]
-    assert of(evs, "state_transfer"), "the replacement received no state"
+    assert_one_kill_healed_by_a_transfer(evs)
 
 
 # ---- the parts, in this process -------------------------------------------------------------
