@@ -58,13 +58,20 @@ class RunRecord:
     (None: no ledger)."""
 
 
+def _events_and_starts(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """``run_dir``'s event records and the indices of its ``run_start`` records (both empty
+    where it has no event log)."""
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.exists():
+        return [], []
+    events = list(read_events(path))
+    return events, [i for i, e in enumerate(events) if e["event"] == "run_start"]
+
+
 def read_run_record(run_dir: str | Path) -> RunRecord:
     """The record of ``run_dir``'s newest run (an empty one where it has no event log)."""
     run_dir = Path(run_dir)
-    if not (run_dir / EVENTS_FILE).exists():
-        return RunRecord(run_id=None)
-    events = list(read_events(run_dir))
-    starts = [i for i, e in enumerate(events) if e["event"] == "run_start"]
+    events, starts = _events_and_starts(run_dir)
     if not starts:
         return RunRecord(run_id=None)
     run_id = str(events[starts[-1]]["run_id"])
@@ -128,11 +135,7 @@ def finished_job(run_dir: str | Path, steps: int,
     """
     if checkpoint is None or not checkpoint.resume:
         return None
-    path = Path(run_dir) / EVENTS_FILE
-    if not path.exists():
-        return None
-    events = read_events(path).events
-    starts = [i for i, e in enumerate(events) if e["event"] == "run_start"]
+    events, starts = _events_and_starts(run_dir)
     if not starts:
         return None
     last = events[starts[-1]:]
