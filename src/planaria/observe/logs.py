@@ -12,7 +12,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable, Collection, Iterator
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeGuard
 
 __all__ = [
     "CONCERNS",
@@ -84,10 +84,14 @@ class _LeftToTheRoot(logging.Filter):
         if logger is not logging.getLogger():
             return True  # the record stops before the root
         mine = _underlying(self.handler.stream)
-        return not any(
-            isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-            and _underlying(h.stream) is mine and record.levelno >= h.level
-            for h in logger.handlers)
+        return not any(_prints(h) and _underlying(h.stream) is mine and record.levelno >= h.level
+                       for h in logger.handlers)
+
+
+def _prints(handler: logging.Handler) -> TypeGuard[logging.StreamHandler[Any]]:
+    """Whether ``handler`` writes to a stream rather than a file."""
+    return (isinstance(handler, logging.StreamHandler)
+            and not isinstance(handler, logging.FileHandler))
 
 
 def _underlying(stream: Any) -> Any:
@@ -153,16 +157,14 @@ def terminal_handlers() -> list[logging.Handler]:
     last resort (which prints a WARNING nobody handles to ``sys.stderr``)."""
     streams = [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__]
     # a live display's stand-in for a stream (rich's FileProxy) names the stream it wraps
-    streams += [getattr(s, "rich_proxied_file", None) for s in streams]
-    standard = {id(s) for s in streams if s is not None}
+    standard = {id(s) for s in (*streams, *map(_underlying, streams)) if s is not None}
     loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
                                       if isinstance(lg, logging.Logger))]
     found: list[logging.Handler] = []
     for logger in loggers:
         for handler in logger.handlers:
-            if (isinstance(handler, logging.StreamHandler)
-                    and not isinstance(handler, logging.FileHandler)
-                    and id(handler.stream) in standard and handler not in found):
+            if (_prints(handler) and id(handler.stream) in standard
+                    and handler not in found):
                 found.append(handler)
     if logging.lastResort is not None and logging.lastResort not in found:
         found.append(logging.lastResort)
