@@ -63,6 +63,7 @@ from planaria.wire.reports import (
 
 if TYPE_CHECKING:
     from planaria.control.boundary import BoundaryPlanner
+    from planaria.control.carry_plan import HeldSteps
     from planaria.control.chaos_injection import ChaosInjector
     from planaria.control.commit_log import CommitLog, StepResult
     from planaria.control.departures import Departures
@@ -85,14 +86,16 @@ class RunAhead:
 
     ``planner`` says when something unplanned needs a boundary; ``notices`` reads the
     preemption notices that come meanwhile; ``chaos`` lands the faults planned for a step;
-    ``horizon``: the job's step count (the workers load no step past it).
+    ``horizon``: the job's step count (the workers load no step past it); ``held``: what
+    a failed run's survivors kept of its last step, resumed by the next run
+    (:mod:`planaria.control.carry_plan`; None: the whole step is computed again).
     """
 
     def __init__(
         self, *, membership: Membership, calls: Gather, commit_log: CommitLog,
         planner: BoundaryPlanner, notices: Notices, departures: Departures,
         chaos: ChaosInjector | None, store: Any, liveness: Liveness, log: EventLog,
-        hang: HangConfig, horizon: int,
+        hang: HangConfig, horizon: int, held: HeldSteps | None = None,
     ) -> None:
         self.membership = membership
         self.calls = calls
@@ -106,6 +109,7 @@ class RunAhead:
         self.log = log
         self.hang = hang
         self.horizon = horizon
+        self.held = held
         self.run_id = 0
         self._stop_sent = False
         self._why: str | None = None
@@ -132,14 +136,18 @@ class RunAhead:
         members = list(members_now.members)
         self._ranks = frozenset(h.name for h in members)
         self._started_t = time.time()
+        carry = None if self.held is None else self.held.take(start, [h.name for h in members])
         refs = {
             h.name: h.actor.run.remote(
                 gen, run_id, start, stop, plan=plan, skipped=log.last_skipped,
                 ledger=log.ledger is not None, metric_keys=log.metric_keys or (),
-                horizon=self.horizon,
+                horizon=self.horizon, carry=None if carry is None else carry.shares[h.name],
             )
             for h in members
         }
+        if carry is not None:  # the survivors keep what they finished of it
+            self.log.emit("step_resumed", step=start, gen=gen, kept=carry.kept,
+                          redone=carry.redone, total=carry.total)
         if self.chaos is not None:
             self.chaos.during_step(start)
         try:
@@ -275,6 +283,8 @@ class RunAhead:
         gen = membership.gen
         outcome = reconcile(answers, start=start, members=membership.names)
         committed, behind = outcome.committed, list(outcome.behind)
+        if self.held is not None:  # what they kept of the step that failed, for the next run
+            self.held.settled(answers, committed)
         served = self._served_from_store(members) if log.ledger is not None else {}
         for rec in outcome.applied:
             if log.ledger is not None:

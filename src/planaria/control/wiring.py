@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from planaria.control.blame import judge_start
 from planaria.control.boundary import BoundaryPlanner, StepBoundary
 from planaria.control.calls import Calls
+from planaria.control.carry_plan import HeldSteps
 from planaria.control.chaos_injection import ChaosInjector
 from planaria.control.departures import FaultTimes
 from planaria.control.evaluation import Evaluation
@@ -96,7 +97,8 @@ def assemble(
     run_ahead = RunAhead(membership=membership, calls=calls, commit_log=commit_log,
                          planner=planner, notices=notices, departures=departures,
                          chaos=injector, store=runtime.store, liveness=runtime.liveness,
-                         log=log, hang=hang, horizon=config.steps)
+                         log=log, hang=hang, horizon=config.steps,
+                         held=HeldSteps(spec.global_batch_size // spec.micro_batch_size))
     recovery = Recovery(policy=policy, spec=spec, replicas=config.replicas,
                         membership=membership, calls=calls, commit_log=commit_log,
                         notices=notices, departures=departures, fault_times=fault_times,

@@ -23,7 +23,7 @@ from planaria.config import check
 from planaria.data.ledger import Ledger
 from planaria.faults.errors import ConfigError
 
-__all__ = ["DataPlan", "Ledger", "micro_batch_range", "split_micro_batches"]
+__all__ = ["DataPlan", "Ledger", "micro_batch_ids", "micro_batch_range", "split_micro_batches"]
 
 
 class DataPlan:
@@ -104,3 +104,14 @@ def split_micro_batches(ids: np.ndarray, width: int, micro_batch_size: int) -> l
         part = ids[first * micro_batch_size : (first + count) * micro_batch_size]
         parts.append(np.ascontiguousarray(part))
     return parts
+
+
+def micro_batch_ids(ids: np.ndarray, micro_batches: tuple[int, ...],
+                    micro_batch_size: int) -> np.ndarray:
+    """The ids of the global batch ``ids``' micro-batches ``micro_batches`` (global numbers,
+    in that order), one array: a share that is not contiguous (a step resumed after a
+    fault, see :mod:`planaria.worker.kept_work`)."""
+    mbs = micro_batch_size
+    if not micro_batches:
+        return ids[:0].copy()
+    return np.concatenate([ids[j * mbs : (j + 1) * mbs] for j in micro_batches])

@@ -26,6 +26,8 @@ from typing import Literal
 __all__ = [
     "RANK_PARTS",
     "Attempt",
+    "CarriedStep",
+    "HeldWork",
     "Hold",
     "Joined",
     "RankTimes",
@@ -258,12 +260,34 @@ class RunReport:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class HeldWork:
+    """The micro-batches of step ``step`` (global numbers) whose gradient sum a worker kept
+    when the step failed before it was applied (see :mod:`planaria.worker.kept_work`)."""
+
+    step: int
+    micro_batches: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CarriedStep:
+    """A worker's part of step ``step`` resumed after a fault (the first step of the run it
+    comes with): ``kept``, the micro-batches whose gradient sum it holds
+    (:class:`HeldWork`); ``new``, those it computes now (global numbers, ascending)."""
+
+    step: int
+    kept: tuple[int, ...]
+    new: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Settled:
-    """A worker after a failed run (``Worker.settle_run``): how far it got, and the records
-    of the steps it applied in that run."""
+    """A worker after a failed run (``Worker.settle_run``): how far it got, the records
+    of the steps it applied in that run, and the finished micro-batches of the step that
+    failed whose gradient it kept (``held``; None: none kept)."""
 
     steps_done: int
     steps: Sequence[StepRecord]
+    held: HeldWork | None = None
 
     def merge(self, theirs: Sequence[Settled]) -> Settled:
         return replace(self, steps=merge_records(self.steps, [t.steps for t in theirs]))

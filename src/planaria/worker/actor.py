@@ -41,7 +41,7 @@ import torch
 
 from planaria.config import TrainSpec
 from planaria.faults.points import WORKER_POINTS, FaultPoints
-from planaria.wire import store_keys
+from planaria.wire import reports, store_keys
 from planaria.wire.evaluation import EvalReport
 from planaria.wire.probes import LinkReport, ProbeServer
 from planaria.wire.reports import Hold, Joined, RunReport, Settled, merge_checksums, merge_sum
@@ -285,22 +285,14 @@ class Worker:
 
     @fans_out(RunReport.merge)
     def run(
-        self,
-        gen: int,
-        run_id: int,
-        start: int,
-        until: int,
-        *,
-        plan: tuple[int, int, int],
-        skipped: int = -1,
-        ledger: bool = False,
-        metric_keys: tuple[str, ...] = (),
-        horizon: int | None = None,
+        self, gen: int, run_id: int, start: int, until: int, *, plan: tuple[int, int, int],
+        skipped: int = -1, ledger: bool = False, metric_keys: tuple[str, ...] = (),
+        horizon: int | None = None, carry: reports.CarriedStep | None = None,
     ) -> RunReport:
         """Runs steps ``start`` .. ``until - 1`` on its own (:meth:`RunLoop.run
         <planaria.worker.run_loop.RunLoop.run>`)."""
-        return self.loop.run(gen, run_id, start, until, plan=plan, skipped=skipped,
-                             ledger=ledger, metric_keys=metric_keys, horizon=horizon)
+        return self.loop.run(gen, run_id, start, until, plan=plan, skipped=skipped, ledger=ledger,
+                             metric_keys=metric_keys, horizon=horizon, carry=carry)
 
     @fans_out(Settled.merge)
     def settle_run(self, gen: int) -> Settled:

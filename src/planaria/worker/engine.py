@@ -26,11 +26,12 @@ from planaria.data.randomness import micro_batch_seed, seed_torch
 from planaria.faults.errors import Failure, PlanariaError, StepAborted, Work
 from planaria.faults.points import FaultPoints
 from planaria.faults.user_code import user_call
-from planaria.wire.reports import Attempt, Served
+from planaria.wire.reports import Attempt, CarriedStep, HeldWork, Served
 from planaria.worker.busy import current_thread_ids
 from planaria.worker.collective import Collective
 from planaria.worker.commit import Commits
 from planaria.worker.custom_step import StepBackward
+from planaria.worker.kept_work import KeptWork
 from planaria.worker.loader import Loaded, SampleLoader, to_device
 from planaria.worker.membership import Membership
 from planaria.worker.rank_times import RankSlots
@@ -81,12 +82,13 @@ class StepEngine:
         self._ahead_s = 0.0  # how long the last reduction's load of the next share took
         self._load_ahead = self._timed_load_ahead  # bound once: run while the reduce is in flight
         self._backward = StepBackward(sharded=self.sharded)  # armed per micro-batch
+        self.kept = KeptWork()  # the current attempt's progress; a failed one's finished part
 
     def step(
         self, gen: int, step: int, ids: np.ndarray, steps_done: int,
         next_ids: np.ndarray | None, *, skipped: int, status: torch.Tensor,
         metric_keys: tuple[str, ...], record_served: Callable[[Attempt], None] | None,
-        rank_slots: RankSlots | None = None,
+        rank_slots: RankSlots | None = None, carry: CarriedStep | None = None,
     ) -> StepComputed:
         """Computes step ``step`` on ``ids`` and reduces the gradient; applies nothing yet.
 
@@ -99,6 +101,8 @@ class StepEngine:
         thread, or on this one while the reduction is in flight. ``record_served(attempt)``,
         if given, is called once the share is loaded, before the reduction. ``rank_slots``:
         where this rank's load and compute times go in the status, if they go there.
+        ``carry``: the step resumed after a fault (``ids``: its ``carry.new`` micro-batches'),
+        this rank's held part restored first (:mod:`planaria.worker.kept_work`).
         """
         self.state.refuse_if_dirty(self.name, "step")
         self.vitals.train_thread = current_thread_ids()
@@ -111,7 +115,15 @@ class StepEngine:
         self.commits.pending = step
         comm = self.membership.comm
         assert comm is not None, "step before join"
-        first, count, ids, rounds = self.loader.own_share(ids, comm)
+        copy, kept = self.state.reducer.gradient_copy(), self.kept
+        if carry is None:
+            first, count, ids, rounds = self.loader.own_share(ids, comm)
+            kept.start(step, first, None, None, copy)
+        else:  # the step resumed: its held part back in the buffers, its new part to compute
+            prior = kept.resume(carry, self.commits.steps_done, copy)
+            first, count = carry.new[0] if carry.new else 0, len(carry.new)
+            rounds = count
+            kept.start(step, first, carry.new, prior, copy)
         ahead_s, self._ahead_s = self._ahead_s, 0.0  # this share, loaded in the last reduce
         t0 = time.perf_counter()
         self.state.reducer.start_step()
@@ -137,6 +149,16 @@ class StepEngine:
         reduce_wait_s = self._reduce(step, loaded, first, count, comm, status, metric_keys,
                                      loss_sum, metric_sums)
         return self._result(step, metric_sums, t0, t1, data_wait_s, reduce_wait_s)
+
+    def hold_finished(self) -> HeldWork | None:
+        """After a failed run, before its pending step is dropped: the finished micro-batches
+        of that step this rank keeps (their gradient sum in the reducer's copy), if it can
+        (:mod:`planaria.worker.kept_work`)."""
+        state = self.state
+        keepable = (state.shape.k == 1 and state.scaler is None
+                    and not state.buffer_sync.active)
+        return self.kept.settle(self.commits.steps_done, self.commits.pending,
+                                state.reducer.gradient_copy(), keepable)
 
     def warm_compile(self) -> None:
         """Compiles now, off the critical path: one forward and backward of a micro-batch of
@@ -179,8 +201,12 @@ class StepEngine:
         faults = self.faults
         if faults.armed:  # a fault injected before the compute
             faults.hit("worker.loaded", step=step)
-        self.last_attempt = attempt = Attempt(gen=gen, step=step, served=Served(
-            ids=served.ids, digests=served.digests if served.digests_on else None))
+        mine = Served(ids=served.ids, digests=served.digests if served.digests_on else None)
+        kept = self.kept
+        if kept.prior is not None:  # a resumed step: what the held micro-batches were served
+            mine = Served.merge([kept.prior.served, mine])
+        kept.served, kept.counts = mine, loaded.batches
+        self.last_attempt = attempt = Attempt(gen=gen, step=step, served=mine)
         if record_served is not None:  # the run's ledger, before the collective
             record_served(attempt)
         return loaded
@@ -191,7 +217,7 @@ class StepEngine:
         on this one during the reduction."""
         ahead: np.ndarray | None = None
         if next_ids is not None and len(next_ids):
-            ahead = self.loader.own_share(next_ids, comm)[2]
+            first, _, ahead, _ = self.loader.own_share(next_ids, comm)
             if self.loader.prefetch_on:
                 self.loader.prefetch(ahead, step + 1, first)
                 ahead = None
@@ -206,8 +232,10 @@ class StepEngine:
         with state.lock:  # the committed buffers, kept as a snapshot beside reads them
             state.buffer_sync.begin()  # buffers are pending: put back unless the step commits
         state.model.train()
-        loss_sum = 0.0
-        metric_sums: dict[str, float] = {}
+        kept = self.kept
+        numbers, prior = kept.numbers, kept.prior  # a resumed step's micro-batches; held
+        loss_sum = 0.0 if prior is None else prior.loss_sum
+        metric_sums: dict[str, float] = {} if prior is None else dict(prior.metric_sums)
         gbs = self.spec.global_batch_size
         forward_backward, backward = self.spec.forward_backward, self._backward
         loss_fn = cast(Callable[..., Any], self.spec.loss)  # set when forward_backward is not
@@ -218,7 +246,11 @@ class StepEngine:
         real = [b for _, b in loaded.batches if b is not None]
         padding = [(0, real[0] if real else None)] * (rounds - len(loaded.batches))
         for j, (n, batch) in enumerate(loaded.batches + padding):
-            membership.raise_if_aborted(step)
+            try:
+                membership.raise_if_aborted(step)
+            except StepAborted:  # between micro-batches: the finished ones can be kept
+                kept.reached(j, loss_sum, metric_sums)
+                raise
             if j == last:
                 state.reducer.before_last_backward(comm)
             if batch is None:  # every sample of it skipped (a work fault): no forward,
@@ -226,11 +258,12 @@ class StepEngine:
                     vitals.progress += 1  # forwards) a weightless one
                     continue
                 batch = real[0]
-            vitals.work = f"m{first + j}"
+            index = first + j if numbers is None else numbers[j]  # its global number
+            vitals.work = f"m{index}"
             # A weightless forward leaves the buffers (BatchNorm's statistics) as they were.
             held = state.buffer_sync.hold() if not n and self.sharded else None
             # The micro-batch's own random stream: the same at any width, on any rank.
-            seed_torch(micro_batch_seed(self.spec.seed, step, first + j))
+            seed_torch(micro_batch_seed(self.spec.seed, step, index))
             try:
                 if forward_backward is not None:  # the user's step calls backward itself
                     with self._autocast():
@@ -245,7 +278,7 @@ class StepEngine:
                         scaled = state.scaler.scale(scaled)
                     user_call("backward", scaled.backward)
             except Failure as err:
-                err.work = Work(step=step, micro_batch=first + j)
+                err.work = Work(step=step, micro_batch=index)
                 raise
             if held is not None:
                 state.buffer_sync.put_back(held)
@@ -254,6 +287,7 @@ class StepEngine:
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * n
             vitals.progress += 1
+        kept.reached(len(loaded.batches), loss_sum, metric_sums)  # reduced next, or kept
         membership.raise_if_aborted(step)
         return loss_sum, metric_sums
 
@@ -290,7 +324,8 @@ class StepEngine:
         # The step's totals, known to every rank after the reduction.
         status[2] = max(float(status[2]), float(self.vitals.preempting))  # a notice mid-step
         status[0] += loss_sum
-        status[1] += sum(n for n, _ in loaded.batches)
+        prior = self.kept.prior
+        status[1] += sum(n for n, _ in loaded.batches) + (0 if prior is None else prior.samples)
         for i, key in enumerate(metric_keys):
             status[4 + i] += metric_sums.get(key, 0.0)
         t = time.perf_counter()

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from planaria.worker.collective import Collective
+from planaria.worker.kept_work import GradientCopy
 
 __all__ = [
     "FP32_EXACT_COUNT",
@@ -101,6 +102,11 @@ class Reducer(Protocol):
         """Removes what the reducer installed on the model (hooks)."""
         ...
 
+    def gradient_copy(self) -> GradientCopy | None:
+        """The copy of this rank's own gradient sum taken as each region's reduction
+        starts (:mod:`planaria.worker.kept_work`); None: this reducer keeps none."""
+        ...
+
 
 def status_in_tail(tail: torch.Tensor | None, status_len: int, global_batch_size: int) -> bool:
     """Whether a step's status may ride in the gradient buffer's ``tail`` (its dtype: the
@@ -167,9 +173,12 @@ class FlatReducer:
     """The whole flat buffers in one all-reduce after the last backward (see the module doc);
     the step's status in the first fp32/fp64 buffer's tail when it fits exactly."""
 
-    def __init__(self, grads: FlatGradients, global_batch_size: int) -> None:
+    def __init__(self, grads: FlatGradients, global_batch_size: int, *,
+                 keep: bool = True) -> None:
+        """``keep``: copy the gradient before its all-reduce (:meth:`gradient_copy`)."""
         self.grads = grads
         self.global_batch_size = global_batch_size
+        self.copy = GradientCopy(grads.buffers) if keep else None
 
     def gradients(self) -> list[torch.Tensor]:
         return self.grads.buffers
@@ -205,6 +214,8 @@ class FlatReducer:
             assert status is not None and tail is not None
             tail[: len(status)].copy_(status)
         beside = [status] if status is not None and not in_tail else []
+        if self.copy is not None and comm.world_size > 1:  # a peer may break it half way
+            self.copy.save_all()
         works = comm.allreduce_start(self.grads.reduced + extra + beside)
         meanwhile()
         comm.wait_all(works)
@@ -217,3 +228,6 @@ class FlatReducer:
 
     def close(self) -> None:
         pass
+
+    def gradient_copy(self) -> GradientCopy | None:
+        return self.copy

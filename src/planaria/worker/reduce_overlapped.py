@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from planaria.worker.collective import Collective
+from planaria.worker.kept_work import GradientCopy
 from planaria.worker.reduce import FlatGradients, FlatReducer, global_norm
 
 __all__ = ["BUCKET_BYTES", "GradientBuckets", "OverlappedReducer"]
@@ -41,12 +42,15 @@ class GradientBuckets:
         layout: Sequence[Sequence[torch.nn.Parameter]],
         *,
         bucket_bytes: int = BUCKET_BYTES,
+        keep: bool = False,
     ) -> None:
-        """``buffers[i]`` holds the gradients of ``layout[i]``'s parameters, in that order."""
+        """``buffers[i]`` holds the gradients of ``layout[i]``'s parameters, in that order;
+        ``keep``: each bucket is copied just before its all-reduce starts (``copy``)."""
         self.buckets: list[torch.Tensor] = []
+        places: list[tuple[int, int, int]] = []  # each bucket's (buffer, start, end)
         self._owner: dict[int, int] = {}  # id(param) -> bucket
         sizes: list[int] = []
-        for flat, params in zip(buffers, layout, strict=True):
+        for index, (flat, params) in enumerate(zip(buffers, layout, strict=True)):
             end = flat.numel()
             start = end
             count = 0
@@ -58,12 +62,15 @@ class GradientBuckets:
                 count += 1
                 if (end - start) * flat.element_size() >= bucket_bytes:
                     self.buckets.append(flat[start:end])
+                    places.append((index, start, end))
                     sizes.append(count)
                     end, count = start, 0
             if count:
                 self.buckets.append(flat[start:end])
+                places.append((index, start, end))
                 sizes.append(count)
         self._sizes = sizes
+        self.copy = GradientCopy(buffers, places) if keep else None
         self._left: list[int] = []
         self._ready: list[bool] = []
         self._next = 0
@@ -99,6 +106,8 @@ class GradientBuckets:
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._ready[self._next]:
+            if self.copy is not None:  # a peer may break the reduction half way
+                self.copy.save(self._next)
             self._works += self._comm.allreduce_start([self.buckets[self._next]])
             self._next += 1
 
@@ -139,10 +148,11 @@ class OverlappedReducer:
     the step's other sums (buffers, status) in one all-reduce after them. Alone in its
     generation, a replica reduces as :class:`planaria.worker.reduce.FlatReducer` does."""
 
-    def __init__(self, grads: FlatGradients, global_batch_size: int) -> None:
-        self.flat = FlatReducer(grads, global_batch_size)
+    def __init__(self, grads: FlatGradients, global_batch_size: int, *,
+                 keep: bool = True) -> None:
+        self.flat = FlatReducer(grads, global_batch_size, keep=False)  # alone: nothing to keep
         self.grads = grads
-        self.buckets = GradientBuckets(grads.buffers, grads.layout)
+        self.buckets = GradientBuckets(grads.buffers, grads.layout, keep=keep)
 
     def gradients(self) -> list[torch.Tensor]:
         return self.grads.buffers
@@ -182,3 +192,6 @@ class OverlappedReducer:
 
     def close(self) -> None:
         self.buckets.remove()
+
+    def gradient_copy(self) -> GradientCopy | None:
+        return self.buckets.copy

@@ -110,5 +110,8 @@ class ShardedReducer:
     def status_room(self) -> int | None:
         return None  # the status is reduced beside the shards, as a tensor of its own
 
+    def gradient_copy(self) -> None:
+        return None  # a sharded replica keeps nothing of a failed step
+
     def close(self) -> None:
         pass

@@ -163,9 +163,10 @@ class ReplicaState:
             return ShardedReducer(list(self.model.parameters()), self.device)
         grads = FlatGradients([p for p in self.model.parameters() if p.requires_grad],
                               self.device)
+        keep = self.spec.precision != "fp16"  # a failed step's finished part (kept_work)
         if self.shape.overlap_reduction:
-            return OverlappedReducer(grads, gbs)
-        return FlatReducer(grads, gbs)
+            return OverlappedReducer(grads, gbs, keep=keep)
+        return FlatReducer(grads, gbs, keep=keep)
 
     def _shard(self) -> None:
         """Shards the model over the replica's workers (planaria.worker.sharded)."""

@@ -40,11 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from planaria.data.plan import DataPlan, split_micro_batches
+from planaria.data.plan import DataPlan, micro_batch_ids, split_micro_batches
 from planaria.faults.points import FaultPoints
 from planaria.wire import store_keys
 from planaria.wire.reports import (
     Attempt,
+    CarriedStep,
     RankTimes,
     RunEnd,
     RunReport,
@@ -99,6 +100,7 @@ class RunLoop:
     def run(
         self, gen: int, run_id: int, start: int, until: int, *, plan: tuple[int, int, int],
         skipped: int, ledger: bool, metric_keys: tuple[str, ...], horizon: int | None,
+        carry: CarriedStep | None = None,
     ) -> RunReport:
         """Runs steps ``start`` .. ``until - 1`` (or fewer, see the module doc) on its own.
 
@@ -107,7 +109,9 @@ class RunLoop:
         without its update); ``metric_keys`` the loss's metrics, summed over the ranks on
         the status. Each step loads the next one's share ahead, the run's last step too,
         up to ``horizon`` (the job's step count; ``until`` if None): a run of one step
-        (``Job.train_step``) finds its share loaded by the run before.
+        (``Job.train_step``) finds its share loaded by the run before. ``carry``: the first
+        step resumes a failed attempt, this rank keeping what it holds of it and computing
+        ``carry.new`` (:mod:`planaria.worker.kept_work`).
         Returns how the run ended; only rank 0 (every rank with a ledger) returns all its
         records, which hold the step's totals: the controller's work per step does not grow
         with the number of workers.
@@ -125,7 +129,8 @@ class RunLoop:
         try:
             with self.keys.busy():
                 ended = self._run(gen, run_id, start, until, data_plan, key, skipped,
-                                  tuple(metric_keys), until if horizon is None else horizon)
+                                  tuple(metric_keys), until if horizon is None else horizon,
+                                  carry)
         except BaseException:
             # Whatever ended the run here, no peer may wait on this rank in a collective:
             # tell them to abandon the step, and close the group.
@@ -147,6 +152,7 @@ class RunLoop:
     def _run(
         self, gen: int, run_id: int, start: int, until: int, data_plan: DataPlan, key: str,
         skipped: int, metric_keys: tuple[str, ...], horizon: int,
+        carry: CarriedStep | None,
     ) -> RunEnd:
         comm = self.membership.comm
         assert comm is not None
@@ -168,7 +174,10 @@ class RunLoop:
         def share(s: int) -> np.ndarray:  # this rank's ids of step s
             return split_micro_batches(data_plan.batch(s), width, mbs)[rank]
 
-        nxt: np.ndarray | None = share(start)
+        if carry is not None and carry.step != start:
+            carry = None  # not this run's first step: nothing to resume
+        nxt: np.ndarray | None = (share(start) if carry is None else
+                                  micro_batch_ids(data_plan.batch(start), carry.new, mbs))
         while step < until:
             ids = nxt
             assert ids is not None
@@ -183,7 +192,8 @@ class RunLoop:
             t0 = time.time()
             c = self.engine.step(gen, step, ids, done, nxt, skipped=skipped, status=status,
                                  metric_keys=metric_keys, record_served=record_served,
-                                 rank_slots=slots)
+                                 rank_slots=slots, carry=carry)
+            carry = None
             reduced_t, reduce_wait_s = time.perf_counter(), c.reduce_wait_s
             skipped = -1
             if faults.armed:  # a fault injected after the reduction
@@ -224,12 +234,14 @@ class RunLoop:
 
     def settle(self, gen: int) -> Settled:
         """After a failed run: drops a step whose collective did not complete here, and
-        reports how far this worker got and the records of the steps it applied."""
+        reports how far this worker got, the records of the steps it applied and what it
+        keeps of the step that failed (:meth:`StepEngine.hold_finished`)."""
         self.membership.enter(gen)  # a newer generation may be forming
+        held = self.engine.hold_finished()  # kept apart: the pending gradient goes
         if self.commits.pending is not None:
             self.commits.drop_pending()
         records, self.records = self.records, []
-        return Settled(steps_done=self.commits.steps_done, steps=records)
+        return Settled(steps_done=self.commits.steps_done, steps=records, held=held)
 
     def record_served(self, attempt: Attempt) -> None:
         """With a ledger, what this rank was served for the attempt's step, into the store
