@@ -214,6 +214,7 @@ class WorkerPool:
             backend=cfg.process_group_backend,
             record_digests=cfg.ledger,
             overlap_reduction=cfg.overlap_reduction,
+            keep_finished=cfg.keep_finished_micro_batches,
             prefetch=cfg.prefetch,
             loader_workers=cfg.loader_workers,
             workers_per_replica=cfg.workers_per_replica,

@@ -97,6 +97,7 @@ class Worker:
         backend: str | None = None,
         record_digests: bool = False,
         overlap_reduction: bool = False,
+        keep_finished: bool = True,
         prefetch: bool | None = None,
         loader_workers: int = 0,
         workers_per_replica: int = 1,
@@ -134,7 +135,7 @@ class Worker:
         self.membership = Membership(name, self.store, sharded=self.k > 1)
         shape = ReplicaShape(k=self.k, shard_index=shard_index, replica_key=self.replica_key,
                              backend=self.backend, timeout_s=timeouts[1],
-                             overlap_reduction=overlap_reduction)
+                             overlap_reduction=overlap_reduction, keep_finished=keep_finished)
         self.state = ReplicaState(self.spec, device, shape, self.store)
         self.commits = Commits(name, self.state, self.membership, self.vitals)
         self.loader = SampleLoader(name, self.spec, device, self.vitals, k=self.k,

@@ -133,6 +133,7 @@ class KeptWork:
         held = self.held
         if (held is None or copy is None or held.step != carry.step
                 or held.micro_batches != carry.kept or steps_done != carry.step):
+            self.done, self.held = -1, None  # this attempt keeps nothing either
             raise PlanariaError(
                 f"asked to resume step {carry.step} keeping micro-batches {carry.kept}, "
                 f"but holds {None if held is None else (held.step, held.micro_batches)} "

@@ -75,6 +75,8 @@ class ReplicaShape:
     """The replica's inner group's collective timeout."""
     overlap_reduction: bool
     """The gradient is reduced during the last backward (OverlappedReducer)."""
+    keep_finished: bool = True
+    """A failed step's finished micro-batches are kept (planaria.worker.kept_work)."""
 
 
 def check_optimizer(optimizer: Any, model: torch.nn.Module, gets: str) -> None:
@@ -163,7 +165,8 @@ class ReplicaState:
             return ShardedReducer(list(self.model.parameters()), self.device)
         grads = FlatGradients([p for p in self.model.parameters() if p.requires_grad],
                               self.device)
-        keep = self.spec.precision != "fp16"  # a failed step's finished part (kept_work)
+        # A failed step's finished part (kept_work): not with fp16's loss scaler.
+        keep = self.shape.keep_finished and self.spec.precision != "fp16"
         if self.shape.overlap_reduction:
             return OverlappedReducer(grads, gbs, keep=keep)
         return FlatReducer(grads, gbs, keep=keep)
