@@ -3,7 +3,10 @@ split over the new generation (planaria.control.carry_plan)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from planaria.control.carry_plan import HeldSteps, plan_carry
+from planaria.data.plan import micro_batch_ids
 from planaria.wire.reports import CarriedStep, HeldWork, Settled
 
 
@@ -59,3 +62,9 @@ def test_a_survivor_that_applied_the_step_carries_nothing() -> None:
                "w2": Settled(steps_done=3, steps=(), held=held(3, 2, 3))}
     steps.settled(answers, committed=4)  # w2 is behind: it receives the state of step 4
     assert steps.take(4, ["w0", "w2"]) is None
+
+
+def test_a_share_that_is_not_contiguous_takes_its_micro_batches_ids_in_order() -> None:
+    ids = np.arange(100, 112)
+    assert micro_batch_ids(ids, (4, 1), 2).tolist() == [108, 109, 102, 103]
+    assert micro_batch_ids(ids, (), 2).tolist() == []

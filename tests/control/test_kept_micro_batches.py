@@ -90,13 +90,14 @@ def reference(tmp: Path, **model: Any) -> dict:
 
 
 def run_killing(run_dir: Path, *, point: str, after_s: float, slow_s: float = 0.0,
-                spares: int = 0, **model: Any) -> tuple[planaria.FitResult, Path, dict]:
+                spares: int = 0, config: dict | None = None,
+                **model: Any) -> tuple[planaria.FitResult, Path, dict]:
     """3 replicas; w1 dies at step KILL_AT's ``point`` (``after_s`` later). Returns the
     result, the forward log and the pids of the workers by name (the last members')."""
     log = run_dir / "forwards.log"
     spec = make_spec(RecordingLoss(str(log), KILL_AT, slow_s), **model)
     job = Job(spec, RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True,
-                              spares=spares))
+                              spares=spares, **(config or {})))
     with job:
         if spares:
             assert job.wait_for_spares(timeout_s=180) == spares
@@ -193,3 +194,27 @@ def test_a_model_with_batch_norm_recomputes_the_whole_step(tmp_path: Path) -> No
     assert not of(evs, "step_resumed")
     counts = forwards_of_step(log, KILL_AT)
     assert all(len(pids) == 2 for pids in counts.values())
+
+
+def test_the_overlapped_reduction_keeps_each_bucket_as_its_all_reduce_started(
+    tmp_path: Path,
+) -> None:
+    ref = reference(tmp_path)
+    run_dir = tmp_path / "run"
+    result, log, _ = run_killing(run_dir, point="worker.computed", after_s=1.0,
+                                 config={"overlap_reduction": True})
+    evs = check_same_and_once(run_dir, result, ref)
+    (resumed,) = of(evs, "step_resumed")
+    assert (resumed["kept"], resumed["redone"]) == (8, 4)
+    counts = {j: len(pids) for j, pids in forwards_of_step(log, KILL_AT).items()}
+    assert counts == {j: 2 if j in range(4, 8) else 1 for j in range(TOTAL)}, counts
+
+
+def test_switched_off_the_whole_step_is_computed_again(tmp_path: Path) -> None:
+    ref = reference(tmp_path)
+    run_dir = tmp_path / "run"
+    result, log, _ = run_killing(run_dir, point="worker.computed", after_s=1.0,
+                                 config={"keep_finished_micro_batches": False})
+    evs = check_same_and_once(run_dir, result, ref)
+    assert not of(evs, "step_resumed")
+    assert all(len(pids) == 2 for pids in forwards_of_step(log, KILL_AT).values())
