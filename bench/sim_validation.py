@@ -284,6 +284,10 @@ def calibrate_planaria(raw: Path, rec: dict[str, Any]) -> dict[str, Any]:
     keep = ("step_overhead_s", "detect_s", "rebuild_s", "replacement_s", "join_stall_s",
             "ckpt_stall_s", "ckpt_write_s")
     figures = {k: cal.figures[k] or 0.0 for k in keep}
+    # When every replica is lost the job restores its last save; a run that never did
+    # gives no restore time: assumed as long as writing one.
+    figures["restore_s"] = cal.figures["restore_s"] or (
+        figures["ckpt_stall_s"] + figures["ckpt_write_s"])
     detected = sorted(r["t"] for r in rows if r["event"] == "detected")
     begun = sorted(r["t"] - r["duration_s"] for r in rows if r["event"] == "step_committed")
     detect, rebuild = [], []
@@ -341,6 +345,20 @@ def step_s_by_width(rec: dict[str, Any]) -> dict[int, float]:
     return {w: sum(g) / len(g) for w, g in gaps.items()}
 
 
+def harness_victims(kill_at_s: list[float], replicas: int, out_s: float) -> tuple[int, ...]:
+    """The replica each kill takes, as the harness picks: one in service (a replica is out
+    for ``out_s`` after its kill); all in service are alike, so the first. With none in
+    service, the longest out (the simulator ignores a failure of a replica already out)."""
+    back = [0.0] * replicas
+    picked = []
+    for t in kill_at_s:
+        live = [r for r in range(replicas) if back[r] <= t]
+        r = live[0] if live else min(range(replicas), key=lambda i: back[i])
+        back[r] = t + out_s
+        picked.append(r)
+    return tuple(picked)
+
+
 def predict(cal: dict[str, Any], case: Case, kill_at_s: list[float], duration_s: float,
             replicas: int, steps: dict[int, float] | None = None) -> float:
     """Simulated steps with the kills ÷ without, over the window (module docstring).
@@ -364,8 +382,8 @@ def predict(cal: dict[str, Any], case: Case, kill_at_s: list[float], duration_s:
     base = SimParams(nodes=replicas, gpus_per_node=1, node_mtbf_h=1e9, step_s=step_s,
                      step_s_by_width=tuple(sorted(by_width.items())),
                      days=duration_s / 86_400.0, **figures)
-    trace = FailureTrace(times=tuple(kill_at_s),
-                         replicas=tuple(i % replicas for i in range(len(kill_at_s))))
+    trace = FailureTrace(times=tuple(kill_at_s), replicas=harness_victims(
+        kill_at_s, replicas, figures["detect_s"] + figures["replacement_s"]))
     interval = case.ckpt_every * step_s
     faulty = simulate(base.with_(trace=trace), strategy, interval_s=interval)
     clean = simulate(base.with_(trace=FailureTrace(times=(), replicas=())), strategy,
