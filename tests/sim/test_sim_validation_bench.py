@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for bench
 
-from bench.sim_validation import (
+from bench.sim_predict import (
     Case,
     harness_victims,
     measured_goodput,
