@@ -21,7 +21,9 @@ simulator can replay the run itself.
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +78,14 @@ def _commit_figures(commits: list[dict[str, Any]], full: int) -> dict[str, Any]:
     return {"full": medians.get(full), "by_width": medians, "overhead": overhead}
 
 
+def _recovering_step_s(commits: list[dict[str, Any]], recovered_t: float | None) -> float:
+    """The duration of the commit that ended a recovery: the latest at or before the
+    ``recovered`` record (written just after it, so their times differ)."""
+    times = [float(c["t"]) for c in commits]
+    i = bisect.bisect_right(times, recovered_t if recovered_t is not None else -math.inf)
+    return (num(commits[i - 1].get("duration_s")) or 0.0) if i else 0.0
+
+
 def _joins(events: list[dict[str, Any]], commits: list[dict[str, Any]], overhead: float
            ) -> list[float]:
     at = {(c.get("gen"), c.get("step")): i for i, c in enumerate(commits)}
@@ -101,8 +111,7 @@ def calibrate(run_dir: str | Path) -> Calibration:
     steps = _commit_figures(commits, full)
     step_s = steps["full"] or statistics.median(steps["by_width"].values())
     faults = summary.faults
-    dur_at = {float(c["t"]): num(c.get("duration_s")) or 0.0 for c in commits}
-    rebuild = [f.recover_s - (f.detect_s or 0.0) - dur_at.get(f.recovered_t or -1.0, 0.0)
+    rebuild = [f.recover_s - (f.detect_s or 0.0) - _recovering_step_s(commits, f.recovered_t)
                for f in faults if f.recover_s is not None and f.action in ("resize", "pause")]
     saved = [e for e in events if e["event"] == "checkpoint_saved"]
     stall = [num(e.get("stall_s")) or 0.0 for e in saved]
