@@ -17,11 +17,11 @@ The ``realistic`` size (issue 31's realistic regime: ≥ 1 GB of training state 
 replica, steps of about a second) is a recommendation-style model: 16 categorical
 fields, each with its own 10,000 x 512 embedding table (81.9M parameters, dense
 gradients), then the per-token MLP (512 → 1024 → 1024 → 1024, 2.6M parameters).
-84,560,912 parameters; :func:`state_bytes` after a step: 1,014,731,040 B (1.01 GB;
+84,560,912 parameters; :func:`state_bytes` after a step: 1,014,731,040 B (1.01 GB, 0.945 GiB;
 parameters 338 MB + Adam's two moments 676 MB; no buffers); the gradient all-reduced
 each step is 338 MB. Adam is the fused one (:data:`FUSED_ADAM_FROM`). Measured with 3
 gloo ranks x 1 thread, a step's parts timed apart (barriers between them; the
-slowest rank), while the box was loaded by other work (load averages 12-20 on 2
+slowest rank), while the box was loaded by other work (load averages 7.5-20 on 2
 cores, so these are upper bounds):
 
 - forward/backward of the 6 micro-batches (2 a rank): 1.5-2.7 s wall; CPU summed
@@ -30,16 +30,22 @@ cores, so these are upper bounds):
   0.91 s; on the idle box (load 0.2) the same all-reduce of a 369 MB gradient took
   0.755 s, so about 0.69 s at 338 MB;
 - Adam (fused): 0.33-0.55 s wall, CPU summed 0.23 s (one process alone, idle: 0.09 s);
-- the whole step 3.5-5.7 s; DDP (``ddp_train.py --size realistic``, 3 ranks, load
-  11-14): 2.9-5.8 s a step (median 3.9 s).
+- the whole step 3.5-5.7 s at loads 12-20, 2.33 s at load 7.5 (forward/backward 0.99,
+  all-reduce 0.95, Adam 0.26 s; ``medium`` beside it: 104-169 ms); DDP
+  (``ddp_train.py --size realistic``, 3 ranks, load 11-14): 2.9-5.8 s a step (median
+  3.9 s); planaria (3 replicas, ``fit``'s runs, load 18-28): 2.6 and 3.6 s.
 
 So about 1.2 s a step on the idle box (0.45 + 0.69 + 0.14 s; compute about 40% of it,
-the all-reduce most of the rest). The ``medium`` size run beside it (152-257 ms a
-step under that load, 23 ms idle) scales to 0.53 s, an underestimate: the load slows
-``medium``'s small operations more than ``realistic``'s large ones. Peak resident
-memory (``VmHWM``) 2.1-2.4 GB a process (DDP rank 2.38 GB): parameters, gradients,
-Adam's moments and one reduction buffer, 1.35 GB of tensors; 4 processes (3 + a
-spare) fit in the 24 GiB box with room for checkpoint snapshots.
+the all-reduce most of the rest): the CPU the parts take is the same at every load
+(forward/backward 0.88 s summed at loads 7.5 to 20). The ``medium`` size run beside
+it (104-257 ms a step under those loads, 23 ms idle) scales to 0.4-0.53 s, an
+underestimate: the load slows ``medium``'s small operations more than
+``realistic``'s large ones. To be measured again on the idle box. Peak resident
+memory (``VmHWM``) a process: DDP rank 2.38 GB (its buckets copy the gradient),
+planaria worker 1.79 GB (no checkpoint in that run), the timing script 2.1-2.25 GB:
+parameters, gradients and Adam's moments are 1.35 GB of tensors, a checkpoint snapshot
+of the state 1.01 GB more; 4 processes (3 + a spare) at 2.4 + 1.0 GB fit in the 24 GiB
+box when nothing else runs.
 
 Gradient convention: :func:`loss_fn` returns the *sum* of per-sample losses;
 a trainer divides by the global batch size before (or after) summing over

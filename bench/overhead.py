@@ -117,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.steps, args.warmup, args.rounds, args.no_tiny = "tiny", 8, 3, 2, True
+        args.train_step_rounds = min(args.train_step_rounds, 1)
     args.pairs = [x for x in args.pairs.split(",") if x]
     if not args.pairs or set(args.pairs) - set(PAIRS):
         p.error(f"--pairs: choose from {', '.join(PAIRS)}")
@@ -244,7 +245,7 @@ def _run_pair(args: argparse.Namespace, pair: str, size: str, i: int, wd: Path, 
     return row
 
 
-def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise_pair(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The pair's figures over its rounds (the estimator: module doc)."""
     ratios = [r["ratio"] for r in rows]
     diffs = [r["planaria_step_ms"] - r["ddp_step_ms"] for r in rows]
@@ -285,7 +286,7 @@ def _compare(args: argparse.Namespace, size: str, pairs: list[str], wd: Path, ra
             print(f"  round {i} ({size}, {pair}): planaria {row['planaria_step_ms']:.2f} ms "
                   f"(fit's runs){text}, DDP {row['ddp_step_ms']:.2f} ms, ratio "
                   f"{row['ratio']:.3f}; load {common.loadavg()}", flush=True)
-    return {pair: _summarise(rows[pair]) for pair in pairs}
+    return {pair: summarise_pair(rows[pair]) for pair in pairs}
 
 
 def _git(*argv: str) -> str:

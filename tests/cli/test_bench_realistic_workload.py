@@ -58,7 +58,7 @@ def test_overhead_estimator_is_the_median_of_paired_ratios_with_a_bootstrap_inte
     rows = [{"planaria_step_ms": p, "ddp_step_ms": d, "planaria_step_ms_mean": p,
              "ddp_step_ms_mean": d, "ratio": p / d}
             for p, d in ((10.0, 10.0), (22.0, 20.0), (9.0, 10.0), (31.0, 30.0), (10.5, 10.0))]
-    out = overhead._summarise(rows)
+    out = overhead.summarise_pair(rows)
     ratios = [r["ratio"] for r in rows]
     assert out["ratio"] == statistics.median(ratios) == pytest.approx(31 / 30)
     lo, hi = out["ratio_ci95"]
