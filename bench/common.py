@@ -70,12 +70,14 @@ from torch import nn
 
 __all__ = [
     "DATASET_SIZE",
+    "FUSED_ADAM_FROM",
     "GLOBAL_BATCH",
     "MICRO_BATCH",
     "SEED",
     "SIZES",
     "Size",
     "SyntheticDataset",
+    "TokenMLP",
     "batch_ids",
     "collate",
     "load_batch",
