@@ -11,7 +11,41 @@ state stays small; the ``large`` size instead carries ≥100 MB of state
 (parameters + Adam moments) for state-transfer measurements.
 
 Step times, measured on the 2-core CPU box (2 gloo ranks, 1 torch thread each,
-global batch 64): see ``SIZES`` and the baselines' reports.
+global batch 48): see ``SIZES`` and the baselines' reports.
+
+The ``realistic`` size (issue 31's realistic regime: ≥ 1 GB of training state a
+replica, steps of about a second) is a recommendation-style model: 16 categorical
+fields, each with its own 10,000 x 512 embedding table (81.9M parameters, dense
+gradients), then the per-token MLP (512 → 1024 → 1024 → 1024, 2.6M parameters).
+84,560,912 parameters; :func:`state_bytes` after a step: 1,014,731,040 B (1.01 GB, 0.945 GiB;
+parameters 338 MB + Adam's two moments 676 MB; no buffers); the gradient all-reduced
+each step is 338 MB. Adam is the fused one (:data:`FUSED_ADAM_FROM`). Measured with 3
+gloo ranks x 1 thread, a step's parts timed apart (barriers between them; the
+slowest rank), while the box was loaded by other work (load averages 7.5-20 on 2
+cores, so these are upper bounds):
+
+- forward/backward of the 6 micro-batches (2 a rank): 1.5-2.7 s wall; CPU summed
+  over the 3 ranks 0.88 s (so about 0.45 s wall on 2 idle cores);
+- the gradient all-reduce (one flat 338 MB buffer): 1.6-2.4 s wall, CPU summed
+  0.91 s; on the idle box (load 0.2) the same all-reduce of a 369 MB gradient took
+  0.755 s, so about 0.69 s at 338 MB;
+- Adam (fused): 0.33-0.55 s wall, CPU summed 0.23 s (one process alone, idle: 0.09 s);
+- the whole step 3.5-5.7 s at loads 12-20, 2.33 s at load 7.5 (forward/backward 0.99,
+  all-reduce 0.95, Adam 0.26 s; ``medium`` beside it: 104-169 ms); DDP
+  (``ddp_train.py --size realistic``, 3 ranks, load 11-14): 2.9-5.8 s a step (median
+  3.9 s); planaria (3 replicas, ``fit``'s runs, load 18-28): 2.6 and 3.6 s.
+
+So about 1.2 s a step on the idle box (0.45 + 0.69 + 0.14 s; compute about 40% of it,
+the all-reduce most of the rest): the CPU the parts take is the same at every load
+(forward/backward 0.88 s summed at loads 7.5 to 20). The ``medium`` size run beside
+it (104-257 ms a step under those loads, 23 ms idle) scales to 0.4-0.53 s, an
+underestimate: the load slows ``medium``'s small operations more than
+``realistic``'s large ones. To be measured again on the idle box. Peak resident
+memory (``VmHWM``) a process: DDP rank 2.38 GB (its buckets copy the gradient),
+planaria worker 1.79 GB (no checkpoint in that run), the timing script 2.1-2.25 GB:
+parameters, gradients and Adam's moments are 1.35 GB of tensors, a checkpoint snapshot
+of the state 1.01 GB more; 4 processes (3 + a spare) at 2.4 + 1.0 GB fit in the 24 GiB
+box when nothing else runs.
 
 Gradient convention: :func:`loss_fn` returns the *sum* of per-sample losses;
 a trainer divides by the global batch size before (or after) summing over
@@ -36,12 +70,14 @@ from torch import nn
 
 __all__ = [
     "DATASET_SIZE",
+    "FUSED_ADAM_FROM",
     "GLOBAL_BATCH",
     "MICRO_BATCH",
     "SEED",
     "SIZES",
     "Size",
     "SyntheticDataset",
+    "TokenMLP",
     "batch_ids",
     "collate",
     "load_batch",
@@ -79,6 +115,11 @@ class Size:
     """Hidden→hidden blocks."""
     classes: int = 16
     """Output classes."""
+    vocab: int = 0
+    """Rows of each field's embedding table (0: none). With tables, a sample is ``tokens``
+    categorical ids, one per field, each looked up in its field's own table (as in a
+    recommendation model): the tables hold most of the state, the MLP does most of the
+    compute."""
 
 
 SIZES: dict[str, Size] = {
@@ -93,14 +134,23 @@ SIZES: dict[str, Size] = {
     # ~10 MB and ~0.9 GB of state with Adam: recovery against state size (bench/recovery.py)
     "state_10mb": Size(tokens=1, dim=512, hidden=512, layers=2),
     "state_1gb": Size(tokens=1, dim=2048, hidden=4096, layers=4),
+    # the realistic regime (issue 31): 1.01 GB of training state, about 1.2 s a step with 3
+    # replicas x 1 thread on the idle 2-core box (module doc)
+    "realistic": Size(tokens=16, dim=512, hidden=1024, layers=2, vocab=10_000),
 }
 
 
 class TokenMLP(nn.Module):
-    """Per-token MLP, mean-pooled over tokens, then a linear classifier head."""
+    """Per-token MLP (after the fields' embedding tables, if the size has them),
+    mean-pooled over tokens, then a linear classifier head."""
 
     def __init__(self, size: Size) -> None:
         super().__init__()
+        # Dense embedding gradients (not sparse=True): all-reduced and updated whole, as
+        # DDP and Adam do. A table per field keeps each gradient small enough for malloc to
+        # reuse (one big table's would be a fresh mmap, page-faulted, every backward).
+        self.tables = nn.ModuleList(
+            nn.Embedding(size.vocab, size.dim) for _ in range(size.tokens if size.vocab else 0))
         blocks: list[nn.Module] = [nn.Linear(size.dim, size.hidden), nn.GELU()]
         for _ in range(size.layers):
             blocks += [nn.Linear(size.hidden, size.hidden), nn.GELU()]
@@ -108,6 +158,8 @@ class TokenMLP(nn.Module):
         self.head = nn.Linear(size.hidden, size.classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.tables):
+            x = torch.stack([table(x[:, f]) for f, table in enumerate(self.tables)], dim=1)
         return self.head(self.body(x).mean(dim=1))
 
 
@@ -120,14 +172,27 @@ def make_model(size: str = "small", seed: int = SEED) -> nn.Module:
         return TokenMLP(SIZES[size])
 
 
+FUSED_ADAM_FROM = 50_000_000
+"""Parameters from which :func:`make_optimizer`'s Adam is the fused one (one pass over the
+state; the default loop takes 0.75 s a step for 92M parameters on the 2-core box, 0.1 s
+fused): the ``state_1gb`` and ``realistic`` sizes. Below, the default loop, as before."""
+
+
 def make_optimizer(params, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """Adam (two moment tensors per parameter, so state = 3x the parameters)."""
-    return torch.optim.Adam(params, lr=lr)
+    """Adam (two moment tensors per parameter, so state = 3x the parameters); fused from
+    :data:`FUSED_ADAM_FROM` parameters."""
+    params = list(params)
+    fused = sum(p.numel() for p in params) >= FUSED_ADAM_FROM
+    return torch.optim.Adam(params, lr=lr, fused=True if fused else None)
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Bytes of model parameters plus (if given) optimizer tensor state."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the training state: what a replacement must receive and a checkpoint must
+    save. The model's parameters and buffers, plus (if given) the optimizer's tensor state
+    (Adam: its two moments and its step count per parameter, there once it has stepped).
+    Gradients are not state: each step recomputes them."""
+    total = sum(t.numel() * t.element_size()
+                for t in (*model.parameters(), *model.buffers()))
     if optimizer is not None:
         for st in optimizer.state.values():
             total += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
@@ -139,13 +204,14 @@ class SyntheticDataset(torch.utils.data.Dataset):
 
     ``x`` is standard normal of shape (T, D); the label is the argmax of a
     fixed random linear "teacher" applied to the token mean, so the task is
-    learnable and the loss goes down.
+    learnable and the loss goes down. With embedding tables, ``x`` is T uniform ids
+    (one per field) and the teacher a random score per id and class, summed over the fields.
     """
 
     def __init__(self, n: int, seed: int, size: Size) -> None:
         self.n, self.seed, self.size = n, seed, size
         g = torch.Generator().manual_seed(seed)
-        self.teacher = torch.randn(size.dim, size.classes, generator=g)
+        self.teacher = torch.randn(size.vocab or size.dim, size.classes, generator=g)
 
     def __len__(self) -> int:
         return self.n
@@ -154,6 +220,9 @@ class SyntheticDataset(torch.utils.data.Dataset):
         if not 0 <= i < self.n:
             raise IndexError(i)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i) + 1)
+        if self.size.vocab:  # an id per field; the teacher scores each id
+            ids = torch.randint(self.size.vocab, (self.size.tokens,), generator=g)
+            return ids, self.teacher[ids].sum(dim=0).argmax()
         x = torch.randn(self.size.tokens, self.size.dim, generator=g)
         y = (x.mean(dim=0) @ self.teacher).argmax()
         return x, y

@@ -8,7 +8,9 @@ and the ``tiny`` cross-check) from checkouts A and B, ``--pairs`` times, alterna
 that both see the same drift of the machine; the pairs alternate their order too (A then B,
 B then A, ...): on a machine whose load drifts within a pair, the side run second is not
 always the same one. Each run's ratio (planaria ÷
-DDP, pooled medians over its steady steps) is one observation. The estimator, chosen
+DDP, the medians of its steady steps; at a checkout whose overhead bench runs both pairs,
+the ``like_for_like`` one) is one observation; pass ``--args-a``/``--args-b`` ``--pairs
+like_for_like`` to a checkout that has the option to skip its ``inline`` pair. The estimator, chosen
 before the runs: the median of each checkout's ratios, and B's median minus A's with a 95%
 interval bootstrapped over the pairs (a pair's two runs resampled together). B is not
 slower where the interval's upper end is at most the bound asked for.
