@@ -254,6 +254,8 @@ def summarize(records: list[dict[str, Any]], sweep: tuple[DcpOptions, ...], repe
         "page_cache_dropped": statistics.median(pl_raw) > 1.25 * statistics.median(
             x["planaria_raw_warm_s"] for x in rest),
         "cold_method": rest[0]["cold"],
+        "planaria_saves_dropped": sum(x.get("dropped", 0) for x in records
+                                      if x["kind"] == "run" and x["system"] == "planaria"),
     }
     r = out["ratios"]
     out["targets"] = {

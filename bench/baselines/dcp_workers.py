@@ -192,11 +192,14 @@ class _Rank:
 
         if not options.cached:
             return None
-        if options.name not in self.stagers:
-            self.stagers[options.name] = DefaultStager(StagingOptions(
+        # One kept stager per staging mode, shared by the executors: a full copy of the state
+        # per rank each, so at most two are held whatever the sweep
+        key = "background" if options.background_staging else "inline"
+        if key not in self.stagers:
+            self.stagers[key] = DefaultStager(StagingOptions(
                 use_pinned_memory=False, use_shared_memory=True,
                 use_async_staging=options.background_staging, use_non_blocking_copy=False))
-        return self.stagers[options.name]
+        return self.stagers[key]
 
     def run(self, steps: int, every: int, options: DcpOptions, ckpt_dir: str) -> dict[str, Any]:
         import torch.distributed as dist
