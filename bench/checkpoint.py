@@ -1,37 +1,62 @@
-"""What a checkpoint costs a training run, through the real runtime (Ray actors).
+"""What a checkpoint costs a training run: planaria against DCP ``async_save``, like for like.
 
-    python bench/checkpoint.py [--replicas 3] [--hidden 2048] [--repeat 5] [--workdir /tmp/x]
-    python bench/checkpoint.py --quick       # tiny state, for the smoke test
+    python bench/checkpoint.py [--size state_1gb] [--replicas 3] [--repeat 10] [--saves 3]
+                               [--every auto] [--dcp all] [--records DIR] [--workdir DIR]
+    python bench/checkpoint.py --quick       # small state, 2 repeats (smoke test)
 
-Measures, on one job (local disk):
+Both systems train the shared workload (``bench.common``, size ``--size``) with ``--replicas``
+worker processes, one thread each: planaria's job (Ray actors; each worker snapshots and
+writes its byte-balanced share) and a DDP job of as many ranks in a gloo group
+(``bench/baselines/dcp_workers.py``; each rank calls ``torch.distributed.checkpoint.
+async_save``, whose planner spreads the replicated tensors over the ranks' writes). Both save
+every ``K`` steps (the same ``K``: ``--every``, by default 1.5 x the longest warm-up save over
+the step, so that a save ends before the next is due, at most ``--max-every``), fsync their
+files, on the same disk.
+DCP's options are swept (see ``dcp_workers.SWEEP``; no pinned memory on a CPU-only host);
+its best is the one with the lowest median extra wall, chosen on the same repeats (a choice
+that can only favour DCP).
 
-- ``extra_wall_per_ckpt_s``: the wall time a checkpoint adds to training while
-  training goes on: windows of the same number of steps with and without an
-  asynchronous save in flight, interleaved, the median of the differences (the
-  snapshot's stall, the background write's contention for CPU and memory
-  bandwidth, and any wait for the save at the window's end);
-- baselines on the same state, side by side: a synchronous safetensors save
-  (``sync_save_s``, one file, fsynced), ``torch.save`` (``torch_save_s``), and
-  ``torch.distributed.checkpoint.async_save`` (``dcp_async_extra_wall_s``,
-  measured like planaria's: step windows with and without it in flight; it runs
-  in the controller process on a CPU copy of the state, one rank);
-- ``stall_ratio`` = ``extra_wall_per_ckpt_s`` / ``sync_save_s``;
-- restore: every replica loading the newest checkpoint (each strategy) against a
-  raw read of the same files (one process, no checks), with the page cache
-  dropped per file (``posix_fadvise(DONTNEED)``; ``page_cache_dropped`` says
-  whether the cold raw read really was slower than the warm one, i.e. whether
-  the storage did not serve it from a host cache) and warm.
+Figures and their estimators (fixed before any run):
 
-The last line printed is one JSON object (``"bench": "checkpoint"``).
+- **extra wall per save**: per repeat, a run of ``K x --saves`` steps with saves minus the
+  same run without (both measured back to back in this repeat, their order alternating from
+  one repeat to the next; a run ends once its last save is written), over the number of saves.
+  Across repeats: the median, with a 95 % percentile-bootstrap interval (4000 resamples of
+  the repeats).
+- **blocking per save**: the time the step loop could not go on because of a save: planaria,
+  the controller's ``saves.start`` (every worker's snapshot, after the pending update was
+  applied, timed apart as ``commit_s``) plus any wait for the previous save; DCP, the slowest
+  rank's ``async_save`` call, its wait for the previous upload and, with background staging,
+  its wait for the staging before the next update. Per repeat the median over the run's
+  saves; across repeats the median and its bootstrap interval.
+- **memcpy of a worker's share**: one ``copy_`` of ``state bytes / replicas`` into
+  preallocated, touched memory (median of 5), measured in each repeat beside the runs.
+- **restore vs raw read, cold**: per repeat, after dropping the page cache (``make_cold``:
+  ``/proc/sys/vm/drop_caches`` as root, else ``posix_fadvise`` on the files; the record says
+  which), the time every worker takes to load the newest checkpoint (planaria: the faster of
+  ``read_all`` and ``share``, each cold; DCP: ``dcp.load`` on every rank) against one process
+  reading the same files raw, cold; the ratio raw / restore per repeat, the median and its
+  interval across repeats.
+- **ratios**: DCP's extra wall / planaria's (median of DCP over median of planaria; the
+  bootstrap resamples the repeats as pairs), planaria's blocking / the memcpy (the same).
+
+Targets (issue 31), met only where the interval says so: extra-wall ratio's lower end > 1;
+blocking / memcpy's upper end <= 1.5; restore / raw's lower end >= 0.7.
+
+Output: the last line printed is one JSON object (``"bench": "checkpoint"``); the raw
+per-run records go to ``--records`` (default ``bench/results/raw/checkpoint/<commit>/``;
+``--quick``: under the work directory, removed at the end).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,235 +68,313 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
-from bench.checkpoint_io import drop_cache, raw_read  # noqa: E402
-from planaria import Job, RunConfig, TrainSpec  # noqa: E402
-from planaria.checkpoint.config import CheckpointConfig  # noqa: E402
+from bench import checkpoint_io as cio  # noqa: E402
+from bench import common  # noqa: E402
+from bench.baselines import dcp_workers  # noqa: E402
+from bench.baselines.dcp_workers import DcpGroup, DcpOptions  # noqa: E402
 
-DIM, CLASSES = 256, 16
-
-
-def make_model(hidden: int, layers: int) -> nn.Module:
-    """An MLP whose parameters are ~75 MB at hidden=2048, layers=4 (x3 with Adam)."""
-    blocks: list[nn.Module] = [nn.Linear(DIM, hidden), nn.GELU()]
-    for _ in range(layers):
-        blocks += [nn.Linear(hidden, hidden), nn.GELU()]
-    return nn.Sequential(*blocks, nn.Linear(hidden, CLASSES))
+DEFAULT_SIZE = "realistic" if "realistic" in common.SIZES else "state_1gb"
 
 
-class Data(torch.utils.data.Dataset):
-    def __init__(self, n: int = 1024) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, DIM, generator=g)
-        self.y = torch.randint(0, CLASSES, (n,), generator=g)
+class PlanariaSide:
+    """planaria's job on the workload, saving when :meth:`run` says (what a step boundary does
+    when a save is due: wait for a save still in flight, then start the next)."""
 
-    def __len__(self) -> int:
-        return len(self.x)
+    def __init__(self, size: str, replicas: int, base: Path) -> None:
+        from bench.planaria_side import make_spec
+        from planaria import Job, RunConfig
+        from planaria.checkpoint.config import CheckpointConfig
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
+        # Ray's workers inherit the environment: they import bench.common too
+        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(_REPO), *[p for p in paths if p]])
+        never = 10**9  # saves only when the bench asks
+        self.root = str(base / "planaria-checkpoints")
+        cfg = CheckpointConfig(root=self.root, every=never, keep_last=2)
+        run = RunConfig(steps=never, replicas=replicas, run_dir=base / "planaria-run",
+                        threads_per_worker=1)
+        self.job = Job(make_spec(size), run, checkpoint=cfg)
+        self.job.__enter__()
+        self.job.train_step()
+        tensors, _ = self.job.state()
+        self.state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
 
-
-def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(batch[0]), batch[1])
-
-
-def make_spec(hidden: int, layers: int) -> TrainSpec:
-    return TrainSpec(
-        model=lambda: make_model(hidden, layers),
-        optimizer=lambda params: torch.optim.Adam(params, lr=1e-4),
-        loss=loss,
-        dataset=Data,
-        global_batch_size=12,
-        micro_batch_size=4,
-        name="bench-checkpoint",
-    )
-
-
-def timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def steps(job: Job, k: int) -> float:
-    """Seconds for ``k`` training steps (a save in flight advances at each boundary)."""
-    t0 = time.perf_counter()
-    for _ in range(k):
-        job.train_step()
-    job.commit_all()
-    return time.perf_counter() - t0
-
-
-def fsynced(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def window_steps(job: Job, quick: bool) -> int:
-    """Steps per window: enough to cover a background save twice (a warm-up save, which
-    also allocates the staging buffers, measures it)."""
-    ck = job.checkpointer
-    step_s = steps(job, 3) / 3
-    job.commit_all()
-    t0 = time.perf_counter()
-    ck.saves.start(reason="bench")
-    ck.saves.finish_within(600)
-    save_s = time.perf_counter() - t0
-    k = max(3, int(2 * save_s / max(step_s, 1e-3)) + 1)
-    return min(k, 8 if quick else 200)
-
-
-def planaria_extra(job: Job, k: int, repeat: int) -> dict[str, float]:
-    """Median extra wall time of a window of ``k`` steps with a planaria save in flight."""
-    ck = job.checkpointer
-    extras, stalls, syncs = [], [], []
-    for _ in range(repeat):
-        base = steps(job, k)
-        step = job.steps_done
+    def run(self, steps: int, every: int) -> dict[str, Any]:
+        job = self.job
+        saves = job.checkpointer.saves
+        blocks, commits, dropped = [], [], 0
         t0 = time.perf_counter()
-        ck.saves.start(reason="bench")  # what a step boundary does when a save is due
-        stalls.append(time.perf_counter() - t0)
-        for _ in range(k):
-            job.train_step()  # each boundary collects the save's progress, never waiting
-        ck.saves.finish_within(600)  # a save still running at the window's end blocks here
-        job.commit_all()
-        extras.append(time.perf_counter() - t0 - base)
-        assert ck.last_committed == step, (ck.last_committed, step)
-        job.train_step()
-        syncs.append(timed(lambda: ck.save_now(reason="bench")))
-    print("planaria windows: extra wall per checkpoint (s):", [round(x, 3) for x in extras],
-          flush=True)
-    return {"extra_wall_per_ckpt_s": statistics.median(extras),
-            "stall_s": statistics.median(stalls),
-            "planaria_sync_save_s": statistics.median(syncs)}
-
-
-def baselines(job: Job, k: int, repeat: int, workdir: Path) -> dict[str, float]:
-    """The same state saved by safetensors (sync), torch.save (sync) and DCP async_save
-    (extra wall over a window of ``k`` steps, like planaria's)."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-
-    tensors, _ = job.state()
-    state = {k_: v.contiguous() for k_, v in tensors.items()}
-    out: dict[str, list[float]] = {"sync_save_s": [], "torch_save_s": [],
-                                   "dcp_async_extra_wall_s": []}
-    for i in range(repeat):
-        st_path, pt_path = workdir / f"sync{i}.safetensors", workdir / f"save{i}.pt"
-        t0 = time.perf_counter()
-        save_file(state, str(st_path))
-        fsynced(st_path)
-        out["sync_save_s"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        torch.save(state, pt_path)
-        fsynced(pt_path)
-        out["torch_save_s"].append(time.perf_counter() - t0)
-        st_path.unlink()
-        pt_path.unlink()
-        base = steps(job, k)
-        t0 = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=str(workdir / f"dcp{i}"))
-        for _ in range(k):
+        for i in range(steps):
             job.train_step()
-        fut.result()
+            if every and (i + 1) % every == 0:
+                t = time.perf_counter()
+                if saves.inflight is not None:
+                    saves.finish(owed=True)  # the interval's if_busy="wait"
+                waited = time.perf_counter() - t
+                t = time.perf_counter()
+                job.commit_all()  # applied at the next step anyway: not the save's stall
+                commits.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                saves.start(reason="bench")
+                blocks.append(waited + time.perf_counter() - t)
+                dropped += saves.inflight is None
+        saves.finish_within(600)
         job.commit_all()
-        out["dcp_async_extra_wall_s"].append(time.perf_counter() - t0 - base)
-        shutil.rmtree(workdir / f"dcp{i}", ignore_errors=True)
-    print("DCP windows: extra wall per checkpoint (s):",
-          [round(x, 3) for x in out["dcp_async_extra_wall_s"]], flush=True)
-    return {key: statistics.median(v) for key, v in out.items()}
+        wall = time.perf_counter() - t0
+        return {"wall_s": wall, "blocks_s": blocks, "commit_s": commits, "saves": len(blocks),
+                "dropped": dropped, "last": job.checkpointer.last_path,
+                "step_s": wall / max(steps, 1)}
+
+    def restore(self, strategy: str) -> float:
+        ck = self.job.checkpointer
+        ck.config.restore_strategy = strategy  # type: ignore[assignment]
+        t0 = time.perf_counter()
+        ck.restore(reason="bench")
+        return time.perf_counter() - t0
+
+    def sync_baselines(self, workdir: Path) -> dict[str, float]:
+        """The same state saved synchronously: safetensors (one file) and ``torch.save``,
+        each fsynced (the figures BENCHMARKS.md's checkpoint table shows beside)."""
+        from safetensors.torch import save_file
+
+        tensors, _ = self.job.state()
+        state = {k: v.contiguous() for k, v in tensors.items()}
+        out = {}
+        for key, path, save in (("sync_save_s", workdir / "sync.safetensors",
+                                 lambda p: save_file(state, str(p))),
+                                ("torch_save_s", workdir / "save.pt",
+                                 lambda p: torch.save(state, p))):
+            t0 = time.perf_counter()
+            save(path)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            out[key] = time.perf_counter() - t0
+            path.unlink()
+        return out
+
+    def close(self) -> None:
+        self.job.__exit__(None, None, None)
 
 
-def restores(job: Job, root: str, repeat: int) -> dict[str, Any]:
-    ck = job.checkpointer
-    path = ck.last_path
-    assert path is not None
-    out: dict[str, Any] = {}
-    for mode in ("cold", "warm"):
-        for strategy in ("read_all", "share"):
-            ck.config.restore_strategy = strategy  # type: ignore[assignment]
-            times = []
-            for _ in range(repeat):
-                if mode == "cold":
-                    drop_cache(root)
-                times.append(timed(lambda: ck.restore(reason="bench")))
-            out[f"{mode}_restore_{strategy}_s"] = statistics.median(times)
-        raws = []
-        for _ in range(repeat):
-            if mode == "cold":
-                drop_cache(root)
-            raws.append(timed(lambda: raw_read(path)))
-        out[f"{mode}_raw_s"] = statistics.median(raws)
+def note(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def choose_every(pl: PlanariaSide, dcp: DcpGroup, sweep: tuple[DcpOptions, ...], workdir: str,
+                 records: list[dict[str, Any]], max_every: int) -> int:
+    """Warm-up (a save each: staging buffers allocated, DCP's writer processes started) and the
+    shared interval: 1.5 x the longest save over the shorter step."""
+    step_s = min(pl.run(3, 0)["step_s"], dcp.run(3, 0, sweep[0], workdir)["step_s"])
+    pl.run(1, 1)  # the first save allocates the staging buffers
+    longest = cio.timed(lambda: pl.run(1, 1))
+    note(f"warm-up: {step_s:.3f} s a step; planaria's save {longest:.2f} s")
+    for opts in sweep:
+        dcp.run(1, 1, opts, workdir)  # the first save starts the writer processes, if any
+        took = cio.timed(lambda o=opts: dcp.run(1, 1, o, workdir))
+        longest = max(longest, took)
+        note(f"warm-up: DCP {opts.name} save {took:.2f} s")
+    records.append({"kind": "warmup", "step_s": step_s, "longest_save_s": longest})
+    return min(max_every, max(2, math.ceil(1.5 * longest / max(step_s, 1e-3))))
+
+
+def one_repeat(r: int, pl: PlanariaSide, dcp: DcpGroup, sweep: tuple[DcpOptions, ...],
+               every: int, saves: int, workdir: str, share_bytes: int) -> list[dict[str, Any]]:
+    """One repeat: every system's pair of runs (order alternating), the memcpy, cold restores."""
+    steps = every * saves
+    out: list[dict[str, Any]] = [{"kind": "memcpy", "repeat": r, "s": cio.memcpy_s(share_bytes)}]
+    pairs: list[tuple[str, Any]] = [("planaria", lambda e: pl.run(steps, e))]
+    pairs += [(f"dcp:{o.name}", lambda e, o=o: dcp.run(steps, e, o, workdir)) for o in sweep]
+    if r % 2:
+        pairs.reverse()
+    for system, fn in pairs:
+        for e in ((0, every) if r % 2 == 0 else (every, 0)):
+            rec = fn(e)
+            out.append({"kind": "run", "repeat": r, "system": system, "every": e, **rec})
+            if system != "planaria" and rec["last"]:
+                dcp_workers.remove_checkpoints(workdir, rec["last"])  # keeps the newest
+    dcp_last = next(x["last"] for x in reversed(out) if x.get("system", "planaria") != "planaria"
+                    and x.get("last"))
+    pl_last = pl.job.checkpointer.last_path
+    assert pl_last is not None
+    restores: dict[str, Any] = {"kind": "restore", "repeat": r}
+    for name, fn in (("planaria_read_all", lambda: pl.restore("read_all")),
+                     ("planaria_share", lambda: pl.restore("share")),
+                     ("planaria_raw", lambda: cio.raw_read(pl_last)),
+                     ("dcp", lambda: dcp.restore(dcp_last)),
+                     ("dcp_raw", lambda: cio.raw_read(dcp_last, None))):
+        restores["cold"] = cio.make_cold([pl.root, workdir])
+        t0 = time.perf_counter()
+        got = fn()
+        restores[f"{name}_s"] = got if name == "dcp" else time.perf_counter() - t0
+    restores["planaria_raw_warm_s"] = cio.timed(lambda: cio.raw_read(pl_last))
+    out.append(restores)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--replicas", type=int, default=3)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=11, help="pairs of windows (medians)")
-    ap.add_argument("--workdir", "--dir", dest="workdir", default=None)
-    ap.add_argument("--quick", action="store_true", help="tiny state, 3 repeats (smoke test)")
-    args = ap.parse_args()
-    if args.quick:
-        args.replicas, args.hidden, args.layers, args.repeat = 2, 256, 2, 3
-    base = Path(tempfile.mkdtemp(prefix="planaria-ckpt-bench-", dir=args.workdir))
-    spec = make_spec(args.hidden, args.layers)
-    root = str(base / "checkpoints")
-    never = 10**9  # saves only when the bench asks
-    out: dict[str, Any] = {"bench": "checkpoint", "replicas": args.replicas,
-                           "cpus": os.cpu_count(), "quick": args.quick, "repeat": args.repeat}
+def per_repeat(records: list[dict[str, Any]], system: str, repeats: int) -> dict[str, list[float]]:
+    """Per repeat: extra wall per save and median blocking per save of ``system``."""
+    extra, block = [], []
+    for r in range(repeats):
+        runs = {x["every"] > 0: x for x in records
+                if x["kind"] == "run" and x["repeat"] == r and x["system"] == system}
+        extra.append((runs[True]["wall_s"] - runs[False]["wall_s"]) / runs[True]["saves"])
+        block.append(statistics.median(runs[True]["blocks_s"]))
+    return {"extra": extra, "block": block}
+
+
+def summarize(records: list[dict[str, Any]], sweep: tuple[DcpOptions, ...], repeats: int
+              ) -> dict[str, Any]:
+    boot, ratio = cio.bootstrap_median, cio.paired_ratio
+    pl = per_repeat(records, "planaria", repeats)
+    dcps = {o.name: per_repeat(records, f"dcp:{o.name}", repeats) for o in sweep}
+    best = min(dcps, key=lambda n: statistics.median(dcps[n]["extra"]))
+    memcpy = [x["s"] for x in records if x["kind"] == "memcpy"]
+    rest = [x for x in records if x["kind"] == "restore"]
+    pl_restore = [min(x["planaria_read_all_s"], x["planaria_share_s"]) for x in rest]
+    pl_raw = [x["planaria_raw_s"] for x in rest]
+    dcp_restore, dcp_raw = [x["dcp_s"] for x in rest], [x["dcp_raw_s"] for x in rest]
+    out = {
+        "planaria": {"extra_wall_per_save_s": boot(pl["extra"]),
+                     "blocking_per_save_s": boot(pl["block"]),
+                     "cold_restore_s": boot(pl_restore), "cold_raw_read_s": boot(pl_raw),
+                     "restore_vs_raw": ratio(pl_raw, pl_restore)},
+        "dcp": {"config": best,
+                "extra_wall_per_save_s": boot(dcps[best]["extra"]),
+                "blocking_per_save_s": boot(dcps[best]["block"]),
+                "cold_restore_s": boot(dcp_restore), "cold_raw_read_s": boot(dcp_raw),
+                "restore_vs_raw": ratio(dcp_raw, dcp_restore),
+                "sweep": {n: {"extra_wall_per_save_s": boot(v["extra"]),
+                              "blocking_per_save_s": boot(v["block"])}
+                          for n, v in dcps.items()}},
+        "memcpy_share_s": boot(memcpy),
+        "ratios": {"extra_wall_dcp_over_planaria": ratio(dcps[best]["extra"], pl["extra"]),
+                   "planaria_blocking_over_memcpy": ratio(pl["block"], memcpy)},
+        "page_cache_dropped": statistics.median(pl_raw) > 1.25 * statistics.median(
+            x["planaria_raw_warm_s"] for x in rest),
+        "cold_method": rest[0]["cold"],
+        "planaria_saves_dropped": sum(x.get("dropped", 0) for x in records
+                                      if x["kind"] == "run" and x["system"] == "planaria"),
+    }
+    r = out["ratios"]
+    out["targets"] = {
+        "extra_wall_le_dcp": r["extra_wall_dcp_over_planaria"]["ci95"][0] > 1,
+        "blocking_le_1_5_memcpy": r["planaria_blocking_over_memcpy"]["ci95"][1] <= 1.5,
+        "restore_ge_0_7_raw": out["planaria"]["restore_vs_raw"]["ci95"][0] >= 0.7,
+    }
+    return out
+
+
+def commit_id() -> str:
     try:
-        cfg = CheckpointConfig(root=root, every=never, keep_last=None)
-        run = RunConfig(steps=never, replicas=args.replicas, run_dir=base / "n",
-                        threads_per_worker=1)
-        with Job(spec, run, checkpoint=cfg) as job:
-            job.train_step()
-            tensors, _ = job.state()
-            out["state_mb"] = round(sum(t.numel() * t.element_size()
-                                        for t in tensors.values()) / 1e6, 1)
-            del tensors
-            k = window_steps(job, args.quick)
-            out["steps_per_window"] = k
-            out["step_s"] = round(steps(job, k) / k, 4)
-            out.update({key: round(v, 4)
-                        for key, v in planaria_extra(job, k, args.repeat).items()})
-            out.update({key: round(v, 4)
-                        for key, v in baselines(job, k, args.repeat, base).items()})
-            out.update({key: round(v, 4) for key, v in restores(job, root, args.repeat).items()})
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=_REPO, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default=DEFAULT_SIZE, choices=sorted(common.SIZES))
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--saves", type=int, default=3, help="saves per run")
+    ap.add_argument("--every", default="auto", help="steps between saves, or auto")
+    ap.add_argument("--max-every", type=int, default=50, help="bound on --every auto")
+    ap.add_argument("--dcp", default="all",
+                    help="DCP options to sweep, comma-separated names of dcp_workers.SWEEP")
+    ap.add_argument("--records", default=None, help="where the raw per-run records go")
+    ap.add_argument("--workdir", "--dir", dest="workdir", default=None)
+    ap.add_argument("--quick", action="store_true", help="small state, 2 repeats (smoke test)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.size, args.replicas, args.repeat, args.saves = "state_10mb", 2, 2, 2
+        args.max_every = 4
+        if args.dcp == "all":
+            args.dcp = "thread,process_cached"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    names = [o.name for o in dcp_workers.SWEEP] if args.dcp == "all" else args.dcp.split(",")
+    sweep = tuple(o for o in dcp_workers.SWEEP if o.name in names)
+    assert len(sweep) == len(names), f"unknown DCP options in {names}"
+    commit = commit_id()
+    base = Path(tempfile.mkdtemp(prefix="planaria-ckpt-bench-", dir=args.workdir))
+    records_dir = Path(args.records) if args.records else (
+        base / "records" if args.quick else _REPO / "bench/results/raw/checkpoint" / commit)
+    records_dir.mkdir(parents=True, exist_ok=True)
+    records_path = records_dir / f"checkpoint-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
+    head = {"bench": "checkpoint", "commit": commit, "command": " ".join(sys.argv),
+            "load_before": common.loadavg(), "size": args.size, "replicas": args.replicas,
+            "repeat": args.repeat, "saves_per_run": args.saves, "cpus": os.cpu_count(),
+            "quick": args.quick, "records": str(records_path)}
+    records: list[dict[str, Any]] = []
+    dcp_dir = str(base / "dcp-checkpoints")
+    pl = dcp = None
+    try:
+        note("starting planaria's job")
+        pl = PlanariaSide(args.size, args.replicas, base)
+        note("starting the DCP ranks")
+        dcp = DcpGroup(args.replicas, args.size)
+        assert dcp.state_bytes == pl.state_bytes, (dcp.state_bytes, pl.state_bytes)
+        every = (choose_every(pl, dcp, sweep, dcp_dir, records, args.max_every)
+                 if args.every == "auto" else int(args.every))
+        head.update(state_bytes=pl.state_bytes, every=every)
+        share = pl.state_bytes // args.replicas
+        for r in range(args.repeat):
+            note(f"repeat {r}")
+            got = one_repeat(r, pl, dcp, sweep, every, args.saves, dcp_dir, share)
+            records += got
+            print(f"repeat {r}: " + ", ".join(
+                f"{x['system']}{'+save' if x['every'] else ''} {x['wall_s']:.2f}s"
+                for x in got if x["kind"] == "run"), flush=True)
+        head.update({k: round(v, 4) for k, v in pl.sync_baselines(base).items()})
     finally:
+        if dcp is not None:
+            dcp.close()
+        if pl is not None:
+            pl.close()
+        with open(records_path, "w") as f:
+            for rec in [{"kind": "head", **head}, *records]:
+                f.write(json.dumps(rec) + "\n")
+        shutil.rmtree(base / "planaria-checkpoints", ignore_errors=True)
+        shutil.rmtree(dcp_dir, ignore_errors=True)
+    out = {**head, **summarize(records, sweep, args.repeat), "load_after": common.loadavg()}
+    report(out)
+    if args.quick and not args.records:
         shutil.rmtree(base, ignore_errors=True)
-    mb = out["state_mb"]
-    out["stall_ratio"] = round(out["extra_wall_per_ckpt_s"] / out["sync_save_s"], 4)
-    best = min(out["cold_restore_read_all_s"], out["cold_restore_share_s"])
-    out["restore_vs_raw"] = round(out["cold_raw_s"] / best, 3)
-    out["warm_restore_vs_raw"] = round(
-        out["warm_raw_s"] / min(out["warm_restore_read_all_s"], out["warm_restore_share_s"]), 3)
-    out["page_cache_dropped"] = out["cold_raw_s"] > 1.25 * out["warm_raw_s"]
-    n = args.replicas
-    print(f"state: {mb} MB over {n} replicas; windows of {out['steps_per_window']} steps "
-          f"({out['step_s']:.3f} s/step), medians of {args.repeat}")
-    print(f"extra wall per checkpoint: planaria {out['extra_wall_per_ckpt_s']:.3f} s (snapshot "
-          f"stall {out['stall_s']:.3f} s), DCP async_save {out['dcp_async_extra_wall_s']:.3f} s")
-    print(f"synchronous saves: safetensors {out['sync_save_s']:.3f} s, torch.save "
-          f"{out['torch_save_s']:.3f} s, planaria {out['planaria_sync_save_s']:.3f} s "
-          f"-> stall ratio {out['stall_ratio']:.3f}")
-    for mode in ("cold", "warm"):
-        print(f"{mode}: raw read {mb / out[f'{mode}_raw_s']:.0f} MB/s; restore into {n} replicas: "
-              f"read_all {out[f'{mode}_restore_read_all_s']:.3f} s, share+broadcast "
-              f"{out[f'{mode}_restore_share_s']:.3f} s")
-    print(f"restore vs raw read: {out['restore_vs_raw']:.2f} (cold), "
-          f"{out['warm_restore_vs_raw']:.2f} (warm)"
-          + ("" if out["page_cache_dropped"] else
-             "; the cold raw read was not slower than the warm one: this storage serves it "
-             "from a host cache, so 'cold' is not cold here"))
-    keys = ["bench", "extra_wall_per_ckpt_s", "sync_save_s", "dcp_async_extra_wall_s",
-            "torch_save_s", "stall_ratio", "restore_vs_raw", "state_mb", "stall_s",
-            "page_cache_dropped"]
-    print(json.dumps({**{k_: out[k_] for k_ in keys}, "details": out}))
+    print(json.dumps(out))
+
+
+def report(out: dict[str, Any]) -> None:
+    """Human-readable lines, and the keys BENCHMARKS.md's checkpoint table reads."""
+    pl, dcp, ratios = out["planaria"], out["dcp"], out["ratios"]
+
+    def fig(d: dict[str, Any]) -> str:
+        return f"{d['median']:.4f} [{d['ci95'][0]:.4f}, {d['ci95'][1]:.4f}]"
+
+    print(f"state {out['state_bytes'] / 1e6:.0f} MB ({out['size']}), {out['replicas']} workers, "
+          f"a save every {out['every']} steps, {out['saves_per_run']} per run, "
+          f"{out['repeat']} repeats; load {out['load_before']} -> {out['load_after']}")
+    print(f"extra wall per save: planaria {fig(pl['extra_wall_per_save_s'])}, DCP "
+          f"({dcp['config']}) {fig(dcp['extra_wall_per_save_s'])}; DCP / planaria "
+          f"{fig(ratios['extra_wall_dcp_over_planaria'])}")
+    print(f"blocking per save: planaria {fig(pl['blocking_per_save_s'])}, DCP "
+          f"{fig(dcp['blocking_per_save_s'])}; memcpy of a share {fig(out['memcpy_share_s'])}; "
+          f"planaria / memcpy {fig(ratios['planaria_blocking_over_memcpy'])}")
+    print(f"cold restore vs raw read ({out['cold_method']}): planaria {fig(pl['restore_vs_raw'])},"
+          f" DCP {fig(dcp['restore_vs_raw'])}; targets {out['targets']}")
+    out.update(  # the flat keys make_benchmarks_md renders
+        extra_wall_per_ckpt_s=round(pl["extra_wall_per_save_s"]["median"], 4),
+        dcp_async_extra_wall_s=round(dcp["extra_wall_per_save_s"]["median"], 4),
+        stall_s=round(pl["blocking_per_save_s"]["median"], 4),
+        restore_vs_raw=round(pl["restore_vs_raw"]["median"], 3),
+        state_mb=round(out["state_bytes"] / 1e6, 1))
+    if "sync_save_s" in out:
+        out["stall_ratio"] = round(out["extra_wall_per_ckpt_s"] / out["sync_save_s"], 4)
 
 
 if __name__ == "__main__":

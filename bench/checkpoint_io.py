@@ -5,6 +5,11 @@ throughput against a raw read of the same files, cold (pages dropped) and warm.
 
 Prints one JSON line. Writers are threads in one process here; the runtime bench
 runs them as separate worker processes.
+
+Also the pieces ``bench/checkpoint.py`` measures with: a cold page cache
+(:func:`make_cold`), a raw read of a checkpoint's files (:func:`raw_read`), one memory
+copy of a worker's share (:func:`memcpy_s`) and the percentile bootstrap of its
+estimators (:func:`bootstrap_median`, :func:`paired_ratio`).
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -84,9 +91,34 @@ def save(root: str, step: int, state: dict[str, torch.Tensor], writers: int,
             "save_s": total}
 
 
-def raw_read(path: str) -> int:
-    """Reads every shard file into fresh buffers with the loader's parallelism, no checks."""
-    files = [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
+def make_cold(paths: list[str]) -> str:
+    """Drops the page cache before a cold read: the whole machine's (``drop_caches``, as
+    root) where this kernel lets us, else the files under ``paths`` (``posix_fadvise``).
+    Returns which was done."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for path in paths:
+            drop_cache(path)
+        return "fadvise_dontneed"
+
+
+def checkpoint_files(path: str, suffixes: tuple[str, ...] | None = None) -> list[str]:
+    """The regular files under ``path`` (those ending in one of ``suffixes``, if given)."""
+    out = []
+    for dirpath, _, names in os.walk(path):
+        out += [os.path.join(dirpath, n) for n in sorted(names)
+                if suffixes is None or n.endswith(suffixes)]
+    return sorted(out)
+
+
+def raw_read(path: str, suffixes: tuple[str, ...] | None = (".safetensors",)) -> int:
+    """Reads every shard file (``suffixes``; None: every file) into fresh buffers with the
+    loader's parallelism, no checks; returns the bytes read."""
+    files = checkpoint_files(path, suffixes)
 
     def one(p: str) -> int:
         size = os.path.getsize(p)
@@ -102,6 +134,45 @@ def raw_read(path: str) -> int:
 
     with ThreadPoolExecutor(min(4, len(files))) as pool:
         return sum(pool.map(one, files))
+
+
+def memcpy_s(nbytes: int, repeat: int = 5) -> float:
+    """The median time of one ``copy_`` of ``nbytes`` into preallocated, already touched
+    memory: the floor of a snapshot of that many bytes."""
+    src = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch outside the timing, as reused staging buffers are
+    return statistics.median(timed(lambda: dst.copy_(src)) for _ in range(repeat))
+
+
+def bootstrap_median(values: list[float], *, resamples: int = 4000, seed: int = 0
+                     ) -> dict[str, Any]:
+    """The median of ``values`` and its 95 % percentile-bootstrap interval."""
+    rng = random.Random(seed)
+    n = len(values)
+    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    return {"median": statistics.median(values), "ci95": _percentiles(meds), "n": n}
+
+
+def paired_ratio(num: list[float], den: list[float], *, resamples: int = 4000, seed: int = 0
+                 ) -> dict[str, Any]:
+    """median(num) / median(den) and its 95 % percentile-bootstrap interval, resampling the
+    repeats as pairs (``num[i]`` and ``den[i]`` were measured side by side)."""
+    assert len(num) == len(den) and num
+    rng = random.Random(seed)
+    idx = range(len(num))
+
+    def ratio(ix: list[int]) -> float:
+        d = statistics.median(den[i] for i in ix)
+        return statistics.median(num[i] for i in ix) / d if d else float("inf")
+
+    boots = sorted(ratio(rng.choices(idx, k=len(num))) for _ in range(resamples))
+    return {"median": ratio(list(idx)), "ci95": _percentiles(boots), "n": len(num)}
+
+
+def _percentiles(sorted_values: list[float]) -> list[float]:
+    n = len(sorted_values)
+    return [sorted_values[int(0.025 * (n - 1))], sorted_values[int(0.975 * (n - 1))]]
 
 
 def timed(fn: Any) -> float:
