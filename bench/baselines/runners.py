@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -278,7 +279,7 @@ def _start_torchft_group(
         NUM_REPLICA_GROUPS=str(groups),
         TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lh_port}",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(_free_port()),  # read by older scripts; torchft_train.py binds its own
         RANK="0",
         WORLD_SIZE="1",
         LOCAL_RANK="0",
@@ -329,11 +330,18 @@ def _torchft_record(config: TorchftConfig) -> dict[str, Any]:
 
 
 def torchft_version() -> str | None:
-    """The installed torchft's version (None where it is not installed)."""
-    try:
-        return importlib.metadata.version("torchft")
-    except importlib.metadata.PackageNotFoundError:
+    """The version of the torchft this Python imports, named by its distribution
+    (``torchft-nightly 2026.10.26`` where a nightly shadows the release); None where
+    torchft is not installed."""
+    spec = importlib.util.find_spec("torchft")
+    if spec is None or spec.origin is None:
         return None
+    origin = Path(spec.origin).resolve()
+    for name in importlib.metadata.packages_distributions().get("torchft", []):
+        dist = importlib.metadata.distribution(name)
+        if Path(str(dist.locate_file("torchft/__init__.py"))).resolve() == origin:
+            return dist.version if name == "torchft" else f"{name} {dist.version}"
+    return None
 
 
 def _median(xs: list[float]) -> float | None:
@@ -605,7 +613,8 @@ def run_torchft_kill(
          f"--out={log}"])
 
     def start_group(g: int | None, tag: str) -> subprocess.Popen:
-        return _start_torchft_group(script, wd / f"group{g}{tag}.log", threads=threads,
+        name = "standby" if g is None else f"group{g}"
+        return _start_torchft_group(script, wd / f"{name}{tag}.log", threads=threads,
                                     group=g, groups=groups, lh_port=lh_port)
 
     ddp = None
@@ -628,7 +637,7 @@ def run_torchft_kill(
         groups_p = [start_group(g, "") for g in range(groups)]
         procs += groups_p
         if config.warm_standby:
-            standby = Standby(lambda n: _track(procs, start_group(None, f".standby{n}")))
+            standby = Standby(lambda n: _track(procs, start_group(None, str(n))))
 
         def reached() -> bool:
             return any(
@@ -934,7 +943,8 @@ def run_torchft_faults(
          f"--warmup={warmup}", f"--out={log}"])
 
     def start_group(g: int | None, tag: str) -> subprocess.Popen:
-        return _start_torchft_group(script, wd / f"group{g}{tag}.log", threads=threads,
+        name = "standby" if g is None else f"group{g}"
+        return _start_torchft_group(script, wd / f"{name}{tag}.log", threads=threads,
                                     group=g, groups=groups, lh_port=lh_port)
 
     tail = JsonlTail(log)
@@ -947,7 +957,7 @@ def run_torchft_faults(
         current = {g: start_group(g, "") for g in range(groups)}
         procs += current.values()
         if config.warm_standby:
-            standby = Standby(lambda n: _track(procs, start_group(None, f".standby{n}")))
+            standby = Standby(lambda n: _track(procs, start_group(None, str(n))))
         t0 = _wait_for("torchft warm-up", lambda: _window_open(tail, warmup),
                        time.time() + start_timeout_s, procs)
         harness.start(t0, victims=lambda: _torchft_victims(tail, current),

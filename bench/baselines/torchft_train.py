@@ -6,8 +6,8 @@ torchft's ``train_ddp.py`` example does under torchrun, here without torchrun):
 - ``REPLICA_GROUP_ID``: this group's id (0..N-1); a replacement reuses the id
 - ``NUM_REPLICA_GROUPS``: N, for the record
 - ``TORCHFT_LIGHTHOUSE``: ``http://127.0.0.1:PORT`` of a running ``torchft_lighthouse``
-- ``MASTER_ADDR`` / ``MASTER_PORT``: the group's own TCPStore, which this script
-  hosts (torchrun would otherwise), ``RANK=0``, ``WORLD_SIZE=1``
+- ``MASTER_ADDR``: where the group's own TCPStore listens, which this script hosts
+  (torchrun would otherwise) on a port the OS picks, ``RANK=0``, ``WORLD_SIZE=1``
 
 With ``--standby`` the process is a warm standby: it imports torch and torchft,
 builds the model, optimizer and dataset and runs one forward/backward (allocator
@@ -174,11 +174,11 @@ def main(argv: list[str] | None = None) -> None:
 
     group = await_group(args)
     joined = time.time()
-    # The group's own store (torchrun would host it; one process per group here).
-    store = TCPStore(  # noqa: F841  (kept alive for the Manager)
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=True,
-        wait_for_workers=False, timeout=timedelta(seconds=args.timeout_s),
-    )
+    # The group's own store (torchrun would host it; one process per group here), on a
+    # port the OS picks now: one picked by the launcher may be taken by the time a slow
+    # start or a standby binds it (another group's manager server binds port 0 too).
+    store = TCPStore(os.environ["MASTER_ADDR"], 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=args.timeout_s))
 
     def load_state_dict(sd):
         model.load_state_dict(sd["model"])  # copies in place: the grad views stay
@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         timeout=timeout,
         quorum_timeout=timeout,
         connect_timeout=timeout,
+        store_addr=os.environ["MASTER_ADDR"],
+        store_port=store.port,
         heartbeat_interval=timedelta(milliseconds=args.heartbeat_interval_ms),
     )
     net = TorchftDDP(manager, model) if args.grads == "torchft-ddp" else model

@@ -131,3 +131,17 @@ def test_the_sweep_descends_one_knob_at_a_time_and_stops_the_heartbeat_where_it_
     assert 50 not in {c.heartbeat_ms for c in asked}  # 100 did not improve: stopped there
     assert len(asked) == len(set(asked)) == len(scores)  # each configuration run once
     assert most_runs(start, steps) == 1 + 4 + 2 + 1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_nvrx_ft_launcher_trains_two_workers_on_cpu(tmp_path):
+    """NVRx installs into its own environment (bench/baselines/PEERS.md): the test runs
+    where this Python has it, and is skipped elsewhere."""
+    pytest.importorskip("nvidia_resiliency_ext.fault_tolerance")
+    from bench.baselines.nvrx_runner import run_nvrx_steady
+
+    run = run_nvrx_steady(8, "tiny", 2, python=sys.executable, warmup=2, timeout_s=240,
+                          workdir=tmp_path)
+    assert len(run["step_ms"]) == 6 and run["step_ms_median"] > 0
