@@ -43,6 +43,9 @@ class Standby:
         the one told (now that group's process)."""
         used = self.ready
         assert used.stdin is not None, "a standby is started with stdin=PIPE"
+        if used.poll() is not None:
+            raise RuntimeError(f"the standby process exited with {used.returncode} before "
+                               "it was needed (see its log)")
         used.stdin.write(f"{group}\n".encode())
         used.stdin.flush()
         used.stdin.close()

@@ -145,3 +145,15 @@ def test_nvrx_ft_launcher_trains_two_workers_on_cpu(tmp_path):
     run = run_nvrx_steady(8, "tiny", 2, python=sys.executable, warmup=2, timeout_s=240,
                           workdir=tmp_path)
     assert len(run["step_ms"]) == 6 and run["step_ms_median"] > 0
+
+
+def test_a_standby_that_died_before_it_was_needed_is_an_error_not_a_silent_replacement():
+    def start(n: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"],
+                                stdin=subprocess.PIPE)
+
+    standby = Standby(start)
+    standby.ready.wait(timeout=30)
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        standby.take(0)
+    standby.close()
