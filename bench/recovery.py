@@ -212,7 +212,10 @@ def _repeat(args: argparse.Namespace, rep: int, wd: Path, ft_config: TorchftConf
         restart_delay_s=args.torchft_restart_delay_s, timeout_s=args.timeout_s,
         workdir=wd / f"torchft{rep}", **options),
         "config": ft_config.as_dict(), "config_applied": applied}
-    return {name: {**run, **common_fields, "system": name} for name, run in out.items()}
+    # torchrun's runner picks the rank it kills itself: no victim of the seed's.
+    return {name: {**run, **common_fields, "system": name,
+                   **({"victim": None} if name == "torchrun" else {})}
+            for name, run in out.items()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -58,6 +58,11 @@ def test_recovery_quick(tmp_path):
     assert pl["lost_steps"] == 0 and pl["recover_s"] > 0
     for system in ("torchrun", "torchft"):
         assert {"recover_s", "back_s", "lost_steps"} <= out[system].keys(), system
+    # torchft runs at the goodput bench's configuration, and says which.
+    sys.path.insert(0, str(REPO))
+    from bench.baselines.torchft_config import load_best
+
+    assert out["torchft"]["config"] == load_best().as_dict()
     assert "speedup_vs_torchrun" in out and "speedup_vs_torchft" in out
     scaling = out["scaling"]  # recovery against state size and replica count (quick: tiny x 2)
     row = scaling["by_size"]["tiny"]
