@@ -246,6 +246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         regime = Regime(size="tiny", duration_s=30.0, kill_every_s=10.0, control_s=10.0,
                         startup_s=40.0, torchrun_ckpt_every="5")
     args.regime_name = "quick" if args.quick else args.regime
+    if args.kill_every_s and not args.quick and args.kill_every_s != regime.kill_every_s:
+        args.regime_name += f"-kill{args.kill_every_s:g}s"  # its own records and result
     args.size = args.size or regime.size
     args.duration_s = args.duration_s or regime.duration_s
     args.kill_every_s = args.kill_every_s or regime.kill_every_s

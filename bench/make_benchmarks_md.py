@@ -167,8 +167,19 @@ def load_results() -> dict[str, dict[str, Any]]:
     return {
         p.stem: json.loads(p.read_text())
         for p in sorted(RESULTS.glob("*.json"))
-        if p.stem in BENCHES or p.stem == "gpu_tests"
+        if p.stem in BENCHES or p.stem == "gpu_tests" or p.stem.startswith("goodput-")
     }
+
+
+def _order(results: dict[str, dict[str, Any]]) -> list[str]:
+    """BENCHES' order, each ``goodput-<regime>`` result (other kill rates too) beside the
+    regime's own."""
+    extra = sorted(n for n in results if n.startswith("goodput-") and n not in BENCHES)
+    out: list[str] = []
+    for name in BENCHES:
+        out.append(name)
+        out += [n for n in extra if n.startswith(name + "-") and n not in out]
+    return out
 
 
 # ---------------------------------------------------------------- rendering
@@ -914,7 +925,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "",
     ]
     head = (commit() or "").removesuffix("-dirty")
-    for name in BENCHES:
+    for name in _order(results):
         rec = results.get(name)
         if rec is None:
             continue

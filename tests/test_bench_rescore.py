@@ -35,6 +35,19 @@ def test_rescore_writes_the_summary_and_the_page_marks_other_commits(tmp_path, m
     assert "| goodput ÷ best peer | 0.75" in text and "kill seeds 0, 1, 2" in text
 
 
+def test_another_kill_rate_is_a_section_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(mk, "RESULTS", tmp_path)
+    for regime in ("realistic", "realistic-kill30s"):
+        folder = records.raw_dir(tmp_path / "raw", "goodput", regime, "c0ffee")
+        for name, raw in _raws().items():
+            records.write_raw(folder, name, {**raw, "regime": regime})
+    mk.rescore()
+    titles = [line for line in mk.render(mk.load_results()).splitlines()
+              if line.startswith("## Goodput")]
+    assert titles == ["## Goodput under repeated faults, `realistic` regime",
+                      "## Goodput under repeated faults, `realistic-kill30s` regime"]
+
+
 def test_no_mark_for_this_checkouts_commit():
     head = (mk.commit() or "").removesuffix("-dirty")
     assert mk.stale_mark({"commit": head + "-dirty"}, head) is None
