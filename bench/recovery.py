@@ -1,7 +1,8 @@
 """Recovery from one SIGKILL, three ways, in one run: planaria, torchrun + checkpoints, torchft.
 
-    python bench/recovery.py                  # 3 replicas, "small" model, kill at step 30 of 60
+    python bench/recovery.py                  # 3 replicas, "medium" model, kill near step 30 of 60
     python bench/recovery.py --quick          # smoke run: tiny model, few steps
+    python bench/recovery.py --rescore DIR    # the paired figures again from DIR's raw records
 
 Every system trains the same workload (``bench.common``) on 3 replicas with 1
 torch thread each, and one worker is SIGKILLed once the job reached step
@@ -14,7 +15,24 @@ torch thread each, and one worker is SIGKILLed once the job reached step
   ``torchrun --max-restarts``; every worker restarts and resumes from the
   checkpoint (``bench.baselines.runners.run_torchrun_kill``).
 - torchft: one replica group per process and a lighthouse; survivors go on,
-  a replacement heals from a peer (``run_torchft_kill``).
+  a replacement heals from a peer (``run_torchft_kill``), started
+  ``--torchft-restart-delay-s`` (3 s) after the kill. torchft runs at the configuration
+  the goodput bench uses, the sweep's best (``bench/baselines/torchft_config.load_best``,
+  or ``--torchft-config FILE``), named in the output as ``torchft.config`` (with
+  ``torchft.config_applied``: the fields the runner applied).
+
+Repeats (``--repeat``, 3), interleaved (repeat 0 runs every system, then repeat 1, ...),
+each with its own seed ``--seed + repeat``, which picks the victim (the same rank for every
+system where the runner takes one) and the kill step (``--kill-at`` plus 0-2). The
+estimators, fixed before any run: per system the median ``back_s`` over the repeats with
+its bootstrap 95 % interval; ``speedup_vs_torchft`` / ``speedup_vs_torchrun`` = the median
+of the per-repeat ratios ``peer back_s ÷ planaria back_s``, with the paired bootstrap
+interval (``bench/stats.py``), "ahead" only where its low end is above 1. planaria's
+``lost_work_per_kill_steps``: ``redone / total`` micro-batches of its ``step_resumed``
+record after the kill (null where its log has none: not measured). Every kill run's raw
+record goes to ``--raw-dir/recovery/<size>/<commit>/<system>-r<repeat>.json``
+(``bench/records.py``; ``--quick``: under the workdir), and ``--rescore`` recomputes the
+paired figures from them (``bench/recovery_summary.py``).
 
 The same definitions for all three (see ``bench/baselines/runners.py``):
 ``recover_s`` = kill → next committed step; ``back_s`` = kill → first commit of
@@ -41,11 +59,15 @@ The last line printed is one JSON object (``"bench": "recovery"``).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
+import random
+import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +75,12 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
-from bench import common  # noqa: E402
-from bench.baselines.runners import run_torchft_kill, run_torchrun_kill  # noqa: E402
+from bench import common, records  # noqa: E402
+from bench.baselines import runners  # noqa: E402
+from bench.baselines.torchft_config import TorchftConfig, load_best  # noqa: E402
 from bench.planaria_side import run_planaria_kill  # noqa: E402
+from bench.recovery_summary import summarize  # noqa: E402
+from planaria.observe.events import read_events  # noqa: E402
 
 MIN_TRANSFER_BYTES = 100 * 10**6
 
@@ -68,8 +93,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=int, default=30, help="SIGKILL once this step runs")
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun's checkpoint interval")
     p.add_argument(
-        "--repeat", type=int, default=3, help="kill runs per system; the median run is reported"
+        "--repeat", "--repeats", type=int, default=3,
+        help="kill runs per system, each with its own seed; the median run is reported"
     )
+    p.add_argument("--seed", type=int, default=0, help="repeat r's victim and step: seed + r")
+    p.add_argument("--torchft-config", default=None,
+                   help="a JSON TorchftConfig (or {'config': {...}}); default: the sweep's best")
+    p.add_argument("--raw-dir", default=None,
+                   help="where raw records go (default: bench/results/raw; --quick: WORKDIR/raw)")
+    p.add_argument("--rescore", default=None, metavar="DIR",
+                   help="run nothing: the paired figures from DIR's raw records")
     p.add_argument("--transfer-size", default="large", choices=sorted(common.SIZES))
     p.add_argument("--transfer-steps", type=int, default=10)
     p.add_argument(
@@ -134,63 +167,93 @@ def _scaling(args: argparse.Namespace, wd: Path) -> dict[str, Any]:
             "kill_at_step": kill, "cores": cores}
 
 
-def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run whose back_s is the median of the repeats (its other figures stay its own)."""
-    done = sorted((r for r in runs if r.get("back_s") is not None), key=lambda r: r["back_s"])
-    chosen = dict(done[(len(done) - 1) // 2] if done else runs[0])
-    chosen["back_s_all"] = [r.get("back_s") for r in runs]
-    return chosen
-
-
 def _fmt(x: Any, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+_run_torchft_kill: Callable[..., dict[str, Any]] = runners.run_torchft_kill
+
+
+def _torchft_options(config: TorchftConfig) -> tuple[dict[str, Any], list[str]]:
+    """The kill runner's options for ``config`` and the fields it applies: all of them where
+    it takes ``config=``, else the heartbeat alone (said in the output)."""
+    if "config" in inspect.signature(_run_torchft_kill).parameters:
+        return {"config": config}, sorted(config.as_dict())
+    return {"heartbeat_timeout_ms": config.heartbeat_ms}, ["heartbeat_ms"]
+
+
+def _planaria_resumed(run: dict[str, Any]) -> dict[str, Any]:
+    """The ``step_resumed`` records of a planaria kill run (lost work per kill)."""
+    events = list(read_events(Path(run["run_dir"]) / "events.jsonl").events)
+    return {"step_resumed": [e for e in events if e["event"] == "step_resumed"]}
+
+
+def _repeat(args: argparse.Namespace, rep: int, wd: Path, ft_config: TorchftConfig
+            ) -> dict[str, dict[str, Any]]:
+    """One repeat, every system, the same seeded victim and kill step."""
+    rng = random.Random(args.seed + rep)
+    victim, kill_at = rng.randrange(args.replicas), args.kill_at + rng.randrange(3)
+    common_fields = {"repeat": rep, "seed": args.seed + rep, "victim": victim,
+                     "kill_at_step": kill_at}
+    out: dict[str, dict[str, Any]] = {}
+    print(f"repeat {rep}: planaria, kill w{victim} at step {kill_at}", flush=True)
+    run = run_planaria_kill(args.steps, kill_at, args.size, args.replicas,
+                            victim=f"w{victim}", run_dir=wd / f"planaria{rep}")
+    out["planaria"] = {**run, **_planaria_resumed(run), "config": {"replicas": args.replicas}}
+    print(f"repeat {rep}: torchrun, ckpt every {args.ckpt_every}", flush=True)
+    out["torchrun"] = {**runners.run_torchrun_kill(
+        args.steps, kill_at, args.size, nproc=args.replicas, ckpt_every=args.ckpt_every,
+        timeout_s=args.timeout_s, workdir=wd / f"torchrun{rep}"),
+        "config": {"ckpt_every": args.ckpt_every}}
+    print(f"repeat {rep}: torchft {ft_config.label()}", flush=True)
+    options, applied = _torchft_options(ft_config)
+    out["torchft"] = {**_run_torchft_kill(
+        args.steps, kill_at, args.size, groups=args.replicas, victim=victim,
+        restart_delay_s=args.torchft_restart_delay_s, timeout_s=args.timeout_s,
+        workdir=wd / f"torchft{rep}", **options),
+        "config": ft_config.as_dict(), "config_applied": applied}
+    # torchrun's runner picks the rank it kills itself: no victim of the seed's.
+    return {name: {**run, **common_fields, "system": name,
+                   **({"victim": None} if name == "torchrun" else {})}
+            for name, run in out.items()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.rescore:
+        out = summarize(records.read_raw(Path(args.rescore)))
+        print(json.dumps(out), flush=True)
+        return out
     wd = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_recovery_"))
     wd.mkdir(parents=True, exist_ok=True)
+    raw_root = Path(args.raw_dir) if args.raw_dir else (
+        wd / "raw" if args.quick else records.RAW_ROOT)
+    commit = records.tree_commit()
+    folder = records.raw_dir(raw_root, "recovery", args.size, commit)
+    command = shlex.join(["python", "bench/recovery.py", *(sys.argv[1:] if argv is None
+                                                           else argv)])
+    ft_config = (TorchftConfig.from_dict((lambda d: d.get("config", d))(
+        json.loads(Path(args.torchft_config).read_text()))) if args.torchft_config
+        else load_best())
     load = {"before": common.loadavg()}
     t0 = time.time()
-
-    print(
-        f"planaria: {args.replicas} replicas, size={args.size}, kill w1 at step {args.kill_at}",
-        flush=True,
-    )
-    runs: dict[str, list[dict[str, Any]]] = {"planaria": [], "torchrun": [], "torchft": []}
+    print(f"{args.replicas} replicas, size={args.size}, kill near step {args.kill_at}, "
+          f"{args.repeat} repeats (seeds {args.seed}..), torchft {ft_config.label()}",
+          flush=True)
     for i in range(args.repeat):  # interleaved, so every system sees the same machine states
-        runs["planaria"].append(
-            run_planaria_kill(
-                args.steps, args.kill_at, args.size, args.replicas, run_dir=wd / f"planaria{i}"
-            )
-        )
-        print(f"torchrun: ckpt every {args.ckpt_every}", flush=True)
-        runs["torchrun"].append(
-            run_torchrun_kill(
-                args.steps,
-                args.kill_at,
-                args.size,
-                nproc=args.replicas,
-                ckpt_every=args.ckpt_every,
-                timeout_s=args.timeout_s,
-                workdir=wd / f"torchrun{i}",
-            )
-        )
-        print("torchft", flush=True)
-        runs["torchft"].append(
-            run_torchft_kill(
-                args.steps,
-                args.kill_at,
-                args.size,
-                groups=args.replicas,
-                restart_delay_s=args.torchft_restart_delay_s,
-                timeout_s=args.timeout_s,
-                workdir=wd / f"torchft{i}",
-            )
-        )
-    pl, tr, ft = (_median_run(runs[name]) for name in ("planaria", "torchrun", "torchft"))
-    transfer = pl
-    if args.transfer_steps and (pl["transfer_bytes"] or 0) < MIN_TRANSFER_BYTES:
+        before = common.loadavg()
+        for name, run in _repeat(args, i, wd, ft_config).items():
+            records.write_raw(folder, f"{name}-r{i}", {
+                **run, "loadavg_before": before, "loadavg_after": common.loadavg(),
+                "commit": commit, "command": command, "size": args.size})
+    paired = summarize(records.read_raw(folder))
+    pl, tr, ft = paired["planaria"], paired["torchrun"], paired["torchft"]
+    pl_run = records.read_raw(folder)  # the median run's transfer figures
+    pl_median = next((r for r in pl_run.values() if r["system"] == "planaria"
+                      and r.get("back_s") == pl["back_s"]), {})
+    transfer = {k: pl_median.get(k) for k in ("transfer_bytes", "transfer_s",
+                                              "transfer_gb_per_s", "size")}
+    if args.transfer_steps and (transfer["transfer_bytes"] or 0) < MIN_TRANSFER_BYTES:
         kill = max(3, args.transfer_steps // 2)
         print(f"planaria transfer run: size={args.transfer_size}", flush=True)
         transfer = run_planaria_kill(
@@ -208,70 +271,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'system':<10} {'step ms':>8} {'recover_s':>10} {'back_s':>8} {'lost':>5}  notes")
     for name, r in rows:
         if name == "planaria":
-            note = (
-                f"detect {_fmt(r['detect_s'], '.3f')} s, replacement ready "
-                f"{_fmt(r['replacement_s'])} s, join {_fmt(r['join_s'])} s"
-            )
+            note = (f"detect {_fmt(r.get('detect_s'), '.3f')} s, replacement ready "
+                    f"{_fmt(r.get('replacement_s'))} s, join {_fmt(r.get('join_s'))} s, lost "
+                    f"work per kill {_fmt(r.get('lost_work_per_kill_steps'), '.3f')} steps")
         elif name == "torchrun":
             note = f"resumed at step {r.get('resume_step')}, phases {json.dumps(r.get('phases_s'))}"
         else:
-            note = (
-                f"failed steps {r.get('failed_steps')}, "
-                f"replacement rejoin {_fmt(r.get('rejoin_s'))} s"
-            )
-        print(
-            f"{name:<10} {_fmt(r.get('step_ms_median'), '.0f'):>8} {_fmt(r['recover_s']):>10} "
-            f"{_fmt(r['back_s']):>8} {r['lost_steps']:>5}  {note}"
-        )
-    print(
-        f"state transfer ({transfer['size']}): "
-        f"{_fmt((transfer['transfer_bytes'] or 0) / 1e6, '.0f')} MB "
-        f"in {_fmt(transfer['transfer_s'], '.3f')} s = {_fmt(transfer['transfer_gb_per_s'])} GB/s"
-    )
-    print(
-        f"load average before {load['before']} after {load['after']}; wall {time.time() - t0:.0f} s"
-    )
-
-    def speedup(other: dict[str, Any]) -> float | None:
-        if other["back_s"] is None or not pl["back_s"]:
-            return None
-        return other["back_s"] / pl["back_s"]
-
-    keep = ("recover_s", "back_s", "lost_steps")
+            note = (f"{ft_config.label()}, failed steps {r.get('failed_steps')}, "
+                    f"replacement rejoin {_fmt(r.get('rejoin_s'))} s")
+        print(f"{name:<10} {_fmt(r.get('step_ms'), '.0f'):>8} {_fmt(r['recover_s']):>10} "
+              f"{_fmt(r['back_s']):>8} {r['lost_steps']:>5}  {note}")
+    for peer in ("torchrun", "torchft"):
+        print(f"{peer} back_s ÷ planaria's: {_fmt(paired.get(f'speedup_vs_{peer}'))} "
+              f"(95 % {paired.get(f'speedup_vs_{peer}_ci95')}; ahead: "
+              f"{paired.get(f'speedup_vs_{peer}_ahead')})")
+    print(f"state transfer ({transfer['size']}): "
+          f"{_fmt((transfer['transfer_bytes'] or 0) / 1e6, '.0f')} MB "
+          f"in {_fmt(transfer['transfer_s'], '.3f')} s = "
+          f"{_fmt(transfer['transfer_gb_per_s'])} GB/s")
+    print(f"load average before {load['before']} after {load['after']}; "
+          f"wall {time.time() - t0:.0f} s")
     out = {
-        "bench": "recovery",
-        "planaria": {
-            **{k: pl[k] for k in keep},
-            "join_s": pl["join_s"],
-            "transfer_gb_per_s": transfer["transfer_gb_per_s"],
-            "transfer_bytes": transfer["transfer_bytes"],
-            "transfer_size": transfer["size"],
-            "detect_s": pl["detect_s"],
-            "replacement_s": pl["replacement_s"],
-            "step_ms": pl["step_ms_median"],
-            "back_s_all": pl["back_s_all"],
-        },
-        "torchrun": {
-            **{k: tr[k] for k in keep},
-            "step_ms": tr["step_ms_median"],
-            "back_s_all": tr["back_s_all"],
-            "ckpt_every": args.ckpt_every,
-            "phases_s": tr.get("phases_s"),
-        },
-        "torchft": {
-            **{k: ft[k] for k in keep},
-            "back_s_all": ft["back_s_all"],
-            "step_ms": ft["step_ms_median"],
-            "rejoin_s": ft.get("rejoin_s"),
-        },
-        "speedup_vs_torchrun": speedup(tr),
-        "speedup_vs_torchft": speedup(ft),
+        **paired,
+        "planaria": {**pl, "transfer_gb_per_s": transfer["transfer_gb_per_s"],
+                     "transfer_bytes": transfer["transfer_bytes"],
+                     "transfer_size": transfer["size"]},
+        "torchrun": {**tr, "ckpt_every": args.ckpt_every},
+        "torchft": {**ft, "config": ft_config.as_dict()},
         "scaling": scaling,
         "size": args.size,
         "replicas": args.replicas,
         "steps": args.steps,
-        "repeat": args.repeat,
         "kill_at_step": args.kill_at,
+        "raw_records": str(folder),
         "loadavg": load,
         "nproc": os.cpu_count(),
     }

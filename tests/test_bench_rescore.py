@@ -1,0 +1,70 @@
+"""BENCHMARKS.md from raw records: ``make_benchmarks_md --rescore``, stale sections marked."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from bench import make_benchmarks_md as mk  # noqa: E402
+from bench import records, recovery_summary  # noqa: E402
+from test_bench_goodput_summary import _raws  # noqa: E402
+
+
+def test_rescore_writes_the_summary_and_the_page_marks_other_commits(tmp_path, monkeypatch):
+    monkeypatch.setattr(mk, "RESULTS", tmp_path)
+    folder = records.raw_dir(tmp_path / "raw", "goodput", "fast", "c0ffee")
+    for name, raw in _raws().items():
+        records.write_raw(folder, name, {**raw, "loadavg_before": "1.0 1.0 1.0",
+                                         "loadavg_after": "2.0 2.0 2.0"})
+    written = mk.rescore()
+    assert written == [tmp_path / "goodput-fast.json"]
+    saved = json.loads(written[0].read_text())
+    assert saved["commit"] == "c0ffee" and saved["command"] == "python bench/goodput.py"
+    assert saved["loadavg_before"] == "1.0 1.0 1.0" and saved["loadavg_after"] == "2.0 2.0 2.0"
+    text = mk.render(mk.load_results())
+    assert "## Goodput under repeated faults, `fast` regime" in text
+    assert "**From c0ffee**" in text
+    assert "| goodput ÷ best peer | 0.75" in text and "kill seeds 0, 1, 2" in text
+
+
+def test_another_kill_rate_is_a_section_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(mk, "RESULTS", tmp_path)
+    for regime in ("realistic", "realistic-kill30s"):
+        folder = records.raw_dir(tmp_path / "raw", "goodput", regime, "c0ffee")
+        for name, raw in _raws().items():
+            records.write_raw(folder, name, {**raw, "regime": regime})
+    mk.rescore()
+    titles = [line for line in mk.render(mk.load_results()).splitlines()
+              if line.startswith("## Goodput")]
+    assert titles == ["## Goodput under repeated faults, `realistic` regime",
+                      "## Goodput under repeated faults, `realistic-kill30s` regime"]
+
+
+def test_no_mark_for_this_checkouts_commit():
+    head = (mk.commit() or "").removesuffix("-dirty")
+    assert mk.stale_mark({"commit": head + "-dirty"}, head) is None
+    assert "from" in (mk.stale_mark({"commit": "abc"}, head or "def") or "").lower()
+
+
+def test_recovery_pairs_each_repeat():
+    raws = {}
+    for rep, (pl, ft) in enumerate(((0.1, 0.3), (0.2, 0.6), (0.4, 1.2))):
+        base = {"repeat": rep, "seed": rep, "commit": "c", "recover_s": 0.1, "lost_steps": 0}
+        raws[f"planaria-r{rep}"] = {**base, "system": "planaria", "back_s": pl,
+                                    "step_resumed": [{"redone": 1, "total": 6}]}
+        raws[f"torchft-r{rep}"] = {**base, "system": "torchft", "back_s": ft,
+                                   "config": {"heartbeat_ms": 100}}
+    out = recovery_summary.summarize(raws)
+    assert out["speedup_vs_torchft"] == pytest.approx(3.0)
+    assert out["speedup_vs_torchft_ci95"] == pytest.approx([3.0, 3.0])
+    assert out["speedup_vs_torchft_ahead"] is True
+    assert out["torchft"]["config"] == {"heartbeat_ms": 100}
+    assert out["planaria"]["lost_work_per_kill_steps"] == pytest.approx(1 / 6, abs=1e-4)
