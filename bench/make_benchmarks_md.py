@@ -413,11 +413,11 @@ def render_overhead(rec: dict[str, Any]) -> list[str]:
 
 def _lower_end(value: float | None, ci: Any, bound: float, *, strict: bool = False
                ) -> bool | None:
-    """A ">= bound" claim holds only where the interval's low end does (the point estimate
-    where no interval was measured)."""
-    if value is None:
+    """A ">= bound" claim holds only where the interval's low end does; none is made (None)
+    where no interval was measured: a point estimate alone supports no claim."""
+    if value is None or not (isinstance(ci, (list, tuple)) and len(ci) == 2):
         return None
-    low = float(ci[0]) if isinstance(ci, (list, tuple)) and len(ci) == 2 else value
+    low = float(ci[0])
     return low > bound if strict else low >= bound
 
 
