@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="repeat r's victim and step: seed + r")
     p.add_argument("--torchft-config", default=None,
-                   help="a JSON TorchftConfig (or {'config': {...}}); default: the sweep's best")
+                   help="a file holding a JSON TorchftConfig (or {'config': {...}}); "
+                   "default: the sweep's best")
     p.add_argument("--raw-dir", default=None,
                    help="where raw records go (default: bench/results/raw; --quick: WORKDIR/raw)")
     p.add_argument("--rescore", default=None, metavar="DIR",
