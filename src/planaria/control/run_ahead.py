@@ -283,8 +283,13 @@ class RunAhead:
         gen = membership.gen
         outcome = reconcile(answers, start=start, members=membership.names)
         committed, behind = outcome.committed, list(outcome.behind)
-        if self.held is not None:  # what they kept of the step that failed, for the next run
-            self.held.settled(answers, committed)
+        # What they kept of the step that failed, for the next run; not after a failure in
+        # the work itself (a sample or micro-batch that raised): the work-fault policy moves
+        # that work as a whole, and a carried share would hand it to a healthy survivor.
+        work = getattr(failure, "work", None)
+        if self.held is not None:
+            kept = answers if work is None or work.micro_batch is None else {}
+            self.held.settled(kept, committed)
         served = self._served_from_store(members) if log.ledger is not None else {}
         for rec in outcome.applied:
             if log.ledger is not None:
