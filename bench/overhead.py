@@ -85,6 +85,7 @@ sys.path.insert(0, str(_REPO))
 from bench import common  # noqa: E402
 from bench.baselines.runners import run_ddp_steady  # noqa: E402
 from bench.planaria_side import run_planaria_steady  # noqa: E402
+from bench.stats import bootstrap  # noqa: E402
 from planaria.worker import Worker  # noqa: E402
 
 PAIRS = ("like_for_like", "inline")
@@ -132,15 +133,12 @@ def _mean(xs: Sequence[float]) -> float:
     return statistics.fmean(xs)
 
 
-def bootstrap_ci95(values: Sequence[float], stat: Callable[[list[float]], float] = _med,
-                   draws: int = 4000, seed: int = 0) -> list[float]:
-    """95% percentile bootstrap interval of ``stat`` over ``values`` (resampled whole)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    n = len(values)
-    stats = [stat([values[i] for i in rng.integers(0, n, n)]) for _ in range(draws)]
-    return [float(v) for v in np.percentile(stats, (2.5, 97.5))]
+def bootstrap_ci95(values: Sequence[float], stat: Callable[[list[float]], float] = _med
+                   ) -> list[float]:
+    """95% percentile bootstrap interval of ``stat`` over ``values`` (resampled whole):
+    :func:`bench.stats.bootstrap`, the benches' one bootstrap."""
+    lo, hi = bootstrap(len(values), lambda idx: stat([values[i] for i in idx]))
+    return [lo, hi]
 
 
 def ddp_prefetch(replicas: int, threads: int) -> str:
