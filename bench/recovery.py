@@ -5,8 +5,9 @@
     python bench/recovery.py --rescore DIR    # the paired figures again from DIR's raw records
 
 Every system trains the same workload (``bench.common``) on 3 replicas with 1
-torch thread each, and one worker is SIGKILLed once the job reached step
-``--kill-at``:
+torch thread each, and one worker is SIGKILLed inside step ``--kill-at``, a third of a
+typical step in (planaria's and torchft's kills land at the same point of the step;
+torchrun's once a worker logged the step before):
 
 - planaria: resize policy, the kill sent by planaria's own chaos plan
   (``kill:w1@stepK``); the survivors go on at width 2 and a replacement joins
@@ -14,7 +15,8 @@ torch thread each, and one worker is SIGKILLed once the job reached step
 - torchrun: DDP with a checkpoint every ``--ckpt-every`` steps under
   ``torchrun --max-restarts``; every worker restarts and resumes from the
   checkpoint (``bench.baselines.runners.run_torchrun_kill``).
-- torchft: one replica group per process and a lighthouse; survivors go on,
+- torchft: one replica group per process and a lighthouse; the victim kills itself at
+  that point of the step (``torchft_train.py --die-at-step``); survivors go on,
   a replacement heals from a peer (``run_torchft_kill``), started
   ``--torchft-restart-delay-s`` (3 s) after the kill. torchft runs at the configuration
   the goodput bench uses, the sweep's best (``bench/baselines/torchft_config.load_best``,

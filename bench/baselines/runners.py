@@ -579,10 +579,12 @@ def run_torchft_kill(
 ) -> dict[str, Any]:
     """torchft replica groups (one process each) + lighthouse; SIGKILL one group mid-run.
 
-    torchft runs as ``config`` says (its ``pg_timeout_s`` resolved by the caller). When
-    any group logs a committed step ``>= kill_at_step``, the runner SIGKILLs replica
-    group ``victim`` (default: the last) and, after ``restart_delay_s``, starts a
-    replacement with the same group id (as a scheduler would) -- with
+    torchft runs as ``config`` says (its ``pg_timeout_s`` resolved by the caller). Replica
+    group ``victim`` (default: the last) SIGKILLs itself inside step ``kill_at_step``, a
+    third of its median step in (``torchft_train.py --die-at-step``: where planaria's chaos
+    plan lands a kill planned for a step, so both are killed at the same point of a step;
+    the kill's time is the one it logs just before), and, after ``restart_delay_s``, the
+    runner starts a replacement with the same group id (as a scheduler would) -- with
     ``config.warm_standby``, tells a standby started with the groups to join as it; it
     heals from a survivor and rejoins. The lighthouse runs with ``--min_replicas
     groups-1`` so the survivors go on without the victim.
@@ -612,9 +614,10 @@ def run_torchft_kill(
         [f"--steps={steps}", f"--size={size}", f"--threads={threads}", f"--warmup={warmup}",
          f"--out={log}"])
 
-    def start_group(g: int | None, tag: str) -> subprocess.Popen:
+    def start_group(g: int | None, tag: str, die_at: int | None = None) -> subprocess.Popen:
         name = "standby" if g is None else f"group{g}"
-        return _start_torchft_group(script, wd / f"{name}{tag}.log", threads=threads,
+        cmd = script if die_at is None else [*script, f"--die-at-step={die_at}"]
+        return _start_torchft_group(cmd, wd / f"{name}{tag}.log", threads=threads,
                                     group=g, groups=groups, lh_port=lh_port)
 
     ddp = None
@@ -634,20 +637,18 @@ def run_torchft_kill(
     try:
         procs.append(_spawn(lighthouse, _env(threads), wd / "lighthouse.log"))
         time.sleep(0.2)
-        groups_p = [start_group(g, "") for g in range(groups)]
+        groups_p = [start_group(g, "", die_at=kill_at_step if g == victim else None)
+                    for g in range(groups)]
         procs += groups_p
         if config.warm_standby:
             standby = Standby(lambda n: _track(procs, start_group(None, str(n))))
 
-        def reached() -> bool:
-            return any(
-                r["event"] == "step" and r["committed"] and r["step"] >= kill_at_step
-                for r in _read_jsonl(log)
-            )
+        def killed() -> list[dict[str, Any]]:
+            return [r for r in _read_jsonl(log) if r["event"] == "kill"]
 
-        _wait_for("torchft kill_at_step", reached, deadline, procs)
-        groups_p[victim].kill()
-        t_kill = time.time()
+        # The victim kills itself inside step kill_at_step (torchft_train.py --die-at-step).
+        _wait_for("torchft kill_at_step", lambda: bool(killed()), deadline, procs)
+        t_kill = float(killed()[0]["wall"])
         groups_p[victim].wait(timeout=10)
         time.sleep(restart_delay_s)
         t_restart = time.time()
@@ -942,9 +943,10 @@ def run_torchft_faults(
         [f"--steps={_ENDLESS}", f"--size={size}", f"--threads={threads}",
          f"--warmup={warmup}", f"--out={log}"])
 
-    def start_group(g: int | None, tag: str) -> subprocess.Popen:
+    def start_group(g: int | None, tag: str, die_at: int | None = None) -> subprocess.Popen:
         name = "standby" if g is None else f"group{g}"
-        return _start_torchft_group(script, wd / f"{name}{tag}.log", threads=threads,
+        cmd = script if die_at is None else [*script, f"--die-at-step={die_at}"]
+        return _start_torchft_group(cmd, wd / f"{name}{tag}.log", threads=threads,
                                     group=g, groups=groups, lh_port=lh_port)
 
     tail = JsonlTail(log)

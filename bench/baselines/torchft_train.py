@@ -50,8 +50,12 @@ where ``step`` is the step this iteration ran, ``manager_step`` is
 ``manager.current_step()`` after ``should_commit`` and ``phases_ms`` splits the
 step (``quorum``: waiting for it; ``compute``: loading in line and
 forward/backward; ``allreduce``; ``commit``: ``should_commit``; ``optim``).
-With ``--grads-out PATH`` every committed step's reduced flat gradient is saved
-at ``PATH.format(group=...)`` (tests).
+With ``--die-at-step K`` the process SIGKILLs itself once iteration K has run a third
+of its median committed step (at most 0.5 s), the point in a step where planaria's chaos
+plan lands a kill planned for a step (``planaria.control.chaos_injection``), after
+logging ``{"event": "kill", "group", "step", "wall"}``: the recovery bench kills every
+system at the same point of a step. With ``--grads-out PATH`` every committed step's
+reduced flat gradient is saved at ``PATH.format(group=...)`` (tests).
 """
 
 from __future__ import annotations
@@ -64,7 +68,10 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -105,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--standby", action="store_true",
                    help="build everything, then wait for the group id on stdin before joining")
     p.add_argument("--grads-out", default=None, help="save each committed step's gradient")
+    p.add_argument("--die-at-step", type=int, default=None,
+                   help="SIGKILL this process inside this step, a third of a typical step "
+                   "in (as planaria's chaos plan lands a kill planned for a step)")
     return p.parse_args(argv)
 
 
@@ -226,10 +236,14 @@ def main(argv: list[str] | None = None) -> None:
         return total
 
     first, last_width = None, None
+    step_ms: list[float] = []  # committed steps' lengths: a kill lands a third of one in
     try:
         while manager.current_step() < args.steps:
             t0 = time.perf_counter()
             guess = manager.current_step()
+            if args.die_at_step is not None and guess == args.die_at_step:
+                _die_in(min(0.5, statistics.median(step_ms or [50.0]) / 3000), log, group,
+                        guess)
             manager.start_quorum()  # waits for the quorum (and heal) unless async
             ts = time.perf_counter()
             loss_sum, done = 0.0, None
@@ -261,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
                 if args.grads_out:
                     saved.append(torch.cat([p.grad.reshape(-1) for p in params]))
             t5 = time.perf_counter()
+            if committed:
+                step_ms.append((t5 - t0) * 1000)
             log.write(
                 event="step", group=group, step=step, committed=committed, wall=time.time(),
                 step_ms=(t5 - t0) * 1000, participants=world, participating_rank=rank,
@@ -275,6 +291,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.grads_out:
             torch.save(saved, args.grads_out.format(group=group))
         manager.shutdown(wait=False)
+
+
+def _die_in(seconds: float, log: JsonLog, group: int, step: int) -> None:
+    """SIGKILLs this process ``seconds`` from now, logging the time just before."""
+
+    def die() -> None:
+        log.write(event="kill", group=group, step=step, wall=time.time())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Timer(seconds, die).start()
 
 
 if __name__ == "__main__":
