@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import tempfile
@@ -143,36 +142,6 @@ def memcpy_s(nbytes: int, repeat: int = 5) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch outside the timing, as reused staging buffers are
     return statistics.median(timed(lambda: dst.copy_(src)) for _ in range(repeat))
-
-
-def bootstrap_median(values: list[float], *, resamples: int = 4000, seed: int = 0
-                     ) -> dict[str, Any]:
-    """The median of ``values`` and its 95 % percentile-bootstrap interval."""
-    rng = random.Random(seed)
-    n = len(values)
-    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
-    return {"median": statistics.median(values), "ci95": _percentiles(meds), "n": n}
-
-
-def paired_ratio(num: list[float], den: list[float], *, resamples: int = 4000, seed: int = 0
-                 ) -> dict[str, Any]:
-    """median(num) / median(den) and its 95 % percentile-bootstrap interval, resampling the
-    repeats as pairs (``num[i]`` and ``den[i]`` were measured side by side)."""
-    assert len(num) == len(den) and num
-    rng = random.Random(seed)
-    idx = range(len(num))
-
-    def ratio(ix: list[int]) -> float:
-        d = statistics.median(den[i] for i in ix)
-        return statistics.median(num[i] for i in ix) / d if d else float("inf")
-
-    boots = sorted(ratio(rng.choices(idx, k=len(num))) for _ in range(resamples))
-    return {"median": ratio(list(idx)), "ci95": _percentiles(boots), "n": len(num)}
-
-
-def _percentiles(sorted_values: list[float]) -> list[float]:
-    n = len(sorted_values)
-    return [sorted_values[int(0.025 * (n - 1))], sorted_values[int(0.975 * (n - 1))]]
 
 
 def timed(fn: Any) -> float:

@@ -42,7 +42,7 @@ The systems (``--systems``, default all four):
   async quorum, warm standby); its gloo timeout, where the configuration leaves it open,
   resolved to 10 x the fault-free step of a run made before it (at least 2 s).
   ``--torchft-configs`` runs several configurations each repeat and takes the best per
-  repeat (``runners.run_torchft_faults``).
+  repeat (``torchft_runners.run_torchft_faults``).
 - ``torchrun``: DDP with a checkpoint every N steps under ``torchrun --max-restarts``; N
   swept over ``--torchrun-ckpt-every`` (around the Young/Daly interval
   ``sqrt(2 x save time x time between kills)``, printed beside from the measured save
@@ -173,7 +173,7 @@ _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
 from bench import common, records  # noqa: E402
-from bench.baselines import runners  # noqa: E402
+from bench.baselines import runners, torchft_runners  # noqa: E402
 from bench.baselines.torchft_config import TorchftConfig, load_best  # noqa: E402
 from bench.goodput_figures import window_figures  # noqa: E402
 from bench.goodput_summary import run_figures, summarize  # noqa: E402
@@ -336,7 +336,7 @@ def budget_s(args: argparse.Namespace, plan: list[PlannedRun]) -> float:
 # ---------------------------------------------------------------- runs
 
 
-_run_torchft_faults: Callable[..., dict[str, Any]] = runners.run_torchft_faults
+_run_torchft_faults: Callable[..., dict[str, Any]] = torchft_runners.run_torchft_faults
 
 
 def _torchft_options(config: TorchftConfig) -> dict[str, Any]:
@@ -346,8 +346,8 @@ def _torchft_options(config: TorchftConfig) -> dict[str, Any]:
     if "config" in inspect.signature(_run_torchft_faults).parameters:
         return {"config": config}
     if config.quorum_tick_ms != TorchftConfig().quorum_tick_ms or config.warm_standby:
-        raise SystemExit(f"torchft {config.label()}: this runners.run_torchft_faults takes "
-                         "no quorum tick or warm standby")
+        raise SystemExit(f"torchft {config.label()}: this torchft_runners.run_torchft_faults "
+                         "takes no quorum tick or warm standby")
     return {"heartbeat_timeout_ms": config.heartbeat_ms, "pg_timeout_s": config.pg_timeout_s,
             "async_quorum": config.async_quorum}
 

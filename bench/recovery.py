@@ -78,7 +78,7 @@ _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
 from bench import common, records  # noqa: E402
-from bench.baselines import runners  # noqa: E402
+from bench.baselines import runners, torchft_runners  # noqa: E402
 from bench.baselines.torchft_config import TorchftConfig, load_best  # noqa: E402
 from bench.planaria_side import run_planaria_kill  # noqa: E402
 from bench.recovery_summary import summarize  # noqa: E402
@@ -174,7 +174,7 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
-_run_torchft_kill: Callable[..., dict[str, Any]] = runners.run_torchft_kill
+_run_torchft_kill: Callable[..., dict[str, Any]] = torchft_runners.run_torchft_kill
 
 
 def _torchft_options(config: TorchftConfig) -> tuple[dict[str, Any], list[str]]:

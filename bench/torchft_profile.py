@@ -5,7 +5,8 @@
     #   git show 27bbeb6:bench/baselines/torchft_train.py > bench/baselines/torchft_train_before.py
 
 Each round runs every mode once, in order (so a change in the machine's load hits every
-mode alike). A mode is ``runners.run_torchft_steady`` (the ``--size`` model on ``--groups``
+mode alike). A mode is ``torchft_runners.run_torchft_steady`` (the ``--size`` model on
+``--groups``
 groups, 1 thread each, heartbeat 1000 ms, gloo 10 s) with the loop's options, or
 ``runners.run_ddp_steady`` on as many ranks. Prints one JSON line per run (group 0's median
 steady step, its per-phase medians, the 1-minute load average when the run started) and
@@ -26,8 +27,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.baselines.runners import run_ddp_steady, run_torchft_steady
+from bench.baselines.runners import run_ddp_steady
 from bench.baselines.torchft_config import TorchftConfig
+from bench.baselines.torchft_runners import run_torchft_steady
 
 
 def modes(args: argparse.Namespace) -> dict[str, Callable[[], dict[str, Any]]]:

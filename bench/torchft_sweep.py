@@ -7,7 +7,7 @@ Each configuration (``bench/baselines/torchft_config.TorchftConfig``) trains the
 ``--size`` model on ``--groups`` torchft replica groups for a window of
 ``--window-s`` while the kill harness SIGKILLs a group every ``--kill-every-s``
 (``bench/kill_harness.plan_kills`` with ``--seed``: the same schedule for every
-configuration; ``runners.run_torchft_faults``). The score is goodput as
+configuration; ``torchft_runners.run_torchft_faults``). The score is goodput as
 ``bench/goodput.py`` computes it (its ``window_figures``), the median over
 ``--repeats`` runs of the same schedule.
 
@@ -47,8 +47,8 @@ from typing import Any
 _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
-from bench.baselines.runners import run_torchft_faults, torchft_version  # noqa: E402
 from bench.baselines.torchft_config import TorchftConfig  # noqa: E402
+from bench.baselines.torchft_runners import run_torchft_faults, torchft_version  # noqa: E402
 from bench.goodput import window_figures  # noqa: E402
 from bench.kill_harness import KillHarness, plan_kills  # noqa: E402
 

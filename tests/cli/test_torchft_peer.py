@@ -1,6 +1,6 @@
 """torchft as the benches run it: its gradient is the global batch's mean at any width,
 its configuration reaches the lighthouse and the groups, and a warm standby joins when
-told (bench/baselines/torchft_train.py, runners.py, torchft_standby.py)."""
+told (bench/baselines/torchft_train.py, torchft_runners.py, torchft_standby.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from bench import common  # noqa: E402
-from bench.baselines import runners  # noqa: E402
+from bench.baselines import torchft_runners  # noqa: E402
 from bench.baselines.torchft_config import TorchftConfig  # noqa: E402
 from bench.baselines.torchft_standby import Standby  # noqa: E402
 
@@ -43,8 +43,9 @@ def whole_batch_grads(size: str, steps: int) -> list[torch.Tensor]:
 def test_two_groups_reduce_to_the_global_batch_mean(tmp_path, grads):
     pytest.importorskip("torchft")
     config = TorchftConfig(heartbeat_ms=1000, pg_timeout_s=10.0, async_quorum=True)
-    run = runners.run_torchft_steady(STEPS, "tiny", 2, config=config, warmup=1, grads=grads,
-                                     save_grads=True, timeout_s=200, workdir=tmp_path)
+    run = torchft_runners.run_torchft_steady(
+        STEPS, "tiny", 2, config=config, warmup=1, grads=grads, save_grads=True, timeout_s=200,
+        workdir=tmp_path)
     expected = whole_batch_grads("tiny", STEPS)
     for path in run["grads"]:
         got = torch.load(path)
@@ -72,7 +73,7 @@ def test_the_config_reaches_the_lighthouse_and_the_groups():
     config = TorchftConfig(heartbeat_ms=100, quorum_tick_ms=20, pg_timeout_s=1.5,
                            async_quorum=False)
     try:
-        lighthouse, script = runners.torchft_commands(config, 1234, 2, 500, ["--size=tiny"])
+        lighthouse, script = torchft_runners.torchft_commands(config, 1234, 2, 500, ["--size=tiny"])
     except FileNotFoundError:
         pytest.skip("torchft_lighthouse is not installed")
     assert lighthouse[lighthouse.index("--heartbeat_timeout_ms") + 1] == "100"
@@ -80,7 +81,7 @@ def test_the_config_reaches_the_lighthouse_and_the_groups():
     assert "--pg-timeout-s=1.5" in script and "--async-quorum" not in script
     assert "--heartbeat-interval-ms=25" in script  # a quarter of a short timeout
     with pytest.raises(ValueError, match="pg_timeout_s is None"):
-        runners.torchft_commands(TorchftConfig(), 1234, 2, 500, [])
+        torchft_runners.torchft_commands(TorchftConfig(), 1234, 2, 500, [])
 
 
 def test_a_standby_joins_as_the_group_it_is_told_and_the_next_one_starts():

@@ -113,3 +113,26 @@ def test_planaria_leaves_a_record_to_the_users_root_handler_on_the_same_stream(m
         for h in before[1]:
             if h not in planaria.handlers:
                 planaria.addHandler(h)
+
+
+def test_a_resumed_step_is_told_under_faults():
+    """step_resumed (the survivors kept micro-batches of the failed step) is an INFO line of
+    planaria.faults, saying how many were kept and redone."""
+    from planaria.observe.logs import log_event
+
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    logger = logging.getLogger("planaria.faults")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        log_event({"t": 1.0, "event": "step_resumed", "step": 31, "gen": 1, "kept": 4,
+                   "redone": 2, "total": 6})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    [rec] = seen
+    assert rec.levelno == logging.INFO
+    assert "step_resumed" in rec.getMessage() and "kept=4 redone=2" in rec.getMessage()

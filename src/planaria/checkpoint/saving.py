@@ -63,6 +63,7 @@ class Save:
     t0: float
     stall_s: float = 0.0
     wait_s: float = 0.0  # of stall_s, waiting for the previous save to commit
+    copy_s: float = 0.0  # of stall_s, the slowest writer's copy into its staging
     nbytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     records: dict[str, list[ShardRecord]] = field(default_factory=dict)
@@ -169,6 +170,7 @@ class SavePipeline:
         save.wait_s, self.owed_wait_s = self.owed_wait_s, 0.0
         save.stall_s = time.time() - t1 + save.wait_s
         save.nbytes = sum(r.nbytes for r in results.values())
+        save.copy_s = max((r.copy_s for r in results.values()), default=0.0)
         busy = sorted(n for n, r in results.items() if r.busy)
         if busy:  # never block a worker in an actor call on its writer: this save is dropped
             self.inflight = save
@@ -263,7 +265,7 @@ class SavePipeline:
         now = time.time()
         self.host.log.emit(
             "checkpoint_saved", t=now, step=save.step, path=path, bytes=save.nbytes,
-            stall_s=save.stall_s, wait_s=save.wait_s, save_s=now - save.t0,
+            stall_s=save.stall_s, wait_s=save.wait_s, copy_s=save.copy_s, save_s=now - save.t0,
             writers=len(save.writers), reason=save.reason, run_id=self.root.run_id,
             writers_done_t=max(save.written_t.values(), default=None),
         )

@@ -121,6 +121,7 @@ _ROUTES: dict[str, tuple[logging.Logger, int]] = {
     "hang_stack": (faults, logging.WARNING),
     "action": (faults, logging.INFO),
     "recovered": (faults, logging.INFO),
+    "step_resumed": (faults, logging.INFO),
     "checkpoint_saved": (checkpoints, logging.INFO),
     "checkpoint_failed": (checkpoints, logging.WARNING),
     "checkpoint_interval": (checkpoints, logging.INFO),

@@ -85,16 +85,20 @@ class StateMeta:
 class Snapshot:
     """A save's snapshot taken (``ckpt_start``, ``ckpt_start_beside``): the bytes this worker
     writes, and (the first writer's) the state's metadata. ``busy``: its writer still wrote
-    an earlier save, and nothing was snapshotted (the controller drops the save)."""
+    an earlier save, and nothing was snapshotted (the controller drops the save). ``copy_s``:
+    the seconds the copy into staging took in the worker (a sharded replica's: its slowest
+    worker's), the part of the save's stall that is not the call's round trip."""
 
     busy: bool
     nbytes: int
     meta: dict[str, object] | None
+    copy_s: float = 0.0
 
     def merge(self, theirs: Sequence[Snapshot]) -> Snapshot:
         parts = [self, *theirs]
         return replace(self, busy=any(p.busy for p in parts),
-                       nbytes=sum(p.nbytes for p in parts))
+                       nbytes=sum(p.nbytes for p in parts),
+                       copy_s=max(p.copy_s for p in parts))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -133,7 +133,8 @@ class CheckpointSaver:
             self.save_id = save_id
         if phase:
             self.vitals.set_phase("idle", step)
-        return Snapshot(busy=False, nbytes=plan.nbytes, meta=meta if first else None)
+        return Snapshot(busy=False, nbytes=plan.nbytes, meta=meta if first else None,
+                        copy_s=stall or 0.0)
 
     def _plan(self, tensors: Mapping[str, torch.Tensor], index: int, num_shards: int
               ) -> ShardPlan:
