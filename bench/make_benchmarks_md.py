@@ -421,6 +421,20 @@ def _lower_end(value: float | None, ci: Any, bound: float, *, strict: bool = Fal
     return low > bound if strict else low >= bound
 
 
+def _torchft_which(config: dict[str, Any]) -> str:
+    """How a torchft configuration a result ran relates to the goodput sweep's pick."""
+    try:
+        best = json.loads((RESULTS / "torchft_best.json").read_text())["config"]
+    except (OSError, ValueError, KeyError):
+        return "no sweep result to compare with"
+    if best == config:
+        return "the goodput sweep's best configuration"
+    return (f"given to the run, not the goodput sweep's pick `{json.dumps(best)}`, which came "
+            "from one noisy window per configuration"
+            + ("; a shorter heartbeat: torchft's faster single-kill recovery"
+               if config.get("heartbeat_ms", 0) < best.get("heartbeat_ms", 0) else ""))
+
+
 def render_recovery(rec: dict[str, Any]) -> list[str]:
     r = rec["result"]
     pl, tr, ft = r["planaria"], r["torchrun"], r["torchft"]
@@ -430,11 +444,15 @@ def render_recovery(rec: dict[str, Any]) -> list[str]:
     out = ["## Recovery from one SIGKILL: planaria vs torchrun vs torchft", "", *_header(rec), ""]
     out += [
         f"Model `{r.get('size')}`, {r.get('replicas')} replicas x 1 thread, {r.get('steps')} "
-        f"steps, one worker SIGKILLed at step {r.get('kill_at_step')}. planaria: resize policy, "
-        "kill by its chaos plan, replacement hot-joins; torchrun: DDP, checkpoint every "
+        f"steps, one worker SIGKILLed in step {r.get('kill_at_step')} (+0-2 by seed). planaria: "
+        "resize policy, the kill sent by its chaos plan a third of a typical step into the step, "
+        "replacement hot-joins; torchrun: DDP, checkpoint every "
         f"{tr.get('ckpt_every')} steps, `--max-restarts`; torchft: replica groups + lighthouse "
-        + (f"at its sweep's best configuration `{json.dumps(ft['config'])}` (applied: "
-           f"{', '.join(ft.get('config_applied') or []) or 'all'}). " if ft.get("config") else
+        + (f"at `{json.dumps(ft['config'])}` ({_torchft_which(ft['config'])}; applied: "
+           f"{', '.join(ft.get('config_applied') or []) or 'all'}), its victim killing itself "
+           "at the same point of the step as planaria's (from commit 9203806 on; before, when "
+           "the runner's poll saw the step committed, which could land after the victim's "
+           "all-reduce and leave the kill's cost to the next step). " if ft.get("config") else
            f"at a {ft.get('heartbeat_ms', 1000)} ms heartbeat with a synchronous quorum (not its "
            "best configuration: measured side by side and interleaved, torchft was back in "
            "0.35 s at a 250 ms heartbeat and 0.17 s at 100 ms, planaria in 0.15 s; the peers "
