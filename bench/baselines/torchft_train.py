@@ -50,7 +50,8 @@ where ``step`` is the step this iteration ran, ``manager_step`` is
 ``manager.current_step()`` after ``should_commit`` and ``phases_ms`` splits the
 step (``quorum``: waiting for it; ``compute``: loading in line and
 forward/backward; ``allreduce``; ``commit``: ``should_commit``; ``optim``).
-With ``--die-at-step K`` the process SIGKILLs itself once iteration K has run a third
+With ``--die-at-step K`` the process SIGKILLs itself once the first iteration at step K or
+later has run a third
 of its median committed step (at most 0.5 s), the point in a step where planaria's chaos
 plan lands a kill planned for a step (``planaria.control.chaos_injection``), after
 logging ``{"event": "kill", "group", "step", "wall"}``: the recovery bench kills every
@@ -241,9 +242,11 @@ def main(argv: list[str] | None = None) -> None:
         while manager.current_step() < args.steps:
             t0 = time.perf_counter()
             guess = manager.current_step()
-            if args.die_at_step is not None and guess == args.die_at_step:
+            if args.die_at_step is not None and guess >= args.die_at_step:
+                # >=: a group's step can jump past one (an async quorum that healed it)
                 _die_in(min(0.5, statistics.median(step_ms or [50.0]) / 3000), log, group,
                         guess)
+                args.die_at_step = None  # once
             manager.start_quorum()  # waits for the quorum (and heal) unless async
             ts = time.perf_counter()
             loss_sum, done = 0.0, None
