@@ -223,13 +223,32 @@ def test_make_benchmarks_md_renders(tmp_path, monkeypatch):
     text = mk.render(mk.load_results())
     assert "python bench/recovery.py" in text and "| torchrun |" in text
     assert "nproc" not in text and "CPUs" in text
-    ckpt = {"bench": "checkpoint", "extra_wall_per_ckpt_s": 0.05, "sync_save_s": 1.0,
-            "dcp_async_extra_wall_s": 0.2, "torch_save_s": 1.1, "stall_ratio": 0.05,
-            "restore_vs_raw": 0.8, "state_mb": 200.0, "stall_s": 0.01,
-            "page_cache_dropped": False}
+    def est(median: float, lo: float, hi: float) -> dict[str, object]:
+        return {"median": median, "ci95": [lo, hi], "n": 3}
+
+    side = {"extra_wall_per_save_s": est(0.2, 0.1, 0.3),
+            "blocking_per_save_s": est(0.1, 0.09, 0.12),
+            "cold_restore_s": est(1.0, 0.9, 1.1), "restore_vs_raw": est(0.8, 0.75, 0.85)}
+    ckpt = {"bench": "checkpoint", "size": "state_1gb", "state_bytes": 907_000_000,
+            "replicas": 3, "cpus": 2, "every": 4, "saves_per_run": 3, "repeat": 3,
+            "planaria": {**side, "copy_per_save_s": est(0.08, 0.07, 0.09)},
+            "dcp": {**side, "config": "thread_cached",
+                    "sweep": {"thread_cached": {k: side[k] for k in (
+                        "extra_wall_per_save_s", "blocking_per_save_s")}}},
+            "memcpy_share_s": est(0.05, 0.04, 0.06),
+            "ratios": {"extra_wall_dcp_over_planaria": est(1.2, 1.05, 1.4),
+                       "planaria_blocking_over_memcpy": est(2.0, 1.8, 2.4)},
+            "targets": {"extra_wall_le_dcp": True, "blocking_le_1_5_memcpy": False,
+                        "restore_ge_0_7_raw": True},
+            "page_cache_dropped": False, "cold_method": "drop_caches",
+            "planaria_saves_dropped": 0}
     mk.save("checkpoint", ckpt, "python bench/checkpoint.py")
     text = mk.render(mk.load_results())
-    assert "| stall ratio (extra wall / sync save) | 0.050 | ≤ 0.10 | met |" in text
+    assert ("| training blocked per save (s) | 0.100 (0.090 to 0.120) | 0.100 (0.090 to "
+            "0.120) | planaria / memcpy 2.00 (1.80 to 2.40) | high end ≤ 1.5: **missed** |"
+            in text)
+    assert "DCP / planaria 1.20 (1.05 to 1.40) | low end > 1: met |" in text
+    assert "| `thread_cached` | 0.200 (0.100 to 0.300) |" in text
     assert "served it from a host cache" in text
 
 
