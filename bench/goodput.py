@@ -156,14 +156,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -336,20 +334,6 @@ def budget_s(args: argparse.Namespace, plan: list[PlannedRun]) -> float:
 # ---------------------------------------------------------------- runs
 
 
-_run_torchft_faults: Callable[..., dict[str, Any]] = torchft_runners.run_torchft_faults
-
-
-def _torchft_options(config: TorchftConfig) -> dict[str, Any]:
-    """The runner's options for ``config``: ``config=`` where it takes one; an older runner
-    takes the heartbeat, gloo timeout and async quorum only, so a configuration that needs
-    more is refused rather than run as something else."""
-    if "config" in inspect.signature(_run_torchft_faults).parameters:
-        return {"config": config}
-    if config.quorum_tick_ms != TorchftConfig().quorum_tick_ms or config.warm_standby:
-        raise SystemExit(f"torchft {config.label()}: this torchft_runners.run_torchft_faults "
-                         "takes no quorum tick or warm standby")
-    return {"heartbeat_timeout_ms": config.heartbeat_ms, "pg_timeout_s": config.pg_timeout_s,
-            "async_quorum": config.async_quorum}
 
 
 def _slim(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -380,8 +364,8 @@ def run_system(args: argparse.Namespace, planned: PlannedRun, wd: Path, step_s: 
         if ft.pg_timeout_s is None:  # the rule: 10 x the step, at least 2 s
             ft = dataclasses.replace(ft, pg_timeout_s=round(max(
                 PG_TIMEOUT_FLOOR_S, PG_TIMEOUT_STEPS * (step_s or 0.1)), 2))
-        run = _run_torchft_faults(window, harness, args.size, args.replicas,
-                                  warmup=args.warmup, workdir=run_dir, **_torchft_options(ft))
+        run = torchft_runners.run_torchft_faults(window, harness, args.size, args.replicas,
+                                                 warmup=args.warmup, workdir=run_dir, config=ft)
         config["resolved"] = ft.as_dict()
         slots += int(ft.warm_standby)
     else:

@@ -61,7 +61,6 @@ The last line printed is one JSON object (``"bench": "recovery"``).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import random
@@ -69,7 +68,6 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -174,17 +172,6 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
-_run_torchft_kill: Callable[..., dict[str, Any]] = torchft_runners.run_torchft_kill
-
-
-def _torchft_options(config: TorchftConfig) -> tuple[dict[str, Any], list[str]]:
-    """The kill runner's options for ``config`` and the fields it applies: all of them where
-    it takes ``config=``, else the heartbeat alone (said in the output)."""
-    if "config" in inspect.signature(_run_torchft_kill).parameters:
-        return {"config": config}, sorted(config.as_dict())
-    return {"heartbeat_timeout_ms": config.heartbeat_ms}, ["heartbeat_ms"]
-
-
 def _planaria_resumed(run: dict[str, Any]) -> dict[str, Any]:
     """The ``step_resumed`` records of a planaria kill run (lost work per kill)."""
     events = list(read_events(Path(run["run_dir"]) / "events.jsonl").events)
@@ -209,12 +196,11 @@ def _repeat(args: argparse.Namespace, rep: int, wd: Path, ft_config: TorchftConf
         timeout_s=args.timeout_s, workdir=wd / f"torchrun{rep}"),
         "config": {"ckpt_every": args.ckpt_every}}
     print(f"repeat {rep}: torchft {ft_config.label()}", flush=True)
-    options, applied = _torchft_options(ft_config)
-    out["torchft"] = {**_run_torchft_kill(
+    out["torchft"] = {**torchft_runners.run_torchft_kill(
         args.steps, kill_at, args.size, groups=args.replicas, victim=victim,
         restart_delay_s=args.torchft_restart_delay_s, timeout_s=args.timeout_s,
-        workdir=wd / f"torchft{rep}", **options),
-        "config": ft_config.as_dict(), "config_applied": applied}
+        workdir=wd / f"torchft{rep}", config=ft_config),
+        "config": ft_config.as_dict(), "config_applied": sorted(ft_config.as_dict())}
     # torchrun's runner picks the rank it kills itself: no victim of the seed's.
     return {name: {**run, **common_fields, "system": name,
                    **({"victim": None} if name == "torchrun" else {})}

@@ -51,12 +51,12 @@ where ``step`` is the step this iteration ran, ``manager_step`` is
 step (``quorum``: waiting for it; ``compute``: loading in line and
 forward/backward; ``allreduce``; ``commit``: ``should_commit``; ``optim``).
 With ``--die-at-step K`` the process SIGKILLs itself once the first iteration at step K or
-later has run a third
-of its median committed step (at most 0.5 s), the point in a step where planaria's chaos
-plan lands a kill planned for a step (``planaria.control.chaos_injection``), after
-logging ``{"event": "kill", "group", "step", "wall"}``: the recovery bench kills every
-system at the same point of a step. With ``--grads-out PATH`` every committed step's
-reduced flat gradient is saved at ``PATH.format(group=...)`` (tests).
+later has run a third of its median committed step (at most 0.5 s), the point in a step
+where planaria's chaos plan lands a kill planned for a step
+(``planaria.control.chaos_injection``), after logging ``{"event": "kill", "group", "step",
+"wall"}``: the recovery bench kills every system at the same point of a step. With
+``--grads-out PATH`` every committed step's reduced flat gradient is saved at
+``PATH.format(group=...)`` (tests).
 """
 
 from __future__ import annotations
@@ -278,11 +278,12 @@ def main(argv: list[str] | None = None) -> None:
                 if args.grads_out:
                     saved.append(torch.cat([p.grad.reshape(-1) for p in params]))
             t5 = time.perf_counter()
+            ms = (t5 - t0) * 1000
             if committed:
-                step_ms.append((t5 - t0) * 1000)
+                step_ms.append(ms)
             log.write(
                 event="step", group=group, step=step, committed=committed, wall=time.time(),
-                step_ms=(t5 - t0) * 1000, participants=world, participating_rank=rank,
+                step_ms=ms, participants=world, participating_rank=rank,
                 manager_step=manager.current_step(), loss=loss_sum,
                 warmup=step - first < args.warmup,
                 phases_ms={"quorum": (ts - t0 + t1 - tq) * 1000,

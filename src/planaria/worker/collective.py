@@ -43,9 +43,9 @@ WAIT_SLICE_S = 0.01
 """How often a rank waiting in a gloo collective looks at its interrupt; the transport's own
 error (a dead peer's closed connection) also surfaces only at a slice's end. At 50 ms a
 survivor of a SIGKILL answered up to 50 ms after it could have (medium model, 3 replicas:
-the kill's whole critical path is ~140 ms). A slice that expires costs ~0.26 ms of CPU
-(c10d raises its timeout; measured on the 2-core machine): 2.6 % of a core while a rank
-waits, where 5 ms slices would cost 5 %."""
+the kill's whole critical path is ~140 ms). A slice that expires costs ~0.4 ms of CPU
+(c10d raises its timeout; measured on the 2-core machine, in a bare process and in one with
+a worker's libraries loaded): ~4 % of a core while a rank waits, twice that at 5 ms."""
 WAIT_SLICE = timedelta(seconds=WAIT_SLICE_S)
 SLICE_EXPIRED = "Operation timed out!"  # c10d's Work.wait(timeout) when the timeout passes
 
