@@ -24,11 +24,14 @@ Figures and their estimators (fixed before any run):
   Across repeats: the median, with a 95 % percentile-bootstrap interval (``bench.stats``:
   4000 resamples of the repeats, a fixed seed).
 - **blocking per save**: the time the step loop could not go on because of a save: planaria,
-  the controller's ``saves.start`` (every worker's snapshot, after the pending update was
-  applied, timed apart as ``commit_s``) plus any wait for the previous save; DCP, the slowest
-  rank's ``async_save`` call, its wait for the previous upload and, with background staging,
-  its wait for the staging before the next update. Per repeat the median over the run's
-  saves; across repeats the median and its bootstrap interval.
+  the controller's ``saves.start`` (every worker's snapshot call, after the pending update
+  was applied, timed apart as ``commit_s``) plus any wait for the previous save, plus the
+  slowest worker's wait, at its next update, for a copy that ran beside the step
+  (``CheckpointConfig.copy_beside``, on unless ``--copy-at-save``; ``checkpoint_saved``'s
+  ``blocked_s``); DCP, the slowest rank's ``async_save`` call, its wait for the previous
+  upload and, with background staging, its wait for the staging before the next update.
+  Per repeat the median over the run's saves; across repeats the median and its bootstrap
+  interval.
 - **memcpy of a worker's share**: one ``copy_`` of ``state bytes / replicas`` into
   preallocated, touched memory (median of 5), measured in each repeat beside the runs.
 - **restore vs raw read, cold**: per repeat, after dropping the page cache (``make_cold``:
@@ -87,7 +90,8 @@ class PlanariaSide:
     """planaria's job on the workload, saving when :meth:`run` says (what a step boundary does
     when a save is due: wait for a save still in flight, then start the next)."""
 
-    def __init__(self, size: str, replicas: int, base: Path) -> None:
+    def __init__(self, size: str, replicas: int, base: Path, *, copy_beside: bool = True
+                 ) -> None:
         from bench.planaria_side import make_spec
         from planaria import Job, RunConfig
         from planaria.checkpoint.config import CheckpointConfig
@@ -97,7 +101,8 @@ class PlanariaSide:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(_REPO), *[p for p in paths if p]])
         never = 10**9  # saves only when the bench asks
         self.root = str(base / "planaria-checkpoints")
-        cfg = CheckpointConfig(root=self.root, every=never, keep_last=2)
+        cfg = CheckpointConfig(root=self.root, every=never, keep_last=2,
+                               copy_beside=copy_beside)
         run = RunConfig(steps=never, replicas=replicas, run_dir=base / "planaria-run",
                         threads_per_worker=1)
         self.job = Job(make_spec(size), run, checkpoint=cfg)
@@ -110,7 +115,7 @@ class PlanariaSide:
     def run(self, steps: int, every: int) -> dict[str, Any]:
         job = self.job
         saves = job.checkpointer.saves
-        blocks, commits, copies, dropped = [], [], [], 0
+        calls, commits, started, dropped = [], [], [], 0
         t0 = time.perf_counter()
         for i in range(steps):
             job.train_step()
@@ -124,15 +129,20 @@ class PlanariaSide:
                 commits.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 saves.start(reason="bench")
-                blocks.append(waited + time.perf_counter() - t)
+                calls.append(waited + time.perf_counter() - t)
                 dropped += saves.inflight is None
-                if saves.inflight is not None:  # the slowest worker's copy, in the worker
-                    copies.append(saves.inflight.copy_s)
+                started.append(saves.inflight)
         saves.finish_within(600)
         job.commit_all()
         wall = time.perf_counter() - t0
-        return {"wall_s": wall, "blocks_s": blocks, "commit_s": commits, "copy_s": copies,
-                "saves": len(blocks),
+        # Known once each save's writers answered: the next update's wait for a copy that ran
+        # beside the step (copy_beside), and the slowest worker's copy, timed in the worker.
+        fenced = [s.blocked_s if s is not None else 0.0 for s in started]
+        blocks = [c + b for c, b in zip(calls, fenced, strict=True)]
+        copies = [s.copy_s for s in started if s is not None]
+        return {"wall_s": wall, "blocks_s": blocks, "call_s": calls, "fence_wait_s": fenced,
+                "commit_s": commits, "copy_s": copies, "saves": len(blocks),
+                "copy_beside": job.checkpointer.config.copy_beside,
                 "dropped": dropped, "last": job.checkpointer.last_path,
                 "step_s": wall / max(steps, 1)}
 
@@ -305,6 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--records", default=None, help="where the raw per-run records go")
     ap.add_argument("--workdir", "--dir", dest="workdir", default=None)
     ap.add_argument("--quick", action="store_true", help="small state, 2 repeats (smoke test)")
+    ap.add_argument("--copy-at-save", action="store_true",
+                    help="planaria copies into staging inside the save call (copy_beside=False)")
     args = ap.parse_args(argv)
     if args.quick:
         args.size, args.replicas, args.repeat, args.saves = "state_10mb", 2, 2, 2
@@ -328,13 +340,14 @@ def main(argv: list[str] | None = None) -> None:
     head = {"bench": "checkpoint", "commit": commit, "command": " ".join(sys.argv),
             "load_before": common.loadavg(), "size": args.size, "replicas": args.replicas,
             "repeat": args.repeat, "saves_per_run": args.saves, "cpus": os.cpu_count(),
-            "quick": args.quick, "records": str(records_path)}
+            "quick": args.quick, "records": str(records_path),
+            "planaria_copy_beside": not args.copy_at_save}
     records: list[dict[str, Any]] = []
     dcp_dir = str(base / "dcp-checkpoints")
     pl = dcp = None
     try:
         note("starting planaria's job")
-        pl = PlanariaSide(args.size, args.replicas, base)
+        pl = PlanariaSide(args.size, args.replicas, base, copy_beside=not args.copy_at_save)
         note("starting the DCP ranks")
         dcp = DcpGroup(args.replicas, args.size)
         assert dcp.state_bytes == pl.state_bytes, (dcp.state_bytes, pl.state_bytes)

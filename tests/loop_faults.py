@@ -42,8 +42,8 @@ class AtPhase:
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-LOOP_POINTS = [p for p in WORKER_POINTS if p != "worker.shard_write"]
-"""The points of a worker's step loop (the shard write runs on its writer's thread)."""
+LOOP_POINTS = [p for p in WORKER_POINTS if p not in ("worker.shard_write", "worker.stage_copy")]
+"""The points of a worker's step loop (a save's copy and write run on threads of their own)."""
 
 
 def arm(job: Any, worker: str, point: str, action: Any, *, times: int | None = None) -> None:

@@ -323,3 +323,65 @@ def test_row_shards_saved_at_one_k_load_at_another(tmp_path, saved_k, read_k):
             assert got[name].equal(whole[name][a:b]), (name, i)
             assert got[name].data_ptr() == into[name].data_ptr()  # filled in place
         assert got["optim/0/step"].equal(whole["optim/0/step"])
+
+
+def test_a_copy_beside_the_caller_keeps_the_state_of_its_step_and_times_the_wait(tmp_path):
+    """With a fence, start returns before the copy; a writer of the state that arrives
+    meanwhile waits at the fence, so the shard holds the state as it was at start, and
+    the wait is the save's blocked_s."""
+    import threading
+
+    from planaria.checkpoint.fence import CopyFence
+
+    state = make_state()
+    before = {k: v.clone() for k, v in state.items()}
+    (plan,) = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, 1)
+    gate = threading.Event()
+    w = AsyncShardWriter(str(tmp_path), before_copy=lambda step: gate.wait(30))
+    fence = CopyFence()
+    w.start(1, state, plan, save_id=new_save_id(), fence=fence)
+    assert w.copied_beside and fence.closed  # the copy waits at the gate: start did not
+
+    def update() -> None:  # what an optimizer step does, after the fence
+        fence.wait()
+        state["model/big.weight"].add_(1.0)
+        state["optim/3/exp_avg"].mul_(2.0)
+
+    updater = threading.Thread(target=update)
+    updater.start()
+    while not fence.waiting:  # the update has reached the fence
+        updater.join(0.001)
+    gate.set()
+    updater.join(30)
+    record = w.result(timeout_s=30)
+    assert not fence.closed and fence.blocked_s > 0 and w.last_copy_s is not None
+    path = commit_checkpoint(str(tmp_path), 1, [record], {"step": 1}, world_size=1)
+    saved, _ = load_checkpoint(path)
+    assert_same(saved, before)
+    assert not torch.equal(state["model/big.weight"], before["model/big.weight"])
+    w.close()
+
+
+def test_a_copy_beside_that_fails_opens_the_fence_and_fails_the_save(tmp_path) -> None:
+    from planaria.checkpoint.fence import CopyFence
+
+    state = make_state()
+    (plan,) = plan_shards({n: (t.shape, t.dtype) for n, t in state.items()}, 1)
+    del state["optim/lr"]  # the plan names a tensor the state no longer has
+    w = AsyncShardWriter(str(tmp_path))
+    fence = CopyFence()
+    with pytest.raises(KeyError):  # found while planning the slices, before the copy
+        w.start(1, state, plan, fence=fence)
+    assert not fence.closed
+
+    def fail(step: int) -> None:
+        raise OSError("staging failed")
+
+    w = AsyncShardWriter(str(tmp_path), before_copy=fail)
+    w.start(1, make_state(), plan, fence=fence)
+    with pytest.raises(OSError, match="staging failed"):
+        w.result(timeout_s=30)
+    fence.wait()  # open again: returns
+    assert not fence.closed and fence.blocked_s == 0.0
+    assert list_checkpoints(str(tmp_path)) == []
+    w.close()

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from planaria.checkpoint.backoff import with_retries
+from planaria.checkpoint.fence import CopyFence
 from planaria.checkpoint.plan import ShardPlan
 from planaria.checkpoint.staging import ShardImage, slice_of
 from planaria.checkpoint.writer import (
@@ -54,9 +55,12 @@ class AsyncShardWriter:
 
     :meth:`start` blocks only for the snapshot (the share copied into a reused
     :class:`ShardImage` of the shard file), then :func:`write_image` runs on a
-    background thread (``O_DIRECT`` on local disk unless ``direct=False``). Saves never
-    overlap: a new :meth:`start` first waits for the previous write (a caller that must
-    not wait looks at :attr:`busy` first). Not thread-safe: one owner calls it.
+    background thread (``O_DIRECT`` on local disk unless ``direct=False``). Given a
+    :class:`~planaria.checkpoint.fence.CopyFence`, :meth:`start` does not wait even for
+    the copy: a staging thread (at normal priority: the next update waits for it) copies
+    while the caller goes on, the fence closed meanwhile. Saves never overlap: a new
+    :meth:`start` first waits for the previous write (a caller that must not wait looks
+    at :attr:`busy` first). Not thread-safe: one owner calls it.
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class AsyncShardWriter:
         staging_budget_bytes: int | None = None,
         direct: bool = True,
         before_write: Callable[[int], None] | None = None,
+        before_copy: Callable[[int], None] | None = None,
     ) -> None:
         """``busy_timeout_s``: the longest :meth:`start` waits for the previous write (None:
         no limit), then ``TimeoutError``; ``verify``: read each shard back once written and
@@ -90,13 +95,19 @@ class AsyncShardWriter:
         self.staging_budget_bytes = staging_budget_bytes
         self.direct = direct
         self.before_write = before_write
+        self.before_copy = before_copy
         self.image = ShardImage(pin_memory=pin_memory)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-ckpt",
                                         initializer=background_priority)
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planaria-stage")
         self._future: Future[ShardRecord] | None = None
         self._collected = True
         #: Seconds the last :meth:`start` blocked for its snapshot.
         self.last_stall_s: float | None = None
+        #: The last save's copy ran on the staging thread, beside the caller.
+        self.copied_beside = False
+        #: Seconds the last save's copy into staging took (beside the caller or not).
+        self.last_copy_s: float | None = None
         #: Seconds the last completed write took (snapshot excluded).
         self.last_write_s: float | None = None
         #: When (Unix time) the last completed write and its read-back ended.
@@ -115,10 +126,17 @@ class AsyncShardWriter:
         *,
         save_id: str | None = None,
         describe: dict[str, Any] | None = None,
-    ) -> float | None:
+        fence: CopyFence | None = None,
+    ) -> float:
         """Snapshots this writer's share of ``tensors`` for ``step`` and starts writing it
         (after ``describe``, the save's description, if given: see
         :mod:`planaria.checkpoint.finished`).
+
+        With ``fence``, and a share of host tensors that fits the staging budget, the copy
+        runs on the staging thread with ``fence`` closed, and this returns at once: the
+        caller must keep the tensors unchanged until the fence opens (every writer of
+        them waits at it). Device tensors are copied here (a copy from a device on another
+        thread would need a stream of its own, not written yet).
 
         Returns the seconds the snapshot blocked. An outcome of the previous save not
         collected with :meth:`result` is logged and dropped.
@@ -136,7 +154,18 @@ class AsyncShardWriter:
             if err is not None:
                 _log.warning("dropping uncollected failure of the previous save: %r", err)
         t0 = time.perf_counter()
-        if self.staging_budget_bytes is not None and plan.nbytes > self.staging_budget_bytes:
+        over_budget = (self.staging_budget_bytes is not None
+                       and plan.nbytes > self.staging_budget_bytes)
+        self.copied_beside = (fence is not None and not over_budget
+                              and all(slice_of(tensors, spec).device.type == "cpu"
+                                      for spec in plan.slices))
+        if self.copied_beside:
+            assert fence is not None
+            fence.close()
+            self._future = Future()
+            self._stager.submit(self._stage_then_write, step, tensors, plan, save_id, describe,
+                                fence, self._future)
+        elif over_budget:
             self.image.clear()
             done: Future[ShardRecord] = Future()
             try:
@@ -146,11 +175,43 @@ class AsyncShardWriter:
                 done.set_exception(err)
             self._future = done
         else:
+            if self.before_copy is not None:
+                self.before_copy(step)
             self.image.fill(tensors, plan, step)
+            self.last_copy_s = time.perf_counter() - t0
             self._future = self._pool.submit(self._write, step, plan, None, save_id, describe)
         self.last_stall_s = time.perf_counter() - t0
         self._collected = False
         return self.last_stall_s
+
+    def _stage_then_write(
+        self, step: int, tensors: Mapping[str, torch.Tensor], plan: ShardPlan,
+        save_id: str | None, describe: dict[str, Any] | None, fence: CopyFence,
+        done: Future[ShardRecord],
+    ) -> None:
+        """The staging thread: the copy (fence closed), then the write on the writer's
+        thread, whose outcome becomes ``done``'s."""
+        try:
+            try:
+                if self.before_copy is not None:
+                    self.before_copy(step)
+                self.image.fill(tensors, plan, step)
+            finally:
+                fence.open()
+            self.last_copy_s = fence.copy_s
+            write = self._pool.submit(self._write, step, plan, None, save_id, describe)
+        except BaseException as err:
+            done.set_exception(err)
+            return
+
+        def settle(w: Future[ShardRecord]) -> None:
+            err = w.exception()
+            if err is not None:
+                done.set_exception(err)
+            else:
+                done.set_result(w.result())
+
+        write.add_done_callback(settle)
 
     def _write(
         self, step: int, plan: ShardPlan, share: dict[str, torch.Tensor] | None,
@@ -228,4 +289,5 @@ class AsyncShardWriter:
             except FutureTimeout:
                 _log.warning("closing with a checkpoint write still running")
         self._pool.shutdown(wait=False)
+        self._stager.shutdown(wait=False)
         self.image.clear()

@@ -80,6 +80,11 @@ class CheckpointConfig:
     """On local disk, write each staged shard and read it back with ``O_DIRECT`` (the disk's
     DMA moves the bytes; no page-cache copy competes with training for CPU). File systems
     without it fall back to buffered writes by themselves; False forces buffered writes."""
+    copy_beside: bool = True
+    """A save's copy into staging runs beside the next step's forward and backward (host
+    tensors; a save from the GPU copies before training goes on): training waits for
+    it only if the next update comes before the copy ends (``checkpoint_saved``'s
+    ``blocked_s``). False: training waits for the whole copy at the save."""
     max_failed_saves: int = 3
     """This many saves in a row that do not commit (a full disk, a lost bucket) are escalated:
     a ``checkpoints_failing`` event and a warning naming the newest committed step, then

@@ -63,7 +63,8 @@ class Save:
     t0: float
     stall_s: float = 0.0
     wait_s: float = 0.0  # of stall_s, waiting for the previous save to commit
-    copy_s: float = 0.0  # of stall_s, the slowest writer's copy into its staging
+    copy_s: float = 0.0  # the slowest writer's copy into its staging
+    blocked_s: float = 0.0  # the training's wait for a copy beside the steps (of stall_s)
     nbytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     records: dict[str, list[ShardRecord]] = field(default_factory=dict)
@@ -151,7 +152,8 @@ class SavePipeline:
         if beside is None:
             refs = {h.name: h.actor.ckpt_start.remote(
                 host.gen, step, i, width, save.save_id, root, opts,
-                describe=describe if i == 0 else None, **options)
+                describe=describe if i == 0 else None, copy_beside=self.config.copy_beside,
+                **options)
                 for i, h in enumerate(host.members)}
         else:
             refs = {h.name: h.actor.ckpt_start_beside.remote(
@@ -177,8 +179,6 @@ class SavePipeline:
             self.abandon(save, f"writer {', '.join(busy)} still writes an earlier save")
             return
         save.meta = {**(results[host.members[0].name].meta or {}), **ours}
-        if self.interval is not None:
-            self.interval.observe_stall(save.stall_s)
         self.inflight = save
         points.hit("checkpoint.save_started", step=step, reason=reason)
         # Every writer's answer, awaited beside the steps: the commit starts the moment the
@@ -227,6 +227,10 @@ class SavePipeline:
         with save.lock:
             save.records[name] = [ShardRecord.from_dict(r) for r in out.records]
             save.written_t[name] = out.written_t
+            save.copy_s = max(save.copy_s, out.copy_s)
+            if out.blocked_s > save.blocked_s:  # the slowest replica's wait held the others
+                save.stall_s += out.blocked_s - save.blocked_s
+                save.blocked_s = out.blocked_s
             self._commit_if_answered(save)
 
     def _commit_if_answered(self, save: Save) -> None:
@@ -265,7 +269,8 @@ class SavePipeline:
         now = time.time()
         self.host.log.emit(
             "checkpoint_saved", t=now, step=save.step, path=path, bytes=save.nbytes,
-            stall_s=save.stall_s, wait_s=save.wait_s, copy_s=save.copy_s, save_s=now - save.t0,
+            stall_s=save.stall_s, wait_s=save.wait_s, copy_s=save.copy_s,
+            blocked_s=save.blocked_s, save_s=now - save.t0,
             writers=len(save.writers), reason=save.reason, run_id=self.root.run_id,
             writers_done_t=max(save.written_t.values(), default=None),
         )
@@ -330,7 +335,8 @@ class SavePipeline:
             return
         self.last_committed, self.last_path = save.step, path
         self.failures.committed()
-        if self.interval is not None:
+        if self.interval is not None:  # the stall is whole once every writer's copy ended
+            self.interval.observe_stall(save.stall_s)
             self.interval.observe_save_time(max(save.written_t.values(), default=time.time())
                                             - save.t0)
         self.upkeep.retain()

@@ -75,6 +75,9 @@ WORKER_POINTS: Mapping[str, str] = MappingProxyType({
     "worker.applied": "in a run, a step is applied (worker, step)",
     "worker.shard_write":
         "a checkpoint shard's write begins, on the worker's writer thread (worker, step)",
+    "worker.stage_copy":
+        "a checkpoint's copy into staging begins, on the thread that copies: the staging "
+        "thread when the copy runs beside the steps (worker, step)",
     "worker.eval_batch": "an evaluation's batch, before it runs (worker, step: the steps "
                          "committed, batch: its index in the eval set)",
 })

@@ -87,7 +87,8 @@ class Snapshot:
     writes, and (the first writer's) the state's metadata. ``busy``: its writer still wrote
     an earlier save, and nothing was snapshotted (the controller drops the save). ``copy_s``:
     the seconds the copy into staging took in the worker (a sharded replica's: its slowest
-    worker's), the part of the save's stall that is not the call's round trip."""
+    worker's), the part of the save's stall that is not the call's round trip; 0.0 when
+    the copy runs beside the next step (then timed in ``ShardWritten``)."""
 
     busy: bool
     nbytes: int
@@ -105,10 +106,15 @@ class Snapshot:
 class ShardWritten:
     """A save's shards written and read back (``ckpt_wait``, ``ckpt_poll``): their records
     (as the checkpoint's ``ShardRecord.to_dict`` writes them), a sharded replica's every
-    worker's in shard order, and when the last was written (Unix time)."""
+    worker's in shard order, and when the last was written (Unix time). ``copy_s``: the
+    copy into staging (the slowest worker's); ``blocked_s``: how long the training waited
+    for a copy that ran beside it (0.0 when it did not wait, or when the copy blocked the
+    snapshot call instead: see ``Snapshot.copy_s``)."""
 
     records: Sequence[Mapping[str, object]]
     written_t: float
+    copy_s: float = 0.0
+    blocked_s: float = 0.0
 
 
 def merge_written(
@@ -120,7 +126,9 @@ def merge_written(
     if len(done) < len(parts):
         return None
     return ShardWritten(records=[r for p in done for r in p.records],
-                        written_t=max(p.written_t for p in done))
+                        written_t=max(p.written_t for p in done),
+                        copy_s=max(p.copy_s for p in done),
+                        blocked_s=max(p.blocked_s for p in done))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -355,16 +355,18 @@ class Worker:
         self, gen: int, step: int, index: int, num_shards: int, save_id: str, root: str,
         storage_options: Mapping[str, Any] | None = None, *, fsync: bool = True,
         attempts: int = 3, staging_budget_bytes: int | None = None, direct_io: bool = True,
-        describe: dict[str, Any] | None = None,
+        copy_beside: bool = True, describe: dict[str, Any] | None = None,
     ) -> Snapshot:
         """Snapshots shard ``index`` of ``num_shards`` of the settled state after ``step``
         steps and starts writing it under ``root`` (:meth:`CheckpointSaver.start
-        <planaria.worker.ckpt_save.CheckpointSaver.start>`). ``describe`` (writer 0's: the
-        save's description) is written beside the shards, with this worker's metadata."""
+        <planaria.worker.ckpt_save.CheckpointSaver.start>`; ``copy_beside``: the copy into
+        staging runs beside the next step). ``describe`` (writer 0's: the save's
+        description) is written beside the shards, with this worker's metadata."""
         self.membership.check(gen)
         return self.saver.start(step, index, num_shards, save_id, SaveOptions(
             root=root, storage_options=storage_options, fsync=fsync, attempts=attempts,
-            staging_budget_bytes=staging_budget_bytes, direct_io=direct_io), describe)
+            staging_budget_bytes=staging_budget_bytes, direct_io=direct_io,
+            copy_beside=copy_beside), describe)
 
     @fans_out(Hold.merge)
     @lane("ckpt")

@@ -2,8 +2,12 @@
 
 The controller's :class:`planaria.checkpoint.coordinator.Checkpointer` calls these through
 Ray. :meth:`CheckpointSaver.start` copies this replica's share of the state into
-staging buffers kept from one save to the next (the only part that stalls
-training) and writes it from a background thread; :meth:`CheckpointSaver.poll`
+staging buffers kept from one save to the next and writes it from a background
+thread. The copy itself runs beside the next step (``SaveOptions.copy_beside``):
+the module buffers, which a forward changes, are cloned at once, and the next
+update waits at the state's :class:`~planaria.checkpoint.fence.CopyFence` until the
+parameters and the optimizer's state are copied: that wait is the save's stall on
+training, reported with the shard (``blocked_s``); :meth:`CheckpointSaver.poll`
 and :meth:`CheckpointSaver.wait` hand the shard's record to the controller,
 which commits the checkpoint once it holds every record. Every replica computes
 the same byte-balanced :func:`~planaria.checkpoint.plan_shards` plan from its own
@@ -26,6 +30,7 @@ import torch
 from planaria.checkpoint import AsyncShardWriter, plan_shards
 from planaria.checkpoint.plan import ShardPlan, plan_row_shards
 from planaria.checkpoint.storage import Storage
+from planaria.checkpoint.writer import ShardRecord
 from planaria.faults.errors import PlanariaError
 from planaria.faults.points import FaultPoints
 from planaria.wire.state_reports import ShardWritten, Snapshot, StorageProbe
@@ -53,6 +58,9 @@ class SaveOptions:
     """At most this much host memory stages the snapshot (None: the whole share)."""
     direct_io: bool
     """Written with O_DIRECT where the file system allows it."""
+    copy_beside: bool = True
+    """The copy into staging runs beside the next step (host tensors only); False: the
+    call returns once it is done."""
 
 
 class CheckpointSaver:
@@ -86,8 +94,13 @@ class CheckpointSaver:
                           if commits.pending is not None else "")
             )
         self.vitals.set_phase("snapshot", step)
+        tensors, meta = self.state.flatten()
+        beside = options.copy_beside
+        if beside:  # a forward changes the buffers in place: they are copied now
+            buffers = {f"model/{n}" for n, _ in self.state.model.named_buffers()}
+            tensors = {k: v.clone() if k in buffers else v for k, v in tensors.items()}
         return self._snapshot(step, index, num_shards, save_id, options, describe,
-                              self.state.flatten())
+                              (tensors, meta), copy_beside=beside)
 
     def start_beside(self, step: int, index: int, num_shards: int, save_id: str,
                      options: SaveOptions, describe: dict[str, Any] | None) -> Snapshot:
@@ -113,7 +126,7 @@ class CheckpointSaver:
     def _snapshot(
         self, step: int, index: int, num_shards: int, save_id: str, options: SaveOptions,
         describe: dict[str, Any] | None, state: tuple[dict[str, torch.Tensor], dict[str, Any]],
-        *, phase: bool = True,
+        *, phase: bool = True, copy_beside: bool = False,
     ) -> Snapshot:
         """Copies this worker's share of ``state`` into the writer's staging and starts its
         write (see :meth:`start`)."""
@@ -128,13 +141,14 @@ class CheckpointSaver:
         description = None
         if describe is not None and first:
             description = {**describe, "meta": {**jsonable(meta, "meta"), **describe["meta"]}}
-        stall = writer.start(step, tensors, plan, save_id=save_id, describe=description)
-        if stall is not None:
-            self.save_id = save_id
+        writer.start(step, tensors, plan, save_id=save_id, describe=description,
+                     fence=self.state.copy_fence if copy_beside else None)
+        self.save_id = save_id
         if phase:
             self.vitals.set_phase("idle", step)
+        copy_s = 0.0 if writer.copied_beside else writer.last_copy_s or 0.0
         return Snapshot(busy=False, nbytes=plan.nbytes, meta=meta if first else None,
-                        copy_s=stall or 0.0)
+                        copy_s=copy_s)
 
     def _plan(self, tensors: Mapping[str, torch.Tensor], index: int, num_shards: int
               ) -> ShardPlan:
@@ -166,17 +180,21 @@ class CheckpointSaver:
         record = writer.poll()
         if record is None:
             return None
-        return ShardWritten(records=[record.to_dict()],
-                            written_t=writer.last_written_t or time.time())
+        return self._written(writer, record)
 
     def wait(self, save_id: str, timeout_s: float) -> ShardWritten:
         """Waits until this worker's shard of save ``save_id`` is written and read back, and
         returns its record. Raises the write's error, or ``TimeoutError`` past
         ``timeout_s``."""
         writer = self._writing(save_id)
-        record = writer.result(timeout_s)
+        return self._written(writer, writer.result(timeout_s))
+
+    def _written(self, writer: AsyncShardWriter, record: ShardRecord) -> ShardWritten:
+        beside = writer.copied_beside
         return ShardWritten(records=[record.to_dict()],
-                            written_t=writer.last_written_t or time.time())
+                            written_t=writer.last_written_t or time.time(),
+                            copy_s=writer.last_copy_s or 0.0,
+                            blocked_s=self.state.copy_fence.blocked_s if beside else 0.0)
 
     def _writer(self, root: str, storage_options: Mapping[str, Any] | None, fsync: bool
                 ) -> AsyncShardWriter:
@@ -185,7 +203,8 @@ class CheckpointSaver:
             if self.writer is not None:
                 self.writer.close(timeout_s=300)
             self.writer = AsyncShardWriter(root, fsync=fsync, storage_options=storage_options,
-                                           before_write=self._before_write)
+                                           before_write=self._before_write,
+                                           before_copy=self._before_copy)
             self.writer_key = key
         return self.writer
 
@@ -193,6 +212,10 @@ class CheckpointSaver:
     def _before_write(self, step: int) -> None:
         if self.faults.armed:
             self.faults.hit("worker.shard_write", step=step)
+
+    def _before_copy(self, step: int) -> None:
+        if self.faults.armed:
+            self.faults.hit("worker.stage_copy", step=step)
 
 
 def probe_storage(root: str, name: str, storage_options: Mapping[str, Any] | None, size: int

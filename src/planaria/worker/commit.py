@@ -81,6 +81,7 @@ class Commits:
 
     def apply(self) -> None:
         self.wait_while_held()
+        self.state.copy_fence.wait()  # a save's copy still reads the state: it goes first
         with self.state.lock:
             self._apply_locked()
 
@@ -122,6 +123,7 @@ class Commits:
         It may move the parameters (weight decay): no matter, they are all overwritten.
         """
         self.state.reducer.gradients()  # zeros: an optimizer skips parameters with no gradient
+        self.state.copy_fence.wait()
         try:
             self.state.optimizer.step()
         except Exception:  # e.g. an optimizer that needs a closure: received into fresh memory

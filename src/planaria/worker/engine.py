@@ -168,6 +168,7 @@ class StepEngine:
         n = user_call("len(dataset)", len, loader.dataset)
         samples = [loader.fingerprint_sample(i % n) for i in range(self.spec.micro_batch_size)]
         batch = to_device(user_call("collate", loader.collate, samples), self.state.device)
+        self.state.copy_fence.wait()  # the state is written back below
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.train()
         torch.manual_seed(self.spec.seed)

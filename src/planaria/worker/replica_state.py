@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from planaria.checkpoint.fence import CopyFence
 from planaria.config import TrainSpec
 from planaria.data.randomness import factory_seed, seed_globals
 from planaria.faults.errors import ConfigError, PlanariaError, UserCodeError
@@ -131,6 +132,9 @@ class ReplicaState:
         # Guards the committed state against a snapshot taken beside the training thread
         # (planaria.worker.ckpt_save's ckpt_start_beside).
         self.lock = threading.RLock()
+        # Closed while a save's copy reads the live state beside the steps: whoever writes
+        # the state (an update, a restore, a received state) waits at it first.
+        self.copy_fence = CopyFence()
         self.dirty = False
         """A restore wrote into the live state and did not finish: it is not to be used."""
 

@@ -90,6 +90,7 @@ class StateTransfer:
         assert comm is not None
         state = self.state
         self.vitals.set_phase("recv_state", -1)
+        state.copy_fence.wait()  # received into the live tensors: a save's copy ends first
         live, _ = state.flatten()
         on_host = set(source.on_host)
         tensors: dict[str, torch.Tensor] = {}
