@@ -334,8 +334,6 @@ def budget_s(args: argparse.Namespace, plan: list[PlannedRun]) -> float:
 # ---------------------------------------------------------------- runs
 
 
-
-
 def _slim(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """planaria's event log without what no figure reads (per-rank times, metrics)."""
     keep = ("event", "t", "step", "gen", "width", "duration_s", "data_wait_s", "samples")
