@@ -41,7 +41,7 @@ from bench.records import machine  # noqa: E402
 RESULTS = _REPO / "bench" / "results"
 BENCHES = ("overhead", "overhead_before", "recovery", "recovery-torchft-hb50",
            "goodput-realistic", "goodput-fast",
-           "goodput", "checkpoint", "spares",
+           "goodput", "checkpoint", "checkpoint-copy-at-save", "spares",
            "overlap", "warm_join", "sharded", "campaign", "campaign_widened", "dispatch", "gpu")
 MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "overhead_before": "ratio",
              "goodput": "goodput_vs_torchft", "dispatch": "growth_last_over_first"}
@@ -551,14 +551,25 @@ def render_checkpoint(rec: dict[str, Any]) -> list[str]:
     if "planaria" not in r:
         return render_generic("checkpoint", rec)
     pl, dcp, ratios, met = r["planaria"], r["dcp"], r["ratios"], r.get("targets", {})
+    beside = r.get("planaria_copy_beside")
+    title = "## Checkpoint: planaria vs DCP async_save, like for like"
+    if beside is False:
+        title += " (planaria copying inside the save call)"
+    copy = {True: "planaria's copy into staging runs beside the next step, which waits at the "
+                  "state's copy fence only if it updates the state before the copy is done "
+                  "(the wait is counted in its blocking)",
+            False: "planaria's copy into staging runs inside the save call "
+                   "(`copy_beside=False`, as before the copy fence)",
+            None: ""}[beside]
     out = [
-        "## Checkpoint: planaria vs DCP async_save, like for like", "", *_header(rec), "",
+        title, "", *_header(rec), "",
         f"State {r['state_bytes'] / 1e6:.0f} MB (`{r['size']}`: parameters and Adam's "
         f"moments), {r['replicas']} worker processes on each side, one thread each, on "
         f"{r.get('cpus')} cores; a save every {r['every']} steps, {r['saves_per_run']} per "
         f"run, {r['repeat']} repeats, each a run with saves and one without per system (order "
         "alternating). planaria: its job's workers each snapshot and write their byte-balanced "
-        "share; DCP: `async_save` on every rank of a gloo group, its options swept "
+        "share" + (f" ({copy})" if copy else "") + "; DCP: `async_save` on every rank of a gloo "
+        "group, its options swept "
         f"({', '.join(dcp.get('sweep', {}))}), the best by median extra wall "
         f"(`{dcp['config']}`, chosen on the same repeats: a choice that can only favour DCP). "
         "Medians over the repeats with bootstrap 95 % intervals; a ratio is the median of the "
@@ -994,7 +1005,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_campaign(rec, title="Fault campaign: the widened mix")
         elif name == "sharded":
             out += render_sharded(rec)
-        elif name == "checkpoint":
+        elif name.startswith("checkpoint"):
             out += render_checkpoint(rec)
         elif name == "spares":
             out += render_spares(rec)

@@ -385,3 +385,38 @@ def test_a_copy_beside_that_fails_opens_the_fence_and_fails_the_save(tmp_path) -
     assert not fence.closed and fence.blocked_s == 0.0
     assert list_checkpoints(str(tmp_path)) == []
     w.close()
+
+
+def test_a_copy_beside_starts_at_its_go_or_when_a_writer_of_the_state_waits(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy waits for its go (the next step begins), so that it does not take the cores
+    from the save call's reply; a writer of the state that reaches the fence first gives
+    the go itself. With the fallback pushed past the test's timeouts, a missing go hangs."""
+    import threading
+
+    from planaria.checkpoint import fence as fence_module
+    from planaria.checkpoint.fence import CopyFence
+
+    monkeypatch.setattr(fence_module.CopyFence.wait_go, "__defaults__", (600.0,))
+    (plan,) = plan_shards({n: (t.shape, t.dtype) for n, t in make_state().items()}, 1)
+    copies: list[int] = []
+    started = threading.Event()
+
+    def before_copy(step: int) -> None:
+        copies.append(step)
+        started.set()
+
+    w = AsyncShardWriter(str(tmp_path), before_copy=before_copy)
+    fence = CopyFence()
+    w.start(1, make_state(), plan, save_id=new_save_id(), fence=fence)
+    assert fence.closed and copies == []  # waiting for its go
+    fence.go()
+    assert started.wait(30)
+    w.result(timeout_s=30)
+    assert copies == [1] and not fence.closed
+
+    w.start(2, make_state(), plan, save_id=new_save_id(), fence=fence)
+    fence.wait()  # no go given: the writer's wait gives it, and returns once copied
+    assert copies == [1, 2] and not fence.closed
+    w.result(timeout_s=30)
+    w.close()

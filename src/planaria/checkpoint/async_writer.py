@@ -193,6 +193,7 @@ class AsyncShardWriter:
         thread, whose outcome becomes ``done``'s."""
         try:
             try:
+                fence.wait_go()
                 if self.before_copy is not None:
                     self.before_copy(step)
                 self.image.fill(tensors, plan, step)

@@ -10,6 +10,11 @@ it closed; every code that writes the live state (the optimizer's update, a rest
 a received state) calls :meth:`CopyFence.wait` first. The time a writer waited is
 the save's stall on training (``blocked_s``), measured by the copying thread as it
 opens the fence, so it is known before the save's record is returned.
+
+The copy waits for a go (:meth:`CopyFence.go`) before it starts: the worker gives it when
+its next step begins (or the controller asks after the save, or a writer of the state
+waits), so that the copy does not compete for the cores with the save call's own reply,
+which the training waits for. Past :data:`GO_AFTER_S` without one it starts anyway.
 """
 
 from __future__ import annotations
@@ -17,16 +22,21 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["CopyFence"]
+__all__ = ["GO_AFTER_S", "CopyFence"]
+
+GO_AFTER_S = 0.1
+"""The longest a closed fence's copy waits for its go (a worker left idle after a save)."""
 
 
 class CopyFence:
     """Closed while a copy reads the live state; writers of the state wait at it.
 
-    Contract: :meth:`close` and :meth:`open` are called by the copying thread, once each
-    per copy and in that order; :meth:`wait` by any thread that is about to write the
-    live state, and it returns at once while no copy runs. A copy that fails still
-    opens the fence (the copier's ``finally``).
+    Contract: :meth:`close` is called by the thread that starts a copy, then
+    :meth:`wait_go` and :meth:`open` by the copying thread, once each per copy and in that
+    order; :meth:`go` by anyone, any number of times (it only lets a waiting copy start);
+    :meth:`wait` by any thread that is about to write the live state: it returns at once
+    while no copy runs, and gives the go itself. A copy that fails still opens the fence
+    (the copier's ``finally``).
     """
 
     def __init__(self) -> None:
@@ -38,6 +48,7 @@ class CopyFence:
         #: Seconds the last copy took.
         self.copy_s = 0.0
         self._closed_t = 0.0
+        self._go = True
 
     @property
     def closed(self) -> bool:
@@ -52,8 +63,24 @@ class CopyFence:
         """A copy begins: writers wait from now on."""
         with self._cond:
             self._closed = True
+            self._go = False
             self._waiting_since = None
             self.blocked_s = 0.0
+            self._closed_t = time.perf_counter()
+
+    def go(self) -> None:
+        """Lets a closed fence's copy start (the step after the save begins)."""
+        with self._cond:
+            if not self._go:
+                self._go = True
+                self._cond.notify_all()
+
+    def wait_go(self, timeout_s: float = GO_AFTER_S) -> None:
+        """The copying thread: returns once the copy may start (a go, or ``timeout_s``);
+        the copy's time (:attr:`copy_s`) counts from here."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._go, timeout_s)
+            self._go = True
             self._closed_t = time.perf_counter()
 
     def open(self) -> None:
@@ -73,6 +100,9 @@ class CopyFence:
         with self._cond:
             if not self._closed:
                 return
+            if not self._go:  # the copy has not started: the writer's wait starts it
+                self._go = True
+                self._cond.notify_all()
             if self._waiting_since is None:
                 self._waiting_since = time.perf_counter()
             while self._closed:

@@ -177,6 +177,7 @@ class CheckpointSaver:
         """The shard record of save ``save_id`` once written (None while writing); raises
         the write's error if it failed."""
         writer = self._writing(save_id)
+        self.state.copy_fence.go()  # the controller waits for the save: its copy starts
         record = writer.poll()
         if record is None:
             return None
@@ -187,6 +188,7 @@ class CheckpointSaver:
         returns its record. Raises the write's error, or ``TimeoutError`` past
         ``timeout_s``."""
         writer = self._writing(save_id)
+        self.state.copy_fence.go()
         return self._written(writer, writer.result(timeout_s))
 
     def _written(self, writer: AsyncShardWriter, record: ShardRecord) -> ShardWritten:

@@ -189,6 +189,7 @@ class StepEngine:
               record_served: Callable[[Attempt], None] | None) -> Loaded:
         """This rank's share, loaded (or taken from what was loaded ahead)."""
         self.vitals.set_phase("loading", step)
+        self.state.copy_fence.go()  # a save's copy runs beside this step (its reply is sent)
         reducer = self.state.reducer
         try:
             loaded = self.loader.take(ids, step, first)
