@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 import ray
@@ -32,6 +33,36 @@ class _Sleeper:
                 return False
             time.sleep(0.01)
         return True
+
+
+@ray.remote(num_cpus=0)
+class _Answerer:
+    def big(self, size: int) -> Any:
+        from tests.control.counted_result import Counted
+
+        return Counted(size)
+
+    def die(self) -> None:
+        os._exit(1)
+
+
+def test_a_result_is_deserialized_once_and_an_error_raised_as_ray_get_would(ray_cluster):
+    """The callback's future holds the result Ray deserialized for it: result() takes it
+    from there (a whole state returned by Job.state() is not unpickled twice)."""
+    from tests.control.counted_result import UNPICKLED
+
+    actor = _Answerer.remote()  # type: ignore[attr-defined]
+    UNPICKLED.clear()
+    ref = actor.big.remote(64 << 20)
+    watch = CallWatch([ref])
+    assert watch.wait(60) == [ref]
+    assert len(watch.result(ref)) == 64 << 20
+    assert UNPICKLED == [64 << 20]
+    dead = actor.die.remote()
+    watch = CallWatch([dead])
+    assert watch.wait(60) == [dead]
+    with pytest.raises(ray.exceptions.RayActorError):
+        watch.result(dead)
 
 
 def test_calls_end_in_the_order_they_end_and_a_death_is_known_at_once(ray_cluster, tmp_path):

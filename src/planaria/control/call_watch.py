@@ -7,6 +7,9 @@ training. Here each call gets one completion callback when the watch starts
 (``ObjectRef.future()``: Ray calls back when the result, or the worker's death,
 reaches this process), which puts the call on a queue; a wait takes what the
 queue holds. A death is known the moment Ray reports it, whichever call it ends.
+Ray's callback thread has deserialized the result by then (the future holds it):
+:meth:`CallWatch.result` takes it from there, so a large result (a whole state,
+``Job.state()``) is not deserialized a second time by ``ray.get``.
 
 The callbacks are the fast path, not the only one: :meth:`CallWatch.recheck` asks
 Ray directly (one ``ray.wait`` over the calls still pending), which the
@@ -34,9 +37,11 @@ class CallWatch:
     def __init__(self, refs: Iterable[Any]) -> None:
         self._ended = queue.SimpleQueue[Any]()  # Ray's callback thread puts, the waiter takes
         self._pending: dict[Any, None] = dict.fromkeys(refs)
+        self._futures: dict[Any, Any] = {}
         for ref in self._pending:
-            # Ray's callback thread only queues the call: its result is read with ray.get.
-            ref.future().add_done_callback(lambda _f, ref=ref: self._notice(ref))
+            # Ray's callback thread only queues the call; the future keeps its result.
+            self._futures[ref] = future = ref.future()
+            future.add_done_callback(lambda _f, ref=ref: self._notice(ref))
 
     def _notice(self, ref: Any) -> None:
         """Ray's notice that ``ref`` ended (on its callback thread): queued, unless the
@@ -54,6 +59,15 @@ class CallWatch:
         except queue.Empty:
             pass
         return self._take(ended)
+
+    def result(self, ref: Any) -> Any:
+        """The result of the call ``ref`` that ended (raises its error, as ``ray.get``
+        would): the one Ray's callback deserialized, or ``ray.get``'s when the callback
+        has not come (a call found by :meth:`recheck`)."""
+        future = self._futures.get(ref)
+        if future is not None and future.done():
+            return future.result()
+        return ray.get(ref)
 
     def recheck(self) -> list[Any]:
         """The pending calls Ray says have ended (a ``ray.wait`` that does not block), taken

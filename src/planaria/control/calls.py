@@ -135,7 +135,7 @@ class Calls:
             for ref in ended:
                 name = by_ref[ref]
                 try:
-                    results[name] = ray.get(ref)
+                    results[name] = calls.result(ref)
                 except Exception as err:
                     errors[name] = err
                     if is_death(err):  # known now; classified once the others answered
