@@ -397,7 +397,7 @@ def test_a_copy_beside_starts_at_its_go_or_when_a_writer_of_the_state_waits(
     from planaria.checkpoint import fence as fence_module
     from planaria.checkpoint.fence import CopyFence
 
-    monkeypatch.setattr(fence_module.CopyFence.wait_go, "__defaults__", (600.0,))
+    monkeypatch.setattr(fence_module, "GO_AFTER_S", 600.0)
     (plan,) = plan_shards({n: (t.shape, t.dtype) for n, t in make_state().items()}, 1)
     copies: list[int] = []
     started = threading.Event()

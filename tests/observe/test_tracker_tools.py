@@ -92,12 +92,11 @@ def _wandb_records(path: Path) -> Iterator[Any]:
 def test_wandb_offline_run_holds_the_steps_and_the_recovery(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     _feed(build_tracker("wandb", tmp_path, TrackerOptions(run_name="r1", wandb_mode="offline")))
     # run.finish() only informs wandb's service process, which flushes and closes the .wandb
     # file later (at exit for a user's script): teardown waits for it to shut down.
-    import wandb
     wandb.teardown()
     (path,) = (tmp_path / "trackers" / "wandb").glob("wandb/offline-run-*/run-*.wandb")
     history: list[dict[str, Any]] = []

@@ -47,7 +47,7 @@ class CopyFence:
         self.blocked_s = 0.0
         #: Seconds the last copy took.
         self.copy_s = 0.0
-        self._closed_t = 0.0
+        self._copy_began = 0.0
         self._go = True
 
     @property
@@ -66,7 +66,6 @@ class CopyFence:
             self._go = False
             self._waiting_since = None
             self.blocked_s = 0.0
-            self._closed_t = time.perf_counter()
 
     def go(self) -> None:
         """Lets a closed fence's copy start (the step after the save begins)."""
@@ -75,20 +74,21 @@ class CopyFence:
                 self._go = True
                 self._cond.notify_all()
 
-    def wait_go(self, timeout_s: float = GO_AFTER_S) -> None:
-        """The copying thread: returns once the copy may start (a go, or ``timeout_s``);
-        the copy's time (:attr:`copy_s`) counts from here."""
+    def wait_go(self, timeout_s: float | None = None) -> None:
+        """The copying thread: returns once the copy may start (a go, or ``timeout_s``,
+        :data:`GO_AFTER_S` by default); the copy's time (:attr:`copy_s`) counts from here."""
         with self._cond:
-            self._cond.wait_for(lambda: self._go, timeout_s)
+            self._cond.wait_for(lambda: self._go,
+                                GO_AFTER_S if timeout_s is None else timeout_s)
             self._go = True
-            self._closed_t = time.perf_counter()
+            self._copy_began = time.perf_counter()
 
     def open(self) -> None:
         """The copy ended (or failed): waiting writers go on, and what they waited is
         recorded in :attr:`blocked_s`."""
         with self._cond:
             now = time.perf_counter()
-            self.copy_s = now - self._closed_t
+            self.copy_s = now - self._copy_began
             if self._waiting_since is not None:
                 self.blocked_s = now - self._waiting_since
             self._closed = False
@@ -100,9 +100,7 @@ class CopyFence:
         with self._cond:
             if not self._closed:
                 return
-            if not self._go:  # the copy has not started: the writer's wait starts it
-                self._go = True
-                self._cond.notify_all()
+            self.go()  # the copy may not have started: the writer's wait starts it
             if self._waiting_since is None:
                 self._waiting_since = time.perf_counter()
             while self._closed:
