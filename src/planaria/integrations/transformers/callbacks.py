@@ -74,8 +74,12 @@ class CallbackBridge:
                 self.call("on_evaluate", metrics=metrics)
         elif event == "checkpoint_saved":
             with self._lock:
+                # on_save sees the step saved; a save committed late (its write runs in the
+                # background) must not take the training's step back for the hooks after it.
+                now = self.state.global_step
                 self.state.global_step = int(record["step"])
                 self.call("on_save")
+                self.state.global_step = max(now, self.state.global_step)
 
     def _step_committed(self, step: int, loss: float) -> None:
         done = step + 1
