@@ -7,6 +7,9 @@
 #
 #     bash bench/gpu_check.sh            # everything (about 6 minutes on one H200)
 #     bash bench/gpu_check.sh --quick    # the tests and the smoke run only
+#
+# On a copy of the tree without git (another machine), set PLANARIA_COMMIT to the commit it
+# holds: the records name it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${GPU_CHECK_OUT:-gpu_check_out}"

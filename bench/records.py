@@ -43,14 +43,15 @@ GZIP_OVER_BYTES = 1_000_000
 
 def tree_commit(repo: Path = _REPO) -> str | None:
     """``git rev-parse HEAD``, with ``-dirty`` when tracked files differ from it (untracked
-    ones do not count); None outside a git checkout."""
+    ones do not count); outside a git checkout (a copy of the tree sent to another machine),
+    ``PLANARIA_COMMIT`` from the environment, else None."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
                               text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=repo, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get("PLANARIA_COMMIT") or None
     return head + ("-dirty" if dirty.strip() else "")
 
 
