@@ -36,10 +36,18 @@ Figures and their estimators (fixed before any run):
   preallocated, touched memory (median of 5), measured in each repeat beside the runs.
 - **restore vs raw read, cold**: per repeat, after dropping the page cache (``make_cold``:
   ``/proc/sys/vm/drop_caches`` as root, else ``posix_fadvise`` on the files; the record says
-  which), the time every worker takes to load the newest checkpoint (planaria: the faster of
-  ``read_all`` and ``share``, each cold; DCP: ``dcp.load`` on every rank) against one process
-  reading the same files raw, cold; the ratio raw / restore per repeat, the median and its
-  interval across repeats.
+  which), the time every worker takes to load the newest checkpoint (planaria: ``read_all``,
+  what ``restore_strategy="auto"`` picks for replicas on one node's file system, and
+  ``share`` beside it; DCP: ``dcp.load`` on every rank) against the plain reads of the same
+  bytes at the same parallelism, cold, timed just before and just after the restore (their
+  mean; ``checkpoint_io.RawReaders``: as many readers as replicas each reading every file for
+  ``read_all`` and DCP, one reader for ``share``, into buffers allocated and touched before
+  the timing, as a restore reads into the replicas' live memory); the ratio reads / restore
+  per repeat, the median and its interval across repeats. Beside it, the figure this bench
+  reported before (at bb227a8 and earlier): the restore against *one* process reading the
+  checkpoint once into fresh buffers. That compared R replicas' copies of the state with
+  one copy, on 2 cores a floor no restore into R processes can reach, whatever its design;
+  on a cluster each replica reads on its own node, which the bracketed reads stand for.
 - **planaria's copy per save**: the slowest worker's copy of its share into its staging,
   timed in the worker (``checkpoint_saved``'s ``copy_s``): what of the blocking is the copy,
   and what the calls' round trip.
@@ -101,6 +109,7 @@ class PlanariaSide:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(_REPO), *[p for p in paths if p]])
         never = 10**9  # saves only when the bench asks
         self.root = str(base / "planaria-checkpoints")
+        self.replicas = replicas
         cfg = CheckpointConfig(root=self.root, every=never, keep_last=2,
                                copy_beside=copy_beside)
         run = RunConfig(steps=never, replicas=replicas, run_dir=base / "planaria-run",
@@ -217,16 +226,34 @@ def one_repeat(r: int, pl: PlanariaSide, dcp: DcpGroup, sweep: tuple[DcpOptions,
                     and x.get("last"))
     pl_last = pl.job.checkpointer.last_path
     assert pl_last is not None
-    restores: dict[str, Any] = {"kind": "restore", "repeat": r}
-    for name, fn in (("planaria_read_all", lambda: pl.restore("read_all")),
-                     ("planaria_share", lambda: pl.restore("share")),
-                     ("planaria_raw", lambda: cio.raw_read(pl_last)),
-                     ("dcp", lambda: dcp.restore(dcp_last)),
-                     ("dcp_raw", lambda: cio.raw_read(dcp_last, None))):
+    restores: dict[str, Any] = {"kind": "restore", "repeat": r, "readers": pl.replicas}
+
+    def cold_s(fn: Any) -> float:
+        restores["cold"] = cio.make_cold([pl.root, workdir])
+        return cio.timed(fn)
+
+    # Each restore bracketed by the plain reads of the same bytes at its parallelism, cold,
+    # just before and just after it (their mean is its floor: what else runs on the machine
+    # is shared by the three); planaria's read_all and DCP read everything on every replica,
+    # planaria's share reads the checkpoint once
+    every_rank = {"planaria_read_all": (lambda: pl.restore("read_all"),
+                                        lambda: cio.RawReaders(pl_last, pl.replicas)),
+                  "planaria_share": (lambda: pl.restore("share"),
+                                     lambda: cio.RawReaders(pl_last, 1)),
+                  "dcp": (lambda: dcp.restore(dcp_last),
+                          lambda: cio.RawReaders(dcp_last, pl.replicas, None))}
+    for name, (restore, readers) in every_rank.items():
+        raw = readers().read
+        before = cold_s(raw)
         restores["cold"] = cio.make_cold([pl.root, workdir])
         t0 = time.perf_counter()
-        got = fn()
+        got = restore()  # DCP's: first rank's start to last rank's end, without the IPC
         restores[f"{name}_s"] = got if name == "dcp" else time.perf_counter() - t0
+        restores[f"{name}_raw_s"] = (before + cold_s(raw)) / 2
+        del raw  # the readers' buffers
+    # One process reading each checkpoint once, cold (the figure before the bracketing)
+    restores["planaria_raw_s"] = cold_s(lambda: cio.raw_read(pl_last))
+    restores["dcp_one_read_s"] = cold_s(lambda: cio.raw_read(dcp_last, None))
     restores["planaria_raw_warm_s"] = cio.timed(lambda: cio.raw_read(pl_last))
     out.append(restores)
     return out
@@ -259,27 +286,37 @@ def summarize(records: list[dict[str, Any]], sweep: tuple[DcpOptions, ...], repe
     best = min(dcps, key=lambda n: statistics.median(dcps[n]["extra"]))
     memcpy = [x["s"] for x in records if x["kind"] == "memcpy"]
     rest = [x for x in records if x["kind"] == "restore"]
-    pl_restore = [min(x["planaria_read_all_s"], x["planaria_share_s"]) for x in rest]
-    pl_raw = [x["planaria_raw_s"] for x in rest]
+    # planaria's restore is auto's choice for replicas on one node's file system: read_all
+    pl_restore = [x["planaria_read_all_s"] for x in rest]
+    pl_raw = [x["planaria_read_all_raw_s"] for x in rest]
+    share, share_raw = [x["planaria_share_s"] for x in rest], [x["planaria_share_raw_s"]
+                                                               for x in rest]
     dcp_restore, dcp_raw = [x["dcp_s"] for x in rest], [x["dcp_raw_s"] for x in rest]
+    one_read = [x["planaria_raw_s"] for x in rest]
     out = {
         "planaria": {"extra_wall_per_save_s": boot(pl["extra"]),
                      "blocking_per_save_s": boot(pl["block"]),
                      "copy_per_save_s": boot(pl["copy"]),
                      "cold_restore_s": boot(pl_restore), "cold_raw_read_s": boot(pl_raw),
-                     "restore_vs_raw": ratio(pl_raw, pl_restore)},
+                     "restore_vs_raw": ratio(pl_raw, pl_restore),
+                     "share": {"cold_restore_s": boot(share), "cold_raw_read_s": boot(share_raw),
+                               "restore_vs_raw": ratio(share_raw, share)},
+                     "cold_one_read_s": boot(one_read),
+                     "restore_vs_one_read": ratio(one_read, pl_restore)},
         "dcp": {"config": best,
                 "extra_wall_per_save_s": boot(dcps[best]["extra"]),
                 "blocking_per_save_s": boot(dcps[best]["block"]),
                 "cold_restore_s": boot(dcp_restore), "cold_raw_read_s": boot(dcp_raw),
                 "restore_vs_raw": ratio(dcp_raw, dcp_restore),
+                "cold_one_read_s": boot([x["dcp_one_read_s"] for x in rest]),
+                "restore_vs_one_read": ratio([x["dcp_one_read_s"] for x in rest], dcp_restore),
                 "sweep": {n: {"extra_wall_per_save_s": boot(v["extra"]),
                               "blocking_per_save_s": boot(v["block"])}
                           for n, v in dcps.items()}},
         "memcpy_share_s": boot(memcpy),
         "ratios": {"extra_wall_dcp_over_planaria": ratio(dcps[best]["extra"], pl["extra"]),
                    "planaria_blocking_over_memcpy": ratio(pl["block"], memcpy)},
-        "page_cache_dropped": statistics.median(pl_raw) > 1.25 * statistics.median(
+        "page_cache_dropped": statistics.median(one_read) > 1.25 * statistics.median(
             x["planaria_raw_warm_s"] for x in rest),
         "cold_method": rest[0]["cold"],
         "planaria_saves_dropped": sum(x.get("dropped", 0) for x in records
@@ -399,8 +436,11 @@ def report(out: dict[str, Any]) -> None:
           f"{fig(dcp['blocking_per_save_s'])}; memcpy of a share {fig(out['memcpy_share_s'])}; "
           f"planaria / memcpy {fig(ratios['planaria_blocking_over_memcpy'])}; of planaria's "
           f"blocking, the slowest worker's copy {fig(pl['copy_per_save_s'])}")
-    print(f"cold restore vs raw read ({out['cold_method']}): planaria {fig(pl['restore_vs_raw'])},"
-          f" DCP {fig(dcp['restore_vs_raw'])}; targets {out['targets']}")
+    print(f"cold restore vs the plain reads of the same bytes at its parallelism "
+          f"({out['cold_method']}): planaria read_all {fig(pl['restore_vs_raw'])}, share "
+          f"{fig(pl['share']['restore_vs_raw'])}, DCP {fig(dcp['restore_vs_raw'])}; against one "
+          f"read of the checkpoint: planaria {fig(pl['restore_vs_one_read'])}, DCP "
+          f"{fig(dcp['restore_vs_one_read'])}; targets {out['targets']}")
     out.update(  # the flat keys make_benchmarks_md renders
         extra_wall_per_ckpt_s=round(pl["extra_wall_per_save_s"]["median"], 4),
         dcp_async_extra_wall_s=round(dcp["extra_wall_per_save_s"]["median"], 4),

@@ -135,6 +135,36 @@ def raw_read(path: str, suffixes: tuple[str, ...] | None = (".safetensors",)) ->
         return sum(pool.map(one, files))
 
 
+class RawReaders:
+    """``readers`` plain readers of every file under ``path`` (``suffixes``; None: every
+    file) at once, each into its own buffers, allocated and touched here so that
+    :meth:`read` times the reads alone (a restore reads into the replicas' live, touched
+    memory): the reads a restore of ``readers`` replicas on one node makes when each
+    reads the whole checkpoint (the page cache serves the disk's bytes once)."""
+
+    def __init__(self, path: str, readers: int,
+                 suffixes: tuple[str, ...] | None = (".safetensors",)) -> None:
+        self.files = checkpoint_files(path, suffixes)
+        self.buffers = [[torch.ones(os.path.getsize(p), dtype=torch.uint8) for p in self.files]
+                        for _ in range(readers)]
+
+    def read(self) -> int:
+        def one(job: tuple[str, torch.Tensor]) -> int:
+            p, buf = job
+            view, size = byte_view(buf), buf.numel()
+            with open(p, "rb", buffering=0) as f:
+                pos = 0
+                while pos < size:
+                    n = f.readinto(view[pos : pos + (8 << 20)])
+                    assert n
+                    pos += n
+            return size
+
+        jobs = [(p, b) for bufs in self.buffers for p, b in zip(self.files, bufs, strict=True)]
+        with ThreadPoolExecutor(min(4 * len(self.buffers), len(jobs))) as pool:
+            return sum(pool.map(one, jobs))
+
+
 def memcpy_s(nbytes: int, repeat: int = 5) -> float:
     """The median time of one ``copy_`` of ``nbytes`` into preallocated, already touched
     memory: the floor of a snapshot of that many bytes."""

@@ -88,6 +88,9 @@ def test_checkpoint_quick(tmp_path):
     assert out["stall_ratio"] == pytest.approx(
         out["extra_wall_per_ckpt_s"] / out["sync_save_s"], rel=1e-2, abs=1e-3)
     assert isinstance(out["page_cache_dropped"], bool)
+    pl = out["planaria"]  # the restore against the reads at its parallelism, and one read
+    assert pl["restore_vs_raw"]["median"] > 0 and pl["restore_vs_one_read"]["median"] > 0
+    assert pl["share"]["restore_vs_raw"]["median"] > 0
 
 
 @pytest.mark.extended
@@ -250,6 +253,15 @@ def test_make_benchmarks_md_renders(tmp_path, monkeypatch):
     assert "DCP / planaria 1.20 (1.05 to 1.40) | low end > 1: met |" in text
     assert "| `thread_cached` | 0.200 (0.100 to 0.300) |" in text
     assert "served it from a host cache" in text
+    assert "| restore vs those reads, cold | 0.800 (0.750 to 0.850) |" in text
+    assert "restore vs one read" not in text  # a record from before the bracketed reads
+    ckpt["planaria"] |= {"restore_vs_one_read": est(0.6, 0.5, 0.7),
+                         "share": {"restore_vs_raw": est(0.9, 0.8, 1.0)}}
+    mk.save("checkpoint", ckpt, "python bench/checkpoint.py")
+    text = mk.render(mk.load_results())
+    assert "| cold plain reads of the same bytes (every replica reading everything) (s)" in text
+    assert "| restore vs one read of the checkpoint, cold | 0.600 (0.500 to 0.700) |" in text
+    assert "| planaria's `share` restore vs one read, cold | 0.900 (0.800 to 1.000) |" in text
 
 
 def test_make_benchmarks_md_renders_goodput(tmp_path, monkeypatch):
