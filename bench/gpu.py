@@ -11,8 +11,15 @@ device), so the comparison stays like for like.
 
 Figures:
 
-- ``overhead``: per size, planaria's step period and DDP's (rank 0's step under
-  ``torchrun``), medians over the steady steps of interleaved rounds, and their ratio;
+- ``overhead``: per size, planaria's step period on its autonomous loop (``fit``'s:
+  ``Job.run_steps``, the workers running up to the next boundary without a controller
+  round trip per step; the periods between rank 0's commits) and DDP's (rank 0's step
+  under ``torchrun``, loading the next batch ahead as planaria does), each a median over
+  the steady steps of a round, rounds interleaved; the ratio is the median of the
+  per-round ratios with the paired bootstrap interval (``bench.stats.paired_ratio``), the
+  estimator of ``bench/overhead.py``. Target (issue 31): <= 1.05. ``--train-step`` adds
+  planaria's one-step-at-a-time driver (``Job.train_step``: a controller round trip per
+  step), which is what this bench measured before 2026-12-04;
 - ``recovery``: a worker SIGKILLed mid-run (resize policy, then a hot-join): the
   time to the next committed step, back beyond the last step committed before the
   kill, lost steps, detection, the replacement's start and its state transfer
@@ -39,7 +46,7 @@ sys.path.insert(0, str(_REPO))
 
 import torch  # noqa: E402
 
-from bench import common  # noqa: E402
+from bench import common, stats  # noqa: E402
 from bench.baselines.runners import run_ddp_steady  # noqa: E402
 from bench.planaria_side import run_planaria_kill, run_planaria_steady  # noqa: E402
 
@@ -50,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved planaria/DDP pairs")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved planaria/DDP pairs")
+    p.add_argument("--train-step", action="store_true",
+                   help="also planaria one step at a time (Job.train_step), beside each round")
     p.add_argument("--recovery-size", default="large", choices=sorted(common.SIZES))
     p.add_argument("--recovery-steps", type=int, default=30)
     p.add_argument("--kill-at", type=int, default=15)
@@ -76,20 +85,34 @@ def placement(replicas: int) -> tuple[dict[str, Any], str]:
 
 def overhead(args: argparse.Namespace, size: str, wd: Path) -> dict[str, Any]:
     options, backend = placement(args.replicas)
-    pl_ms: list[float] = []
-    ddp_ms: list[float] = []
+    rounds: dict[str, list[float]] = {"planaria": [], "ddp": [], "train_step": []}
     for i in range(args.rounds):
         pl = run_planaria_steady(args.steps, size, args.replicas, 1, warmup=args.warmup,
-                                 run_dir=wd / f"planaria_{size}_{i}", **options)
+                                 run_dir=wd / f"planaria_{size}_{i}", driver="run_steps",
+                                 **options)
         ddp = run_ddp_steady(args.steps, size, args.replicas, 1, warmup=args.warmup,
                              timeout_s=args.timeout_s, workdir=wd / f"ddp_{size}_{i}",
                              device="cuda", backend=backend)
-        pl_ms += pl["step_ms"]
-        ddp_ms += ddp["step_ms"]
-        print(f"  {size} round {i}: planaria {pl['step_ms_median']:.2f} ms, "
-              f"DDP {ddp['step_ms_median']:.2f} ms ({backend})", flush=True)
-    p, d = statistics.median(pl_ms), statistics.median(ddp_ms)
-    return {"planaria_step_ms": p, "ddp_step_ms": d, "ratio": p / d, "backend": backend}
+        rounds["planaria"].append(pl["step_ms_median"])
+        rounds["ddp"].append(ddp["step_ms_median"])
+        line = (f"  {size} round {i}: planaria {pl['step_ms_median']:.2f} ms, "
+                f"DDP {ddp['step_ms_median']:.2f} ms ({backend})")
+        if args.train_step:
+            one = run_planaria_steady(args.steps, size, args.replicas, 1, warmup=args.warmup,
+                                      run_dir=wd / f"planaria_{size}_{i}_ts", **options)
+            rounds["train_step"].append(one["step_ms_median"])
+            line += f"; planaria one step at a time {one['step_ms_median']:.2f} ms"
+        print(line, flush=True)
+    ratio = stats.paired_ratio(rounds["planaria"], rounds["ddp"])
+    out = {"planaria_step_ms": statistics.median(rounds["planaria"]),
+           "ddp_step_ms": statistics.median(rounds["ddp"]), "ratio": ratio.median,
+           "ratio_ci95": ratio.ci95, "rounds": rounds["planaria"], "ddp_rounds": rounds["ddp"],
+           "driver": "run_steps", "backend": backend,
+           "le_1_05": stats.met(ratio, 1.05, "<=")}
+    if rounds["train_step"]:
+        out["train_step_ms"] = statistics.median(rounds["train_step"])
+        out["train_step_ratio"] = stats.paired_ratio(rounds["train_step"], rounds["ddp"]).median
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -107,8 +130,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             run_dir=wd / "kill", **options)
     print()
     for size, o in over.items():
+        ci = o["ratio_ci95"] or (float("nan"), float("nan"))
         print(f"{size:<6} planaria {o['planaria_step_ms']:8.2f} ms  DDP {o['ddp_step_ms']:8.2f} ms"
-              f"  ratio {o['ratio']:.3f}  ({o['backend']})")
+              f"  ratio {o['ratio']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]  ({o['backend']}, "
+              "autonomous loop)")
     print(f"recovery ({args.recovery_size}, 3 replicas, {backend}): next step "
           f"{rec['recover_s']:.2f} s after the kill, back beyond it {rec['back_s']:.2f} s, "
           f"lost steps {rec['lost_steps']}, transfer {rec['transfer_bytes']} B at "

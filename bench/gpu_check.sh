@@ -5,7 +5,7 @@
 # GPU, recovery from a kill). Logs go to $GPU_CHECK_OUT (default: ./gpu_check_out); the
 # last line printed is one JSON object with every figure.
 #
-#     bash bench/gpu_check.sh            # everything (about 6 minutes on one H200)
+#     bash bench/gpu_check.sh            # everything (about 8 minutes on one H200)
 #     bash bench/gpu_check.sh --quick    # the tests and the smoke run only
 #
 # On a copy of the tree without git (another machine), set PLANARIA_COMMIT to the commit it

@@ -264,6 +264,30 @@ def test_make_benchmarks_md_renders(tmp_path, monkeypatch):
     assert "| planaria's `share` restore vs one read, cold | 0.900 (0.800 to 1.000) |" in text
 
 
+def test_make_benchmarks_md_renders_the_gpu_bench_by_driver(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO))
+    from bench import make_benchmarks_md as mk
+
+    monkeypatch.setattr(mk, "RESULTS", tmp_path)
+    machine = {"nproc": 16, "mem_gib": 128, "ray": "2.60.0"}
+    rec = {"bench": "gpu", "device": "NVIDIA H200", "gpus": 1, "torch": "2.11.0",
+           "overhead": {"small": {"planaria_step_ms": 14.48, "ddp_step_ms": 10.01,
+                                  "ratio": 1.446, "backend": "gloo"}},
+           "recovery": {"size": "large", "backend": "gloo", "back_s": 0.14}}
+    mk.save("gpu", rec, "bash bench/gpu_check.sh", machine_info=machine)
+    text = mk.render(mk.load_results())
+    assert ("| small | one step at a time | 14.48 | 10.01 | 1.446 | gloo | not measured on "
+            "this driver |") in text
+    assert "re-run `bash bench/gpu_check.sh` on a GPU" in text
+    rec["overhead"]["small"] |= {"driver": "run_steps", "ratio": 1.04,
+                                 "ratio_ci95": [1.01, 1.07], "le_1_05": False}
+    mk.save("gpu", rec, "bash bench/gpu_check.sh", machine_info=machine)
+    text = mk.render(mk.load_results())
+    assert "| small | autonomous loop | 14.48 | 10.01 | 1.040 [1.010, 1.070] | gloo | " \
+        "**missed** |" in text
+    assert "re-run `bash bench/gpu_check.sh`" not in text
+
+
 def test_make_benchmarks_md_renders_goodput(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
     from bench import make_benchmarks_md as mk
