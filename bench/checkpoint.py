@@ -68,6 +68,7 @@ per-run records go to ``--records`` (default ``bench/results/raw/checkpoint/<com
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -120,6 +121,7 @@ class PlanariaSide:
         tensors, _ = self.job.state()
         self.state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
+        gc.collect()  # the state's copy is in reference cycles of Ray's: not held for the runs
 
     def run(self, steps: int, every: int) -> dict[str, Any]:
         job = self.job
@@ -186,6 +188,12 @@ class PlanariaSide:
         self.job.__exit__(None, None, None)
 
 
+def rss_gb() -> float:
+    """This process's resident memory, in GB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
 def note(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -242,19 +250,26 @@ def one_repeat(r: int, pl: PlanariaSide, dcp: DcpGroup, sweep: tuple[DcpOptions,
                                      lambda: cio.RawReaders(pl_last, 1)),
                   "dcp": (lambda: dcp.restore(dcp_last),
                           lambda: cio.RawReaders(dcp_last, pl.replicas, None))}
-    for name, (restore, readers) in every_rank.items():
-        raw = readers().read
-        before = cold_s(raw)
+    def cold_read(readers: cio.RawReaders) -> float:
         restores["cold"] = cio.make_cold([pl.root, workdir])
-        t0 = time.perf_counter()
-        got = restore()  # DCP's: first rank's start to last rank's end, without the IPC
-        restores[f"{name}_s"] = got if name == "dcp" else time.perf_counter() - t0
-        restores[f"{name}_raw_s"] = (before + cold_s(raw)) / 2
-        del raw  # the readers' buffers
+        return readers.read()
+
+    for name, (restore, make_readers) in every_rank.items():
+        readers = make_readers()
+        try:
+            before = cold_read(readers)
+            restores["cold"] = cio.make_cold([pl.root, workdir])
+            t0 = time.perf_counter()
+            got = restore()  # DCP's: first rank's start to last rank's end, without the IPC
+            restores[f"{name}_s"] = got if name == "dcp" else time.perf_counter() - t0
+            restores[f"{name}_raw_s"] = (before + cold_read(readers)) / 2
+        finally:
+            readers.close()
     # One process reading each checkpoint once, cold (the figure before the bracketing)
     restores["planaria_raw_s"] = cold_s(lambda: cio.raw_read(pl_last))
     restores["dcp_one_read_s"] = cold_s(lambda: cio.raw_read(dcp_last, None))
     restores["planaria_raw_warm_s"] = cio.timed(lambda: cio.raw_read(pl_last))
+    restores["bench_rss_gb"] = rss_gb()  # this process's: it should hold no state
     out.append(restores)
     return out
 
@@ -393,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         head.update(state_bytes=pl.state_bytes, every=every)
         share = pl.state_bytes // args.replicas
         for r in range(args.repeat):
-            note(f"repeat {r}")
+            note(f"repeat {r} (this process: {rss_gb():.2f} GB resident)")
             got = one_repeat(r, pl, dcp, sweep, every, args.saves, dcp_dir, share)
             records += got
             print(f"repeat {r}: " + ", ".join(

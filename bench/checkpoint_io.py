@@ -15,7 +15,9 @@ estimators (:func:`bootstrap_median`, :func:`paired_ratio`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -135,34 +137,65 @@ def raw_read(path: str, suffixes: tuple[str, ...] | None = (".safetensors",)) ->
         return sum(pool.map(one, files))
 
 
+def _read_into(files: list[str], buffers: list[list[torch.Tensor]]) -> int:
+    def one(job: tuple[str, torch.Tensor]) -> int:
+        p, buf = job
+        view, size = byte_view(buf), buf.numel()
+        with open(p, "rb", buffering=0) as f:
+            pos = 0
+            while pos < size:
+                n = f.readinto(view[pos : pos + (8 << 20)])
+                assert n
+                pos += n
+        return size
+
+    jobs = [(p, b) for bufs in buffers for p, b in zip(files, bufs, strict=True)]
+    with ThreadPoolExecutor(min(4 * len(buffers), len(jobs))) as pool:
+        return sum(pool.map(one, jobs))
+
+
+def _raw_readers_main(files: list[str], readers: int, conn: Any) -> None:
+    """A :class:`RawReaders` process: allocates and touches its buffers, then reads every
+    time it is told to, and answers with the seconds each read took."""
+    buffers = [[torch.ones(os.path.getsize(p), dtype=torch.uint8) for p in files]
+               for _ in range(readers)]
+    conn.send("ready")
+    while conn.recv() == "read":
+        t0 = time.perf_counter()
+        _read_into(files, buffers)
+        conn.send(time.perf_counter() - t0)
+
+
 class RawReaders:
     """``readers`` plain readers of every file under ``path`` (``suffixes``; None: every
-    file) at once, each into its own buffers, allocated and touched here so that
-    :meth:`read` times the reads alone (a restore reads into the replicas' live, touched
-    memory): the reads a restore of ``readers`` replicas on one node makes when each
-    reads the whole checkpoint (the page cache serves the disk's bytes once)."""
+    file) at once, each into its own buffers: the reads a restore of ``readers`` replicas on
+    one node makes when each reads the whole checkpoint (the page cache serves the disk's
+    bytes once). They run in a process of their own, their buffers allocated and touched
+    before any read is timed (a restore reads into the replicas' live, touched memory);
+    :meth:`close` ends it, which gives the memory back whatever this process holds."""
 
     def __init__(self, path: str, readers: int,
                  suffixes: tuple[str, ...] | None = (".safetensors",)) -> None:
-        self.files = checkpoint_files(path, suffixes)
-        self.buffers = [[torch.ones(os.path.getsize(p), dtype=torch.uint8) for p in self.files]
-                        for _ in range(readers)]
+        ctx = multiprocessing.get_context("spawn")  # not fork: this process runs Ray's threads
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_raw_readers_main, daemon=True,
+                                 args=(checkpoint_files(path, suffixes), readers, child))
+        self._proc.start()
+        child.close()
+        if self._conn.recv() != "ready":
+            raise RuntimeError("the raw readers' process did not start")
 
-    def read(self) -> int:
-        def one(job: tuple[str, torch.Tensor]) -> int:
-            p, buf = job
-            view, size = byte_view(buf), buf.numel()
-            with open(p, "rb", buffering=0) as f:
-                pos = 0
-                while pos < size:
-                    n = f.readinto(view[pos : pos + (8 << 20)])
-                    assert n
-                    pos += n
-            return size
+    def read(self) -> float:
+        """One read of every file by every reader; the seconds it took (timed in there)."""
+        self._conn.send("read")
+        return float(self._conn.recv())
 
-        jobs = [(p, b) for bufs in self.buffers for p, b in zip(self.files, bufs, strict=True)]
-        with ThreadPoolExecutor(min(4 * len(self.buffers), len(jobs))) as pool:
-            return sum(pool.map(one, jobs))
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send("stop")
+        self._proc.join(timeout=60)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 def memcpy_s(nbytes: int, repeat: int = 5) -> float:

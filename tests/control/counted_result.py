@@ -3,10 +3,17 @@ importable module, so that a Ray worker can return one)."""
 
 from __future__ import annotations
 
+import threading
+
 UNPICKLED: list[int] = []
+STARTED = threading.Event()  # an unpickling has begun (in the receiving process)
+RELEASE = threading.Event()  # cleared: the unpickling waits until it is set
+RELEASE.set()
 
 
 def _unpickled(size: int) -> bytes:
+    STARTED.set()
+    RELEASE.wait()
     UNPICKLED.append(size)
     return bytes(size)
 
