@@ -60,6 +60,10 @@ Figures and their estimators (fixed before any run):
 Targets (issue 31), met only where the interval says so: extra-wall ratio's lower end > 1;
 blocking / memcpy's upper end <= 1.5; restore / raw's lower end >= 0.7.
 
+Memory: at ``state_1gb`` on a 24 GB machine run it with ``RAY_memory_usage_threshold=0.98``
+(DCP's ranks hold 3.7 GB each with their caches; at Ray's default 0.95 its memory monitor
+killed a planaria worker in two runs).
+
 Output: the last line printed is one JSON object (``"bench": "checkpoint"``); the raw
 per-run records go to ``--records`` (default ``bench/results/raw/checkpoint/<commit>/``;
 ``--quick``: under the work directory, removed at the end).
