@@ -116,42 +116,34 @@ def checkpoint_files(path: str, suffixes: tuple[str, ...] | None = None) -> list
     return sorted(out)
 
 
+def _read_file_into(path: str, buf: torch.Tensor) -> int:
+    """Reads file ``path`` whole into ``buf`` (its size), 8 MB a read; returns the bytes."""
+    view, size = byte_view(buf), buf.numel()
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while pos < size:
+            n = f.readinto(view[pos : pos + (8 << 20)])
+            assert n
+            pos += n
+    return size
+
+
 def raw_read(path: str, suffixes: tuple[str, ...] | None = (".safetensors",)) -> int:
     """Reads every shard file (``suffixes``; None: every file) into fresh buffers with the
     loader's parallelism, no checks; returns the bytes read."""
     files = checkpoint_files(path, suffixes)
 
     def one(p: str) -> int:
-        size = os.path.getsize(p)
-        buf = torch.empty(size, dtype=torch.uint8)
-        view = byte_view(buf)
-        with open(p, "rb", buffering=0) as f:
-            pos = 0
-            while pos < size:
-                n = f.readinto(view[pos : pos + (8 << 20)])
-                assert n
-                pos += n
-        return size
+        return _read_file_into(p, torch.empty(os.path.getsize(p), dtype=torch.uint8))
 
     with ThreadPoolExecutor(min(4, len(files))) as pool:
         return sum(pool.map(one, files))
 
 
 def _read_into(files: list[str], buffers: list[list[torch.Tensor]]) -> int:
-    def one(job: tuple[str, torch.Tensor]) -> int:
-        p, buf = job
-        view, size = byte_view(buf), buf.numel()
-        with open(p, "rb", buffering=0) as f:
-            pos = 0
-            while pos < size:
-                n = f.readinto(view[pos : pos + (8 << 20)])
-                assert n
-                pos += n
-        return size
-
     jobs = [(p, b) for bufs in buffers for p, b in zip(files, bufs, strict=True)]
     with ThreadPoolExecutor(min(4 * len(buffers), len(jobs))) as pool:
-        return sum(pool.map(one, jobs))
+        return sum(pool.map(lambda job: _read_file_into(*job), jobs))
 
 
 def _raw_readers_main(files: list[str], readers: int, conn: Any) -> None:
