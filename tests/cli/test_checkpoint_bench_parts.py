@@ -26,6 +26,19 @@ def test_raw_read_reads_every_file_or_the_suffixes_asked(tmp_path):
     assert memcpy_s(1 << 20) > 0
 
 
+def test_raw_readers_read_every_file_once_per_reader_in_a_process_of_their_own(tmp_path):
+    from bench.checkpoint_io import RawReaders
+
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "b.distcp").write_bytes(b"y" * 300)
+    readers = RawReaders(str(tmp_path), 2)
+    try:
+        assert readers.read() > 0 and readers.read() > 0  # timed in there, as often as asked
+    finally:
+        readers.close()
+    assert not readers._proc.is_alive() and readers._proc.exitcode == 0
+
+
 def test_summary_takes_the_per_repeat_differences_and_the_best_dcp_option():
     from bench.baselines.dcp_workers import SWEEP
     from bench.checkpoint import summarize
@@ -42,9 +55,10 @@ def test_summary_takes_the_per_repeat_differences_and_the_best_dcp_option():
                             "wall_s": 1.0 + 2 * extra, "blocks_s": [0.01, 0.02, 0.5],
                             "saves": 2})
         records.append({"kind": "restore", "repeat": r, "cold": "drop_caches",
-                        "planaria_read_all_s": 2.0, "planaria_share_s": 1.0,
+                        "planaria_read_all_s": 2.0, "planaria_read_all_raw_s": 1.6,
+                        "planaria_share_s": 1.0, "planaria_share_raw_s": 0.5,
                         "planaria_raw_s": 0.8, "planaria_raw_warm_s": 0.1,
-                        "dcp_s": 4.0, "dcp_raw_s": 1.0})
+                        "dcp_s": 4.0, "dcp_raw_s": 1.0, "dcp_one_read_s": 0.9})
     out = summarize(records, sweep, 3)
 
     assert out["planaria"]["extra_wall_per_save_s"]["median"] == pytest.approx(0.1)
@@ -52,7 +66,13 @@ def test_summary_takes_the_per_repeat_differences_and_the_best_dcp_option():
     assert out["ratios"]["extra_wall_dcp_over_planaria"]["median"] == pytest.approx(2.0)
     assert out["planaria"]["blocking_per_save_s"]["median"] == pytest.approx(0.02)
     assert out["ratios"]["planaria_blocking_over_memcpy"]["median"] == pytest.approx(2.0)
+    # read_all (auto's choice on one node) against the reads at its parallelism, not the
+    # better of read_all and share; one read of the checkpoint beside it
     assert out["planaria"]["restore_vs_raw"]["median"] == pytest.approx(0.8)
+    assert out["planaria"]["share"]["restore_vs_raw"]["median"] == pytest.approx(0.5)
+    assert out["planaria"]["restore_vs_one_read"]["median"] == pytest.approx(0.4)
+    assert out["dcp"]["restore_vs_raw"]["median"] == pytest.approx(0.25)
+    assert out["dcp"]["restore_vs_one_read"]["median"] == pytest.approx(0.225)
     assert out["targets"] == {"extra_wall_le_dcp": True, "blocking_le_1_5_memcpy": False,
                               "restore_ge_0_7_raw": True}
     assert out["page_cache_dropped"] is True
