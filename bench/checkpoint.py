@@ -240,38 +240,37 @@ def one_repeat(r: int, pl: PlanariaSide, dcp: DcpGroup, sweep: tuple[DcpOptions,
     assert pl_last is not None
     restores: dict[str, Any] = {"kind": "restore", "repeat": r, "readers": pl.replicas}
 
-    def cold_s(fn: Any) -> float:
+    def cold() -> None:
         restores["cold"] = cio.make_cold([pl.root, workdir])
-        return cio.timed(fn)
 
     # Each restore bracketed by the plain reads of the same bytes at its parallelism, cold,
     # just before and just after it (their mean is its floor: what else runs on the machine
     # is shared by the three); planaria's read_all and DCP read everything on every replica,
     # planaria's share reads the checkpoint once
-    every_rank = {"planaria_read_all": (lambda: pl.restore("read_all"),
-                                        lambda: cio.RawReaders(pl_last, pl.replicas)),
-                  "planaria_share": (lambda: pl.restore("share"),
-                                     lambda: cio.RawReaders(pl_last, 1)),
-                  "dcp": (lambda: dcp.restore(dcp_last),
-                          lambda: cio.RawReaders(dcp_last, pl.replicas, None))}
-    def cold_read(readers: cio.RawReaders) -> float:
-        restores["cold"] = cio.make_cold([pl.root, workdir])
-        return readers.read()
-
-    for name, (restore, make_readers) in every_rank.items():
+    restores_and_reads = {
+        "planaria_read_all": (lambda: pl.restore("read_all"),
+                              lambda: cio.RawReaders(pl_last, pl.replicas)),
+        "planaria_share": (lambda: pl.restore("share"), lambda: cio.RawReaders(pl_last, 1)),
+        "dcp": (lambda: dcp.restore(dcp_last),
+                lambda: cio.RawReaders(dcp_last, pl.replicas, None))}
+    for name, (restore, make_readers) in restores_and_reads.items():
         readers = make_readers()
         try:
-            before = cold_read(readers)
-            restores["cold"] = cio.make_cold([pl.root, workdir])
+            cold()
+            before = readers.read()
+            cold()
             t0 = time.perf_counter()
             got = restore()  # DCP's: first rank's start to last rank's end, without the IPC
             restores[f"{name}_s"] = got if name == "dcp" else time.perf_counter() - t0
-            restores[f"{name}_raw_s"] = (before + cold_read(readers)) / 2
+            cold()
+            restores[f"{name}_raw_s"] = (before + readers.read()) / 2
         finally:
             readers.close()
     # One process reading each checkpoint once, cold (the figure before the bracketing)
-    restores["planaria_raw_s"] = cold_s(lambda: cio.raw_read(pl_last))
-    restores["dcp_one_read_s"] = cold_s(lambda: cio.raw_read(dcp_last, None))
+    cold()
+    restores["planaria_raw_s"] = cio.timed(lambda: cio.raw_read(pl_last))
+    cold()
+    restores["dcp_one_read_s"] = cio.timed(lambda: cio.raw_read(dcp_last, None))
     restores["planaria_raw_warm_s"] = cio.timed(lambda: cio.raw_read(pl_last))
     restores["bench_rss_gb"] = rss_gb()  # this process's: it should hold no state
     out.append(restores)
@@ -311,7 +310,8 @@ def summarize(records: list[dict[str, Any]], sweep: tuple[DcpOptions, ...], repe
     share, share_raw = [x["planaria_share_s"] for x in rest], [x["planaria_share_raw_s"]
                                                                for x in rest]
     dcp_restore, dcp_raw = [x["dcp_s"] for x in rest], [x["dcp_raw_s"] for x in rest]
-    one_read = [x["planaria_raw_s"] for x in rest]
+    one_read, dcp_one_read = [x["planaria_raw_s"] for x in rest], [x["dcp_one_read_s"]
+                                                                    for x in rest]
     out = {
         "planaria": {"extra_wall_per_save_s": boot(pl["extra"]),
                      "blocking_per_save_s": boot(pl["block"]),
@@ -327,8 +327,8 @@ def summarize(records: list[dict[str, Any]], sweep: tuple[DcpOptions, ...], repe
                 "blocking_per_save_s": boot(dcps[best]["block"]),
                 "cold_restore_s": boot(dcp_restore), "cold_raw_read_s": boot(dcp_raw),
                 "restore_vs_raw": ratio(dcp_raw, dcp_restore),
-                "cold_one_read_s": boot([x["dcp_one_read_s"] for x in rest]),
-                "restore_vs_one_read": ratio([x["dcp_one_read_s"] for x in rest], dcp_restore),
+                "cold_one_read_s": boot(dcp_one_read),
+                "restore_vs_one_read": ratio(dcp_one_read, dcp_restore),
                 "sweep": {n: {"extra_wall_per_save_s": boot(v["extra"]),
                               "blocking_per_save_s": boot(v["block"])}
                           for n, v in dcps.items()}},
