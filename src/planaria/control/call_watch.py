@@ -18,38 +18,79 @@ callback never came costs seconds, not the call's whole deadline. A call the
 recheck finds whose callback is still deserializing its result (a whole state takes
 seconds) is taken from the callback's future once that is done, not deserialized a
 second time beside it (twice the memory, and the time).
+
+A worker's death is known sooner still from its lifeline (:mod:`planaria.wire.lifeline`):
+given the lifelines (``exits``) and the workers' names, the watch ends a call the moment
+its worker's process ends, with :class:`~planaria.faults.errors.WorkerExited` as its error
+(unless its result had come already); Ray's notice of it, later, is ignored.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import queue
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import ray
 
 from planaria.faults import points
+from planaria.faults.errors import WorkerExited
+from planaria.wire.lifeline import ExitWatcher
 
-__all__ = ["RESULT_WAIT_S", "CallWatch"]
+__all__ = ["RESULT_WAIT_S", "CallWatch", "Exits"]
 
 RESULT_WAIT_S = 10.0
 """How long :meth:`CallWatch.result` waits for a callback's future still deserializing the
 result of a call Ray says has ended, before it asks Ray for the result itself."""
 
 
+class Exits(Protocol):
+    """Where deaths are known before Ray's notice (:class:`planaria.wire.lifeline.Lifelines`):
+    :meth:`watch` tells ``watcher`` of each of ``names`` whose process has ended (at once
+    for those ended already, then as they end, from any thread) until :meth:`unwatch`."""
+
+    def watch(self, watcher: ExitWatcher, names: list[str]) -> None: ...
+
+    def unwatch(self, watcher: ExitWatcher) -> None: ...
+
+
 class CallWatch:
     """The calls of one wait (:meth:`Calls.gather <planaria.control.calls.Calls.gather>`).
-    Their completion notices pass the fault point ``calls.notice``, which can drop them."""
+    Their completion notices pass the fault point ``calls.notice``, which can drop them.
 
-    def __init__(self, refs: Iterable[Any]) -> None:
+    ``refs``: the calls, or {call: worker name} with ``exits`` (a call ends when its
+    worker's process does); :meth:`close` stops hearing of exits."""
+
+    def __init__(self, refs: Iterable[Any] | Mapping[Any, str], *,
+                 exits: Exits | None = None) -> None:
         self._ended = queue.SimpleQueue[Any]()  # Ray's callback thread puts, the waiter takes
         self._pending: dict[Any, None] = dict.fromkeys(refs)
         self._futures: dict[Any, Any] = {}
+        self._exited: dict[Any, str] = {}  # calls whose worker's lifeline ended
         for ref in self._pending:
             # Ray's callback thread only queues the call; the future keeps its result.
             self._futures[ref] = future = ref.future()
             future.add_done_callback(lambda _f, ref=ref: self._notice(ref))
+        self._exits = exits
+        self._by_name: dict[str, Any] = {}
+        if exits is not None:
+            assert isinstance(refs, Mapping), "exits needs the workers' names: {call: name}"
+            self._by_name = {name: ref for ref, name in refs.items()}
+            exits.watch(self, list(self._by_name))
+
+    def process_ended(self, name: str) -> None:
+        """``name``'s process ended (its lifeline's thread): its call ends now, as a death."""
+        ref = self._by_name.get(name)
+        if ref is not None and ref not in self._exited:
+            self._exited[ref] = name
+            self._ended.put(ref)
+
+    def close(self) -> None:
+        """Stops hearing of exits (the wait is over)."""
+        if self._exits is not None:
+            self._exits.unwatch(self)
+            self._exits = None
 
     def _notice(self, ref: Any) -> None:
         """Ray's notice that ``ref`` ended (on its callback thread): queued, unless the
@@ -72,8 +113,13 @@ class CallWatch:
         """The result of the call ``ref`` that ended (raises its error, as ``ray.get``
         would): the one Ray's callback deserialized, waiting up to :data:`RESULT_WAIT_S` for
         a callback still at it (a call found by :meth:`recheck`), else ``ray.get``'s. Once
-        per call: the watch lets go of the result."""
+        per call: the watch lets go of the result. A call whose worker's process ended
+        raises WorkerExited, unless its result had come before."""
         future = self._futures.pop(ref, None)
+        name = self._exited.get(ref)
+        if name is not None and (future is None or not future.done()):
+            raise WorkerExited(f"worker {name}'s process ended (its lifeline to the controller "
+                               "closed) before it answered")
         if future is not None:
             concurrent.futures.wait([future], timeout=RESULT_WAIT_S)
             if future.done():

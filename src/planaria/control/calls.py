@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from planaria.control.attribution import Attribution, Blame, Sighting
-from planaria.control.call_watch import CallWatch
+from planaria.control.call_watch import CallWatch, Exits
 from planaria.control.clock import REAL_CLOCK, Clock
 from planaria.control.departures import Departures, FaultTimes
 from planaria.control.liveness import IO_STALL_S, WORK_PHASES, Liveness
@@ -28,6 +28,7 @@ from planaria.faults.errors import (
     Failure,
     Preempted,
     Work,
+    WorkerExited,
     WorkerLost,
     WorkerUnreachable,
     WorkFault,
@@ -61,15 +62,19 @@ class Calls:
 
     ``roster``: the generation the calls go to; ``departures``: workers leaving on a
     notice (a wait ends in a Preempted when they must leave together); ``fault_times``:
-    where a hang found here dates its fault from; ``clock``: what its waits' timing reads.
+    where a hang found here dates its fault from; ``clock``: what its waits' timing reads;
+    ``exits``: the workers' lifelines (a death ends its call before Ray's notice; None:
+    Ray's notice alone).
     """
 
     def __init__(
         self, *, roster: Roster, store: Any, liveness: Liveness, deadline: StepDeadline,
         hang: HangConfig, attribution: Attribution, pool: WorkerPool, log: EventLog,
         departures: Departures, fault_times: FaultTimes, clock: Clock = REAL_CLOCK,
+        exits: Exits | None = None,
     ) -> None:
         self.clock = clock
+        self.exits = exits
         self.roster = roster
         self.store = store
         self.liveness = liveness
@@ -110,7 +115,8 @@ class Calls:
         work_hung: dict[str, tuple[Work | None, str]] = {}  # hangs the work is to blame for
         clock = self.clock
         end = clock.monotonic() + deadline_s
-        calls = CallWatch(by_ref)  # a wait costs O(1) in the number of calls
+        # A wait costs O(1) in the number of calls; a death ends its call at once (lifelines).
+        calls = CallWatch(by_ref, exits=self.exits)
         self.liveness.watch(self.roster.with_followers(list(refs)))
         unreachable: list[str] = []  # ranks cut off from their peers (planaria.control.links)
         began = last_end = last_report = clock.monotonic()
@@ -139,7 +145,8 @@ class Calls:
                 except Exception as err:
                     errors[name] = err
                     if is_death(err):  # known now; classified once the others answered
-                        self.log.emit("failure_seen", worker=name, how="death")
+                        self.log.emit("failure_seen", worker=name, how="death",
+                                      via="lifeline" if isinstance(err, WorkerExited) else "ray")
                     self.abort_generation()
             if not len(calls):
                 break
@@ -181,6 +188,7 @@ class Calls:
                 self.abort_generation()
                 self._evict_hung(stale)  # killed: nothing more to wait for from them
                 calls.drop(r for r in calls.pending if by_ref[r] in stale)
+        calls.close()
         leave, self.departures.leave_now = self.departures.leave_now, False
         if not errors and not hung and not leave:
             return results

@@ -28,6 +28,8 @@ from planaria.control.pool import WorkerPool
 from planaria.control.ray_health import RayWatch
 from planaria.control.reaper import Reaper
 from planaria.data.integrity import describe_global_draws
+from planaria.wire import store_keys
+from planaria.wire.lifeline import Lifelines
 from planaria.worker.compile_cache import CACHE_FILE
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ class Runtime:
 
     store: Any
     store_host: str
+    lifelines: Lifelines | None = None
     liveness: Liveness
     pool: WorkerPool
 
@@ -83,6 +86,9 @@ class Runtime:
         host = store_address(cfg, private=private)
         self.store = host_store(host, timeout_s=60)  # listens on `host` only
         self.store_host = host
+        # Each worker connects once: its death is known when its process ends.
+        self.lifelines = Lifelines(host)
+        self.store.set(store_keys.lifelines(), self.lifelines.address)
         if cfg.placement is not None:
             self.placement = Placement(cfg, name=f"planaria-{self.run_id}")
             self.placement.wait_ready(timeout_s=max(120.0, cfg.join_timeout_s))
@@ -164,6 +170,8 @@ class Runtime:
             release("stopping the worker pool", self.pool.shutdown)
         if self.placement is not None:
             release("removing the placement group", self.placement.remove)
+        if self.lifelines is not None:
+            release("closing the lifelines", self.lifelines.close)
         log = self.log
         dropped = {"events": log.dropped, "ledger": ledger.dropped if ledger is not None else 0}
         if any(dropped.values()):

@@ -60,7 +60,8 @@ def connect_calls(*, runtime: Runtime, membership: Membership, deadline: StepDea
     fault_times = FaultTimes(runtime.liveness.last_alive_t)
     calls = Calls(roster=membership, store=runtime.store, liveness=runtime.liveness,
                   deadline=deadline, hang=hang, attribution=attribution, pool=runtime.pool,
-                  log=log, departures=departures, fault_times=fault_times)
+                  log=log, departures=departures, fault_times=fault_times,
+                  exits=runtime.lifelines)
     membership.connect(runtime.pool, calls)
     runtime.pool.judge_start = functools.partial(judge_start, attribution=attribution)
     return calls, fault_times

@@ -33,6 +33,7 @@ __all__ = [
     "UserCodeError",
     "Work",
     "WorkFault",
+    "WorkerExited",
     "WorkerHung",
     "WorkerLost",
     "WorkerUnreachable",
@@ -125,6 +126,12 @@ class FinalSaveFailed(CheckpointError):
 
 class StaleGeneration(PlanariaError):
     """A call carried an older generation than the worker's: the caller is fenced off."""
+
+
+class WorkerExited(PlanariaError):
+    """A call's error where the worker's process ended before it answered: its lifeline to
+    the controller closed (:mod:`planaria.wire.lifeline`), ahead of Ray's notice. A death,
+    as Ray's ``ActorDiedError`` is (:func:`is_death`)."""
 
 
 class StepAborted(PlanariaError):
@@ -349,7 +356,7 @@ def is_death(err: BaseException) -> bool:
     from ray.exceptions import RayActorError, WorkerCrashedError
 
     # ActorDiedError and ActorUnavailableError are RayActorErrors.
-    return isinstance(err, (RayActorError, WorkerCrashedError))
+    return isinstance(err, (RayActorError, WorkerCrashedError, WorkerExited))
 
 
 def classify(

@@ -14,6 +14,7 @@ __all__ = [
     "fence",
     "group_prefix",
     "heartbeat",
+    "lifelines",
     "notice",
     "probe",
     "replica_failed",
@@ -32,6 +33,12 @@ def heartbeat(worker: str) -> str:
     """``worker``'s heartbeat record (its heartbeat thread writes it; the controller's
     liveness reads it): see planaria.control.liveness."""
     return f"hb/{worker}"
+
+
+def lifelines() -> str:
+    """The address of the controller's lifeline listener (planaria.wire.lifeline): set by
+    the controller before its first worker starts; each worker connects to it once."""
+    return "lifelines"
 
 
 def fence(worker: str) -> str:

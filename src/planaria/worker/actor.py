@@ -41,7 +41,7 @@ import torch
 
 from planaria.config import TrainSpec
 from planaria.faults.points import WORKER_POINTS, FaultPoints
-from planaria.wire import reports, store_keys
+from planaria.wire import lifeline, reports, store_keys
 from planaria.wire.evaluation import EvalReport
 from planaria.wire.probes import LinkReport, ProbeServer
 from planaria.wire.reports import Hold, Joined, RunReport, Settled, merge_checksums, merge_sum
@@ -132,6 +132,9 @@ class Worker:
         self.ray_node = process.ray_node_id()
         register_worker(name, node_id=self.ray_node, gcs_address=process.gcs_address())
         self.store = connect()
+        if shard_index == 0 and self.store.check([store_keys.lifelines()]):
+            # Held for the life of the process: the controller knows its end at once.
+            lifeline.hold(self.store.get(store_keys.lifelines()).decode(), name)
         self.membership = Membership(name, self.store, sharded=self.k > 1)
         shape = ReplicaShape(k=self.k, shard_index=shard_index, replica_key=self.replica_key,
                              backend=self.backend, timeout_s=timeouts[1],
