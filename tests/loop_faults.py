@@ -64,14 +64,24 @@ class DieLeavingSocketsOpen:
     """At ``step``, once its gradient is computed (before the all-reduce): this worker dies
     by SIGKILL, but a child it forked just before holds its sockets open, so its peers'
     transport sees no closed connection (as when a dead process's descriptors outlive it).
-    The child exits after ``linger_s``."""
+    The child exits after ``linger_s``. A Python fork closes the child's copy of the
+    worker's lifeline (planaria.wire.lifeline); with ``lifeline_too`` the child holds a
+    duplicate of it as well, as a fork made by a C library would."""
 
-    def __init__(self, step: int, marker: str, linger_s: float = 120.0) -> None:
+    def __init__(self, step: int, marker: str, linger_s: float = 120.0, *,
+                 lifeline_too: bool = False) -> None:
         self.step, self.marker, self.linger_s = step, marker, linger_s
+        self.lifeline_too = lifeline_too
 
     def __call__(self, worker: Any, step: int, phase: str) -> None:
         if phase == "computed" and step == self.step and not os.path.exists(self.marker):
             Path(self.marker).write_text(worker.name)
+            if self.lifeline_too:
+                from planaria.wire import lifeline
+
+                assert lifeline._held, "the worker holds no lifeline"
+                for sock in lifeline._held:  # duplicates the fork hook does not know of
+                    os.dup(sock.fileno())
             if os.fork() == 0:  # the child only sleeps: nothing of the parent's state runs
                 os.setsid()
                 import time

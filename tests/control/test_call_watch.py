@@ -34,6 +34,12 @@ class _Sleeper:
             time.sleep(0.01)
         return True
 
+    def hold(self, address: str, name: str) -> bool:
+        """Connects this process's lifeline to the controller's listener at ``address``."""
+        from planaria.wire.lifeline import hold
+
+        return hold(address, name) is not None
+
 
 @ray.remote(num_cpus=0)
 class _Answerer:
@@ -121,6 +127,90 @@ def test_calls_end_in_the_order_they_end_and_a_death_is_known_at_once(ray_cluste
     assert sorted(map(str, seen)) == sorted(map(str, [refs[0], refs[3]]))
 
 
+def _ray_never_tells(*, ref, future):
+    """At ``calls.notice``: every notice is dropped."""
+    return points.SKIP
+
+
+def _ray_never_tells_of_deaths(*, ref, future):
+    """At ``calls.notice``: the notice of a call whose worker died is dropped."""
+    return points.SKIP if isinstance(future.exception(), ray.exceptions.RayActorError) else None
+
+
+class _Heard:
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.came = threading.Event()
+
+    def process_ended(self, name: str) -> None:
+        self.names.append(name)
+        self.came.set()
+
+
+def test_a_call_ends_when_its_worker_process_does_though_ray_never_tells(ray_cluster,
+                                                                          tmp_path):
+    """With the workers' lifelines (exits), a SIGKILLed worker's call ends as a death
+    (WorkerExited) with every Ray notice lost; a call whose result had come before its
+    worker died gives that result."""
+    from planaria.faults.errors import WorkerExited, is_death
+    from planaria.wire.lifeline import Lifelines
+
+    lifelines = Lifelines("127.0.0.1")
+    try:
+        actors = [_Sleeper.remote() for _ in range(2)]  # type: ignore[attr-defined]
+        assert ray.get([a.hold.remote(lifelines.address, f"w{i}")
+                        for i, a in enumerate(actors)]) == [True, True]
+        pids = ray.get([a.pid.remote() for a in actors])
+        never = str(tmp_path / "never")
+        with points.armed("calls.notice", _ray_never_tells):
+            refs = {actors[0].wait_for.remote(never): "w0"}
+            watch = CallWatch(refs, exits=lifelines)
+            assert watch.wait(0.05) == []
+            os.kill(pids[0], signal.SIGKILL)
+            ended = watch.wait(30)
+            assert ended == list(refs)
+            with pytest.raises(WorkerExited) as err:
+                watch.result(ended[0])
+            assert is_death(err.value) and "w0" in str(err.value)
+            watch.close()
+
+        answered = actors[1].pid.remote()
+        assert ray.get(answered) == pids[1]  # its result is here before the process ends
+        heard = _Heard()
+        lifelines.watch(heard, [])
+        os.kill(pids[1], signal.SIGKILL)
+        assert heard.came.wait(30) and heard.names == ["w1"]
+        watch = CallWatch({answered: "w1"}, exits=lifelines)
+        assert watch.wait(30) == [answered]  # once, though both the exit and Ray told
+        assert watch.result(answered) == pids[1]
+        assert watch.wait(0.05) == []
+        watch.close()
+    finally:
+        lifelines.close()
+
+
+@pytest.mark.extended
+def test_a_killed_worker_is_found_from_its_lifeline_when_ray_never_tells_of_its_death(
+    ray_cluster, tmp_path
+):
+    """Ray's notice of the killed worker's calls never comes, and Ray is not asked for an
+    hour (recheck_s): its death is known from its lifeline, and the job recovers as from
+    any death: the final state is a fault-free run's, every sample used once."""
+    n, g, steps = 256, 64, 8
+    spec = bn_mlp.make_spec(n=n)
+    reference = fit(spec, steps=steps, replicas=1, run_dir=tmp_path / "ref").state_dict
+    run_dir = tmp_path / "run"
+    with points.armed("calls.notice", _ray_never_tells_of_deaths):
+        result = fit(spec, steps=steps, replicas=3, run_dir=run_dir, ledger=True,
+                     chaos="kill:w1@step3", hang=HangConfig(recheck_s=3600.0))
+    assert result.final_step == steps
+    assert_same_state(reference, result.state_dict)
+    assert_exactly_once(run_dir, num_samples=n, global_batch_size=g, steps=steps)
+    evs = events(run_dir)
+    assert [e["kind"] for e in of(evs, "fault")] == ["worker_lost"]
+    assert [(e["worker"], e["via"]) for e in of(evs, "failure_seen")] == [("w1", "lifeline")]
+
+
 class _LosesOne:
     """At the fault point ``calls.notice``: Ray's completion notice of ``lost`` is dropped as
     it comes (as if it had never come); ``came`` is set then."""
@@ -129,7 +219,7 @@ class _LosesOne:
         self.lost = lost
         self.came = threading.Event()
 
-    def __call__(self, *, ref):
+    def __call__(self, *, ref, future):
         if ref == self.lost:
             self.came.set()
             return points.SKIP
@@ -186,7 +276,7 @@ def test_a_job_whose_call_notices_never_come_still_trains_and_recovers(
             reported.append(list(names))
             liveness.base_timeout_s = 5.0
 
-    with points.armed("calls.notice", lambda *, ref: points.SKIP), \
+    with points.armed("calls.notice", lambda *, ref, future: points.SKIP), \
             points.armed("calls.wait_reported", hang_found_once_reported):
         result = fit(spec, steps=steps, replicas=3, run_dir=run_dir, ledger=True,
                      chaos="kill:w1@step3,hang:w0@step8",

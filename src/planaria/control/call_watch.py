@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import ray
 
 from planaria.faults import points
-from planaria.faults.errors import WorkerExited
+from planaria.faults.errors import WorkerExited, is_death
 from planaria.wire.lifeline import ExitWatcher
 
 __all__ = ["RESULT_WAIT_S", "CallWatch", "Exits"]
@@ -71,7 +71,7 @@ class CallWatch:
         for ref in self._pending:
             # Ray's callback thread only queues the call; the future keeps its result.
             self._futures[ref] = future = ref.future()
-            future.add_done_callback(lambda _f, ref=ref: self._notice(ref))
+            future.add_done_callback(lambda f, ref=ref: self._notice(ref, f))
         self._exits = exits
         self._by_name: dict[str, Any] = {}
         if exits is not None:
@@ -92,10 +92,10 @@ class CallWatch:
             self._exits.unwatch(self)
             self._exits = None
 
-    def _notice(self, ref: Any) -> None:
+    def _notice(self, ref: Any, future: Any) -> None:
         """Ray's notice that ``ref`` ended (on its callback thread): queued, unless the
         fault point ``calls.notice`` drops it."""
-        if points.hit("calls.notice", ref=ref) is not points.SKIP:
+        if points.hit("calls.notice", ref=ref, future=future) is not points.SKIP:
             self._ended.put(ref)
 
     def wait(self, timeout: float) -> list[Any]:
@@ -114,17 +114,35 @@ class CallWatch:
         would): the one Ray's callback deserialized, waiting up to :data:`RESULT_WAIT_S` for
         a callback still at it (a call found by :meth:`recheck`), else ``ray.get``'s. Once
         per call: the watch lets go of the result. A call whose worker's process ended
-        raises WorkerExited, unless its result had come before."""
+        raises WorkerExited, unless Ray holds its result already (it answered, then died)."""
         future = self._futures.pop(ref, None)
         name = self._exited.get(ref)
-        if name is not None and (future is None or not future.done()):
-            raise WorkerExited(f"worker {name}'s process ended (its lifeline to the controller "
-                               "closed) before it answered")
+        if name is not None:
+            return self._after_exit(ref, name, future)
         if future is not None:
             concurrent.futures.wait([future], timeout=RESULT_WAIT_S)
             if future.done():
                 return future.result()
         return ray.get(ref)
+
+    def _after_exit(self, ref: Any, name: str, future: Any) -> Any:
+        """A call whose worker's process ended: what it answered if Ray holds that already
+        (it answered, then died), else WorkerExited (also where Ray's word, come meanwhile,
+        is the death: one error for one death, whichever source was first)."""
+        err: BaseException | None = None
+        if future is not None and future.done():
+            err = future.exception()
+            if err is None:
+                return future.result()
+        elif ray.wait([ref], timeout=0)[0]:
+            try:
+                return ray.get(ref)
+            except Exception as raised:
+                err = raised
+        if err is not None and not is_death(err):
+            raise err
+        raise WorkerExited(f"worker {name}'s process ended (its lifeline to the controller "
+                           "closed) before it answered")
 
     def recheck(self) -> list[Any]:
         """The pending calls Ray says have ended (a ``ray.wait`` that does not block), taken

@@ -26,6 +26,7 @@ from planaria.control.liveness import IO_STALL_S, WORK_PHASES, Liveness
 from planaria.faults import points
 from planaria.faults.errors import (
     Failure,
+    PeerFailed,
     Preempted,
     Work,
     WorkerExited,
@@ -37,6 +38,7 @@ from planaria.faults.errors import (
 )
 from planaria.wire import store_keys
 from planaria.wire.heartbeat import Heartbeat
+from planaria.wire.reports import RunFailed
 
 if TYPE_CHECKING:
     from planaria.control.policy import HangConfig
@@ -141,7 +143,10 @@ class Calls:
             for ref in ended:
                 name = by_ref[ref]
                 try:
-                    results[name] = calls.result(ref)
+                    result = calls.result(ref)
+                    if isinstance(result, RunFailed):  # a peer's failure ended its run
+                        raise PeerFailed(result.error, settled=result.settled)
+                    results[name] = result
                 except Exception as err:
                     errors[name] = err
                     if is_death(err):  # known now; classified once the others answered
@@ -229,6 +234,7 @@ class Calls:
             live_after=len([n for n in self.roster.names if n not in faulty]),
             step=step,
             )
+        failure.settled = {n: e.settled for n, e in errors.items() if isinstance(e, PeerFailed)}
         if step is not None:
             self.log.emit(
                 "step_failed",

@@ -236,9 +236,10 @@ class Recovery:
         if action is Action.RETRY_ELSEWHERE:
             self._retry_elsewhere(failure, fault)
             return
+        evicted: tuple[str, ...] = ()
         if decision.evict:
             group.evict(failure.workers)
-            self._replace(failure.workers)
+            evicted = failure.workers
             # The no-holder restore is logged as "restore"; the rest as the policy names it.
             self.log.emit("action", fault_id=fault.fault_id,
                           action="restore" if action is Action.RESTORE
@@ -246,9 +247,10 @@ class Recovery:
         if action is Action.ABORT:
             self._abort(decision.reason, failure)
         if action is Action.RESTORE:
+            self._replace(evicted)
             self._restore(fault, keep_survivors=decision.keep_survivors)
             return
-        self._continue(reason="resize", pause=action is Action.PAUSE)
+        self._continue(reason="resize", pause=action is Action.PAUSE, replace=evicted)
 
     def _nonfinite(self, failure: NonFiniteLoss, fault: OpenFault) -> None:
         group = self.membership
@@ -366,11 +368,21 @@ class Recovery:
 
     # ---- actions -----------------------------------------------------------------------------
 
-    def _continue(self, *, reason: str, pause: bool = False) -> None:
-        """Next generation from the survivors, after waiting for replacements if needed."""
+    def _continue(self, *, reason: str, pause: bool = False,
+                  replace: tuple[str, ...] = ()) -> None:
+        """Next generation from the survivors, after waiting for replacements if needed.
+
+        ``replace``: workers lost, whose replacements start here: at once where the width
+        must wait for them or a warm spare stands by (it joins this very generation), else
+        once the generation is built (a cold start takes seconds and competes for the
+        survivors' CPU while they build their group: medium model, 3 replicas, 2 cores,
+        starting it first put ~2 ms on the recovery's critical path)."""
         group = self.membership
         policy = self.policy
         want = self.replicas if pause else policy.min_replicas
+        if group.width < want or group.pool.standby:
+            self._replace(replace)
+            replace = ()
         joiners: list[WorkerHandle] = []
         if group.width < want:
             joiners = self._wait_for(want - group.width, reason)
@@ -383,7 +395,10 @@ class Recovery:
         joiners += now[: max(0, room)]
         for handle in joiners:
             self._joining[handle.name] = handle.ready_t or time.time()
-        group.build_generation(group.members + joiners, reason=reason)
+        try:
+            group.build_generation(group.members + joiners, reason=reason)
+        finally:  # started even if the build failed: the next recovery counts on them
+            self._replace(replace)
 
     def _wait_for(self, count: int, reason: str) -> list[WorkerHandle]:
         group = self.membership

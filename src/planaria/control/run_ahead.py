@@ -271,11 +271,14 @@ class RunAhead:
             survivors = [h for h in membership.members if h.name not in lost]
             if not survivors:
                 break
+            # Those whose run a peer's failure ended answered settled (RunFailed).
+            known = {h.name: failure.settled[h.name] for h in survivors
+                     if h.name in failure.settled}
+            ask = {h.name: h.actor.settle_run.remote(membership.gen) for h in survivors
+                   if h.name not in known}
             try:
-                answers = self.calls.gather(
-                    {h.name: h.actor.settle_run.remote(membership.gen) for h in survivors},
-                    deadline_s=60, step=None,
-                )
+                answers = known | (self.calls.gather(ask, deadline_s=60, step=None)
+                                   if ask else {})
                 break
             except Failure as again:  # a survivor failed too: it is lost with the others
                 lost |= set(again.workers) or {h.name for h in survivors}

@@ -23,6 +23,7 @@ __all__ = [
     "InternalError",
     "NonFiniteLoss",
     "OutOfMemory",
+    "PeerFailed",
     "PlanariaError",
     "Preempted",
     "RayLost",
@@ -138,6 +139,15 @@ class StepAborted(PlanariaError):
     """Not an error but a control signal: a worker abandoned a step because a peer failed."""
 
 
+class PeerFailed(StepAborted):
+    """A survivor's run that a peer's failure ended, as the survivor answered it
+    (``RunFailed``): ``settled`` is its answer to ``Worker.settle_run``."""
+
+    def __init__(self, message: str, *, settled: Any) -> None:
+        super().__init__(message)
+        self.settled = settled
+
+
 class ElasticRuntimeError(PlanariaError):
     """planaria gave up: the retry budget is spent or the job cannot go on. Chained to the cause."""
 
@@ -179,6 +189,9 @@ class Failure(PlanariaError):
         self.work = work
         self.raised: list[tuple[str, Work | None, str]] = []
         """(worker, work, signature) of every worker's raised error the step failed with."""
+        self.settled: dict[str, Any] = {}
+        """What the survivors whose run a peer's failure ended answered with it (a
+        ``Settled`` each, by worker; see :class:`PeerFailed`)."""
 
 
 class WorkerLost(Failure):

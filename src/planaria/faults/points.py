@@ -61,8 +61,9 @@ CONTROLLER_POINTS: Mapping[str, str] = MappingProxyType({
         "into place) (step)",
     "checkpoint.after_commit": "after a checkpoint is committed (step, path)",
     "calls.notice":
-        "a call's completion notice from Ray, before it is queued (ref); SKIP drops it, "
-        "as if it had never come (on Ray's callback thread)",
+        "a call's completion notice from Ray, before it is queued (ref, future: done, with "
+        "the call's result or error); SKIP drops it, as if it had never come (on Ray's "
+        "callback thread)",
     "calls.wait_reported":
         "a long wait has just said whom it waits for (names, step, waited_s, liveness)",
 })

@@ -294,6 +294,19 @@ class Settled:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RunFailed:
+    """A run a peer's failure ended on this worker (``Worker.run``): its collective broke,
+    or the controller told it to abort. Answered, not raised: a Ray task error (a
+    traceback formatted, pickled and published) put 2 to 20 ms between a survivor's end
+    and the controller's knowing it (medium model, 3 replicas, 2 cores). ``error``: what
+    it saw; ``settled``: its answer to ``Worker.settle_run``, which the controller then
+    need not ask for."""
+
+    error: str
+    settled: Settled
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Joined:
     """A worker that entered a generation (``Worker.join``): its steps done, and what a step
     attempt it dropped there had been served (for the ledger), if any."""

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from planaria.data.plan import DataPlan, micro_batch_ids, split_micro_batches
+from planaria.faults.errors import StepAborted, is_peer_failure
 from planaria.faults.points import FaultPoints
 from planaria.wire import store_keys
 from planaria.wire.reports import (
@@ -48,6 +49,7 @@ from planaria.wire.reports import (
     CarriedStep,
     RankTimes,
     RunEnd,
+    RunFailed,
     RunReport,
     Settled,
     StepRecord,
@@ -94,6 +96,7 @@ class RunLoop:
         self.leads = leads
         self.store = membership.store
         self.records: list[StepRecord] = []  # the last run's, settled by settle()
+        self._settled: tuple[int, Settled] | None = None  # (gen, answer) once settled
         self._ledger: tuple[int, int, int] | None = None  # (gen, run_id, rank) with a ledger
         self._record_served = self.record_served  # bound once: the engine calls it per step
 
@@ -101,7 +104,7 @@ class RunLoop:
         self, gen: int, run_id: int, start: int, until: int, *, plan: tuple[int, int, int],
         skipped: int, ledger: bool, metric_keys: tuple[str, ...], horizon: int | None,
         carry: CarriedStep | None = None,
-    ) -> RunReport:
+    ) -> RunReport | RunFailed:
         """Runs steps ``start`` .. ``until - 1`` (or fewer, see the module doc) on its own.
 
         ``plan`` is the data plan's (num_samples, global_batch_size, seed); ``skipped``
@@ -114,9 +117,11 @@ class RunLoop:
         ``carry.new`` (:mod:`planaria.worker.kept_work`).
         Returns how the run ended; only rank 0 (every rank with a ledger) returns all its
         records, which hold the step's totals: the controller's work per step does not grow
-        with the number of workers.
+        with the number of workers. A run a peer's failure ended answers RunFailed, with
+        this worker settled (:meth:`settle`); any other error is raised.
         """
         self.records = []  # the last run's, settled by settle(), go with it
+        self._settled = None
         self.membership.check(gen)
         comm = self.membership.comm
         assert comm is not None, "run before join"
@@ -126,20 +131,28 @@ class RunLoop:
         self._ledger = (gen, run_id, rank) if ledger else None
         if rank == 0:
             self.keys.watch(key, STOP_POLL_S)
+        peer_failed: BaseException | None = None
         try:
             with self.keys.busy():
                 ended = self._run(gen, run_id, start, until, data_plan, key, skipped,
                                   tuple(metric_keys), until if horizon is None else horizon,
                                   carry)
-        except BaseException:
+        except BaseException as err:
             # Whatever ended the run here, no peer may wait on this rank in a collective:
             # tell them to abandon the step, and close the group.
             self.membership.abort_generation(self.commits.steps_done)
-            raise
+            if not self._answers(err):
+                raise
+            peer_failed = err
         finally:
             self.vitals.committed_t = -math.inf  # not committing: beats again (Vitals.quiet)
             self.keys.forget(key)
             self._ledger = None
+        if peer_failed is not None:  # a survivor: settles now and says so
+            settled = self.settle(gen)
+            self.vitals.set_phase("idle", self.commits.steps_done)
+            return RunFailed(error=f"{type(peer_failed).__name__}: {peer_failed}",
+                             settled=settled)
         # Kept until the next run: a run that ended here while the controller saw a failure
         # (a preemption wave answered in flight) is settled from them (settle).
         records = list(self.records)
@@ -235,13 +248,24 @@ class RunLoop:
     def settle(self, gen: int) -> Settled:
         """After a failed run: drops a step whose collective did not complete here, and
         reports how far this worker got, the records of the steps it applied and what it
-        keeps of the step that failed (:meth:`StepEngine.hold_finished`)."""
+        keeps of the step that failed (:meth:`StepEngine.hold_finished`). Asked again in
+        the same generation (the run answered with it, RunFailed), the same answer."""
         self.membership.enter(gen)  # a newer generation may be forming
+        if self._settled is not None and self._settled[0] == gen:
+            return self._settled[1]
         held = self.engine.hold_finished()  # kept apart: the pending gradient goes
         if self.commits.pending is not None:
             self.commits.drop_pending()
         records, self.records = self.records, []
-        return Settled(steps_done=self.commits.steps_done, steps=records, held=held)
+        settled = Settled(steps_done=self.commits.steps_done, steps=records, held=held)
+        self._settled = (gen, settled)
+        return settled
+
+    def _answers(self, err: BaseException) -> bool:
+        """A run a peer's failure ended here is answered (RunFailed), not raised; not in a
+        sharded replica (its leader merges its workers' errors, planaria.worker.replica)."""
+        return self.engine.state.shape.k == 1 and (
+            isinstance(err, StepAborted) or (isinstance(err, Exception) and is_peer_failure(err)))
 
     def record_served(self, attempt: Attempt) -> None:
         """With a ledger, what this rank was served for the attempt's step, into the store
