@@ -89,6 +89,7 @@ class Recovery:
         self.faults = OpenFaults(log=log, fault_times=fault_times, steps=commit_log)
         self._joining: dict[str, float] = {}
         self._current: Failure | None = None  # the failure being handled, for chaining
+        self._owed: list[str] = []  # lost workers whose replacements start at the next commit
 
     # ---- entry points ------------------------------------------------------------------------
 
@@ -100,6 +101,7 @@ class Recovery:
         when the failure followed the death of Ray's GCS or raylet (its consequence).
         """
         self.check_ray(cause=failure)
+        self._start_owed()  # a failure before the resumed step committed: they start now
         for _ in range(MAX_CASCADE):
             try:
                 self._handle_one(failure)
@@ -116,9 +118,11 @@ class Recovery:
         return bool(self.faults) or bool(self._joining)
 
     def on_commit(self, step: int, now: float | None = None) -> None:
-        """After each committed step (at ``now``): close open faults and pending joins."""
+        """After each committed step (at ``now``): close open faults and pending joins,
+        start the replacements owed (see :meth:`_continue`)."""
         group = self.membership
         now = time.time() if now is None else now
+        self._start_owed()
         self.faults.close_all(step, now)
         for name, since in list(self._joining.items()):
             # A joiner that is no member now died before its first step (its loss is a
@@ -372,11 +376,11 @@ class Recovery:
                   replace: tuple[str, ...] = ()) -> None:
         """Next generation from the survivors, after waiting for replacements if needed.
 
-        ``replace``: workers lost, whose replacements start here: at once where the width
+        ``replace``: workers lost, whose replacements start here at once where the width
         must wait for them or a warm spare stands by (it joins this very generation), else
-        once the generation is built (a cold start takes seconds and competes for the
-        survivors' CPU while they build their group: medium model, 3 replicas, 2 cores,
-        starting it first put ~2 ms on the recovery's critical path)."""
+        once the resumed step has committed (:meth:`on_commit`; or at the next failure): a
+        cold start takes seconds either way, and its ~2 ms of the controller's time
+        (medium model, 3 replicas, 2 cores) are then off the recovery's critical path."""
         group = self.membership
         policy = self.policy
         want = self.replicas if pause else policy.min_replicas
@@ -395,10 +399,8 @@ class Recovery:
         joiners += now[: max(0, room)]
         for handle in joiners:
             self._joining[handle.name] = handle.ready_t or time.time()
-        try:
-            group.build_generation(group.members + joiners, reason=reason)
-        finally:  # started even if the build failed: the next recovery counts on them
-            self._replace(replace)
+        self._owed += [n for n in replace if n not in self._owed]
+        group.build_generation(group.members + joiners, reason=reason)
 
     def _wait_for(self, count: int, reason: str) -> list[WorkerHandle]:
         group = self.membership
@@ -482,6 +484,10 @@ class Recovery:
 
     def _joining_soon(self) -> bool:
         return self.membership.pool.pending_count > 0
+
+    def _start_owed(self) -> None:
+        owed, self._owed = self._owed, []
+        self._replace(owed)
 
     def _replace(self, names: tuple[str, ...] | list[str]) -> None:
         group = self.membership
