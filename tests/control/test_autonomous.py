@@ -176,20 +176,23 @@ def test_a_fault_at_each_phase_of_the_loop(tmp_path, reference, phase, signum):
     assert all(r["lost_steps"] == 0 for r in of(evs, "recovered"))
 
 
-def test_a_death_whose_connections_stay_open_does_not_hold_the_survivors(tmp_path, reference):
-    """w1 dies before the reduction, but a child of it holds its connections open, its
-    lifeline too: the survivors' transport never sees it go, and would wait in the
-    all-reduce for the collective timeout (300 s). The controller learns of the death
-    (the silent heartbeat) and its abort interrupts their wait: seconds, the fault-free
-    weights, every sample once."""
+LINGER_S = 60.0  # how long the dead worker's child holds its connections
+
+
+def _die_leaving_sockets_open(tmp_path: Path, reference: Any, *,
+                              lifeline_too: bool) -> tuple[dict[str, Any], list[dict]]:
+    """w1 dies before the reduction of step FAULT_STEP while a child it forked holds its
+    connections open (its lifeline too, with ``lifeline_too``): the final state is the
+    fault-free one, every step committed once, every sample used once, and the step
+    committed again before the child lets go (not when the connections close, nor at the
+    collective timeout). Returns the fault and the event log."""
     marker = str(tmp_path / "fired")
     run_dir = tmp_path / "run"
     config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
-    linger_s = 60.0
     with Job(spec(), config) as job:
         job.run_steps(1)
-        install(job, "w1", DieLeavingSocketsOpen(FAULT_STEP, marker, linger_s=linger_s,
-                                                 lifeline_too=True))
+        install(job, "w1", DieLeavingSocketsOpen(FAULT_STEP, marker, linger_s=LINGER_S,
+                                                 lifeline_too=lifeline_too))
         state = _drive(job, STEPS)
     assert Path(marker).read_text() == "w1"
     died_t = os.path.getmtime(marker)  # written the moment before the fork and the kill
@@ -197,14 +200,20 @@ def test_a_death_whose_connections_stay_open_does_not_hold_the_survivors(tmp_pat
     assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
     evs = events(run_dir)
     assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
-    # Neither Ray nor the survivors see the death while the child holds its connections:
-    # the silent heartbeat judges it. The survivors are released, and step FAULT_STEP
-    # committed, before the child lets go of them (not when they close, nor at the
-    # collective timeout).
     (fault,) = of(evs, "fault")
-    assert fault["worker"] == "w1" and fault["kind"] == "worker_hung"
     again = next(e for e in of(evs, "step_committed") if e["step"] == FAULT_STEP)
-    assert died_t < fault["t"] < again["t"] < died_t + linger_s
+    assert fault["worker"] == "w1" and died_t < fault["t"] < again["t"] < died_t + LINGER_S
+    return fault, evs
+
+
+def test_a_death_whose_connections_stay_open_does_not_hold_the_survivors(tmp_path, reference):
+    """w1 dies before the reduction, but a child of it holds its connections open, its
+    lifeline too: the survivors' transport never sees it go, and would wait in the
+    all-reduce for the collective timeout (300 s). The controller learns of the death
+    from the silent heartbeat, and its abort interrupts their wait: seconds, the
+    fault-free weights, every sample once."""
+    fault, _ = _die_leaving_sockets_open(tmp_path, reference, lifeline_too=True)
+    assert fault["kind"] == "worker_hung"
 
 
 def test_a_death_whose_forked_child_holds_its_connections_is_known_from_its_lifeline(
@@ -212,24 +221,9 @@ def test_a_death_whose_forked_child_holds_its_connections_is_known_from_its_life
     """As above, but the child is a Python fork, which closes its copy of the lifeline:
     the controller knows of the death from it (a worker_lost, not a silent heartbeat's
     hang), long before the child lets go of the rest."""
-    marker = str(tmp_path / "fired")
-    run_dir = tmp_path / "run"
-    config = RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True)
-    linger_s = 60.0
-    with Job(spec(), config) as job:
-        job.run_steps(1)
-        install(job, "w1", DieLeavingSocketsOpen(FAULT_STEP, marker, linger_s=linger_s))
-        state = _drive(job, STEPS)
-    died_t = os.path.getmtime(marker)
-    assert_same_state(reference, state)
-    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
-    evs = events(run_dir)
-    assert [e["step"] for e in of(evs, "step_committed")] == list(range(STEPS))
-    (fault,) = of(evs, "fault")
-    assert fault["worker"] == "w1" and fault["kind"] == "worker_lost"
+    fault, evs = _die_leaving_sockets_open(tmp_path, reference, lifeline_too=False)
+    assert fault["kind"] == "worker_lost"
     assert [(e["worker"], e["via"]) for e in of(evs, "failure_seen")] == [("w1", "lifeline")]
-    again = next(e for e in of(evs, "step_committed") if e["step"] == FAULT_STEP)
-    assert died_t < fault["t"] < again["t"] < died_t + linger_s
 
 
 def test_a_survivor_behind_receives_the_state(tmp_path, reference):
