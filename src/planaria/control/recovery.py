@@ -17,6 +17,7 @@ from planaria.checkpoint.errors import NoViableCheckpoint
 from planaria.control.blame import away_from, judge_raised, samples_of
 from planaria.control.decide import Action, decide
 from planaria.control.open_faults import OpenFault, OpenFaults
+from planaria.control.replacements import Replacements
 from planaria.faults import points
 from planaria.faults.errors import (
     ElasticRuntimeError,
@@ -89,7 +90,7 @@ class Recovery:
         self.faults = OpenFaults(log=log, fault_times=fault_times, steps=commit_log)
         self._joining: dict[str, float] = {}
         self._current: Failure | None = None  # the failure being handled, for chaining
-        self._owed: list[str] = []  # lost workers whose replacements start at the next commit
+        self.replacements = Replacements(membership.pool, enabled=policy.replace_workers)
 
     # ---- entry points ------------------------------------------------------------------------
 
@@ -101,7 +102,7 @@ class Recovery:
         when the failure followed the death of Ray's GCS or raylet (its consequence).
         """
         self.check_ray(cause=failure)
-        self._start_owed()  # a failure before the resumed step committed: they start now
+        self.replacements.start_owed()  # the resumed step did not commit: they start now
         for _ in range(MAX_CASCADE):
             try:
                 self._handle_one(failure)
@@ -118,11 +119,11 @@ class Recovery:
         return bool(self.faults) or bool(self._joining)
 
     def on_commit(self, step: int, now: float | None = None) -> None:
-        """After each committed step (at ``now``): close open faults and pending joins,
-        start the replacements owed (see :meth:`_continue`)."""
+        """After each committed step (at ``now``): owed replacements start, open faults and
+        pending joins close."""
         group = self.membership
         now = time.time() if now is None else now
-        self._start_owed()
+        self.replacements.start_owed()
         self.faults.close_all(step, now)
         for name, since in list(self._joining.items()):
             # A joiner that is no member now died before its first step (its loss is a
@@ -174,8 +175,8 @@ class Recovery:
             names = names[:-1]
             self.notices.keep_draining(keep)
             if not names:
-                if not self._joining_soon():
-                    self._replace([keep])
+                if not self.replacements.coming:
+                    self.replacements.start([keep])
                 return
         notice = Preempted(f"{', '.join(names)} preempted", workers=tuple(names))
         self._current = notice
@@ -196,7 +197,7 @@ class Recovery:
         for name in names:
             self.log.emit("drained", worker=name, step=self.commit_log.steps_done)
         group.evict(names)
-        self._replace(names)
+        self.replacements.start(names)
         self._continue(reason="drain")
 
     # ---- one failure -------------------------------------------------------------------------
@@ -251,7 +252,7 @@ class Recovery:
         if action is Action.ABORT:
             self._abort(decision.reason, failure)
         if action is Action.RESTORE:
-            self._replace(evicted)
+            self.replacements.start(evicted)
             self._restore(fault, keep_survivors=decision.keep_survivors)
             return
         self._continue(reason="resize", pause=action is Action.PAUSE, replace=evicted)
@@ -317,7 +318,7 @@ class Recovery:
         group.evict(names)
         self.departures.evacuating = ()
         self.departures.draining.difference_update(names)
-        self._replace(names)
+        self.replacements.start(names)
         if self.preemptions > self.policy.max_preemptions:
             self._abort(f"{self.preemptions} preemptions, more than max_preemptions="
                         f"{self.policy.max_preemptions}", None)
@@ -349,7 +350,7 @@ class Recovery:
             self.commit_log.skip_samples(samples, step=failure.step,
                              reason=f"{what} failed the same way on {where}")
             gone = [n for n in failure.workers if n not in group.names]
-            self._replace(gone)
+            self.replacements.start(gone)
             if not any(h.has_state for h in group.members):
                 self._restore(fault, keep_survivors=False)
                 return
@@ -375,17 +376,14 @@ class Recovery:
     def _continue(self, *, reason: str, pause: bool = False,
                   replace: tuple[str, ...] = ()) -> None:
         """Next generation from the survivors, after waiting for replacements if needed.
-
-        ``replace``: workers lost, whose replacements start here at once where the width
-        must wait for them or a warm spare stands by (it joins this very generation), else
-        once the resumed step has committed (:meth:`on_commit`; or at the next failure): a
-        cold start takes seconds either way, and its ~2 ms of the controller's time
-        (medium model, 3 replicas, 2 cores) are then off the recovery's critical path."""
+        ``replace``: lost workers, whose replacements start now where the width waits for
+        them or a warm spare stands by (it joins this generation), else are owed
+        (:mod:`planaria.control.replacements`)."""
         group = self.membership
         policy = self.policy
         want = self.replicas if pause else policy.min_replicas
         if group.width < want or group.pool.standby:
-            self._replace(replace)
+            self.replacements.start(replace)
             replace = ()
         joiners: list[WorkerHandle] = []
         if group.width < want:
@@ -399,7 +397,7 @@ class Recovery:
         joiners += now[: max(0, room)]
         for handle in joiners:
             self._joining[handle.name] = handle.ready_t or time.time()
-        self._owed += [n for n in replace if n not in self._owed]
+        self.replacements.owe(replace)
         group.build_generation(group.members + joiners, reason=reason)
 
     def _wait_for(self, count: int, reason: str) -> list[WorkerHandle]:
@@ -481,20 +479,6 @@ class Recovery:
             self._abort(f"fresh workers built different initial parameters {sums}", None)
         self.log.emit("restore", step=0, path=None, restore_s=time.time() - t0, lost_steps=before)
         return 0
-
-    def _joining_soon(self) -> bool:
-        return self.membership.pool.pending_count > 0
-
-    def _start_owed(self) -> None:
-        owed, self._owed = self._owed, []
-        self._replace(owed)
-
-    def _replace(self, names: tuple[str, ...] | list[str]) -> None:
-        group = self.membership
-        if not self.policy.replace_workers:
-            return
-        for name in names:
-            group.pool.start(replaces=name)
 
     def _save_what_is_safe(self, reason: str = "user_code_error") -> None:
         group = self.membership

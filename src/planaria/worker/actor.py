@@ -44,15 +44,7 @@ from planaria.faults.points import WORKER_POINTS, FaultPoints
 from planaria.wire import lifeline, reports, store_keys
 from planaria.wire.evaluation import EvalReport
 from planaria.wire.probes import LinkReport, ProbeServer
-from planaria.wire.reports import (
-    Hold,
-    Joined,
-    RunFailed,
-    RunReport,
-    Settled,
-    merge_checksums,
-    merge_sum,
-)
+from planaria.wire.reports import Hold, Joined, RunReport, Settled, merge_checksums, merge_sum
 from planaria.wire.state_reports import (
     RestoreRead,
     Setup,
@@ -300,7 +292,7 @@ class Worker:
         self, gen: int, run_id: int, start: int, until: int, *, plan: tuple[int, int, int],
         skipped: int = -1, ledger: bool = False, metric_keys: tuple[str, ...] = (),
         horizon: int | None = None, carry: reports.CarriedStep | None = None,
-    ) -> RunReport | RunFailed:
+    ) -> RunReport | reports.RunFailed:
         """Runs steps ``start`` .. ``until - 1`` on its own (:meth:`RunLoop.run
         <planaria.worker.run_loop.RunLoop.run>`)."""
         return self.loop.run(gen, run_id, start, until, plan=plan, skipped=skipped, ledger=ledger,
