@@ -276,7 +276,7 @@ def test_a_job_whose_call_notices_never_come_still_trains_and_recovers(
             reported.append(list(names))
             liveness.base_timeout_s = 5.0
 
-    with points.armed("calls.notice", lambda *, ref, future: points.SKIP), \
+    with points.armed("calls.notice", _ray_never_tells), \
             points.armed("calls.wait_reported", hang_found_once_reported):
         result = fit(spec, steps=steps, replicas=3, run_dir=run_dir, ledger=True,
                      chaos="kill:w1@step3,hang:w0@step8",

@@ -39,6 +39,7 @@ __all__ = [
     "WorkerLost",
     "WorkerUnreachable",
     "classify",
+    "is_consequence",
     "is_death",
     "signature",
 ]
@@ -351,6 +352,12 @@ def is_peer_failure(err: BaseException) -> bool:
     )
 
 
+def is_consequence(err: BaseException) -> bool:
+    """Whether ``err`` is a consequence of another worker's failure, never a cause: the
+    worker abandoned the step (StepAborted) or its collective broke on a peer that went."""
+    return isinstance(err, StepAborted) or is_peer_failure(err)
+
+
 def root_cause(err: BaseException) -> BaseException:
     """Unwraps Ray's task errors to the exception the worker raised."""
     try:
@@ -407,7 +414,7 @@ def classify(
             nonfinite.append(name)
         elif isinstance(err, StorageError):
             storage.append((name, err))
-        elif isinstance(err, StepAborted) or is_peer_failure(err):
+        elif is_consequence(err):
             peer.append(name)  # a consequence of another worker's failure, never a cause
         else:  # planaria's own code failed on that worker (an invariant, a stale generation)
             broken.append(

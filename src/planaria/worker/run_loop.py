@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from planaria.data.plan import DataPlan, micro_batch_ids, split_micro_batches
-from planaria.faults.errors import StepAborted, is_peer_failure
+from planaria.faults.errors import is_consequence
 from planaria.faults.points import FaultPoints
 from planaria.wire import store_keys
 from planaria.wire.reports import (
@@ -264,8 +264,7 @@ class RunLoop:
     def _answers(self, err: BaseException) -> bool:
         """A run a peer's failure ended here is answered (RunFailed), not raised; not in a
         sharded replica (its leader merges its workers' errors, planaria.worker.replica)."""
-        return self.engine.state.shape.k == 1 and (
-            isinstance(err, StepAborted) or (isinstance(err, Exception) and is_peer_failure(err)))
+        return self.engine.state.shape.k == 1 and is_consequence(err)
 
     def record_served(self, attempt: Attempt) -> None:
         """With a ledger, what this rank was served for the attempt's step, into the store
