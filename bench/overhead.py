@@ -41,7 +41,8 @@ Figures:
 - ``train_step_ms`` (and its ratio): one step's latency, the driver loop's wall
   time per ``Job.train_step`` (a run of one step: step boundary + the run's calls +
   waiting for every result + commit bookkeeping). The breakdown below is that step's.
-- ``ddp_step_ms``: rank 0's time per step (micro-batches, allreduce, Adam).
+- ``ddp_step_ms``: rank 0's step period, as planaria's: the time between two steps' ends
+  (micro-batches, allreduce, Adam, and the loop's work between steps: its log line).
 - ``controller_overhead_ms``: per step, planaria's wall time minus the
   slowest worker's own ``data_wait_s + compute_s + reduce_s`` (from its step
   result) minus its update apply. A worker applies the committed update
@@ -215,6 +216,8 @@ def _run_pair(args: argparse.Namespace, pair: str, size: str, i: int, wd: Path, 
                                  timeout_s=args.timeout_s, workdir=wd / f"ddp_{pair}_{size}_{i}",
                                  prefetch="none" if inline else ddp_prefetch(
                                      args.replicas, args.threads))
+            # As planaria's figure: the time between two steps' ends (not the step's own).
+            run = {**run, "step_ms": run["period_ms"]}
         else:
             driver = "run_steps" if system == "planaria" else "train_step"
             options = {"prefetch": False} if inline else {}

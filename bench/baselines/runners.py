@@ -33,6 +33,7 @@ computes the same figures per kill.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -119,8 +120,8 @@ def run_ddp_steady(
     ``backend`` and ``prefetch``: ``ddp_train.py``'s ``--device``, ``--backend`` and
     ``--prefetch``).
 
-    Returns ``{"step_ms_median", "step_ms" (steady steps, warm-up left out),
-    "nproc", "size", "log"}``.
+    Returns ``{"step_ms_median", "step_ms" (steady steps, warm-up left out), "period_ms"
+    (between consecutive steady steps' ends), "nproc", "size", "log"}``.
     """
     if steps <= warmup:
         raise ValueError(f"steps={steps} must exceed warmup={warmup}")
@@ -147,6 +148,8 @@ def run_ddp_steady(
     return {
         "step_ms_median": launch.median_or_none(step_ms),
         "step_ms": step_ms,
+        # the time between two steps' ends (the loop's work between steps in it)
+        "period_ms": [(b["wall"] - a["wall"]) * 1000 for a, b in itertools.pairwise(rows)],
         "nproc": nproc,
         "size": size,
         "log": str(log),
