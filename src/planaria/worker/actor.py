@@ -114,6 +114,7 @@ class Worker:
         self.replica_key = replica_key or name
         self.spec: TrainSpec = ray.cloudpickle.loads(spec) if isinstance(spec, bytes) else spec
         torch.set_num_threads(threads)
+        process.keep_freed_memory()
         device = torch.device("cuda") if use_gpu else torch.device("cpu")
         self.backend = backend or ("nccl" if use_gpu else "gloo")
         if self.backend == "nccl":
