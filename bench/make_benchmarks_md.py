@@ -42,9 +42,11 @@ RESULTS = _REPO / "bench" / "results"
 BENCHES = ("overhead", "overhead_before", "recovery", "recovery-torchft-hb50",
            "goodput-realistic", "goodput-fast",
            "goodput", "checkpoint", "checkpoint-copy-at-save", "spares",
-           "overlap", "warm_join", "sharded", "campaign", "campaign_widened", "dispatch", "gpu")
+           "overlap", "warm_join", "sharded", "campaign", "campaign_widened", "dispatch",
+           "sim_validation", "gpu")
 MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "overhead_before": "ratio",
-             "goodput": "goodput_vs_torchft", "dispatch": "growth_last_over_first"}
+             "goodput": "goodput_vs_torchft", "dispatch": "growth_last_over_first",
+             "sim_validation": "max_error_pp"}
 """``--ingest NAME=A,B,C``: the figure whose median run is NAME's result (the others are kept
 under ``repeats``)."""
 GOODPUT_TARGETS = (
@@ -730,6 +732,31 @@ def render_goodput(rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def render_sim_validation(rec: dict[str, Any]) -> list[str]:
+    """``bench/sim_validation.py``: the simulator's goodput for real runs it was not
+    calibrated on, against theirs."""
+    r = rec["result"]
+    cal = ", ".join(f"{system} on `{run}`" for system, run in r["calibrated_on"].items())
+    out = [
+        "## The simulator out of sample", "", *_header(rec), "",
+        f"Calibrated once per system ({cal}); each held-out run's goodput predicted from its "
+        "configuration (kill schedule, checkpoint interval, step length) and the "
+        f"calibration only. Machine state: {r.get('label')}.{_runs(r)}", "",
+        "| held-out run | measured | predicted | error (pp) | target | met |",
+        "|---|---:|---:|---:|---|:-:|",
+    ]
+    for h in r["held_out"]:
+        out.append(f"| `{h['run']}` | {_f(h['measured'], '.4f')} | "
+                   f"{_f(h['predicted'], '.4f')} | {_f(h['error_pp'], '.2f')} | ≤ 3 "
+                   f"| {_ok(h['error_pp'] <= 3.0)} |")
+    repeats = r.get("repeats")
+    worst = ("" if not repeats else
+             f" (the runs' worst: {', '.join(_f(x, '.2f') for x in repeats)})")
+    out += ["", f"Worst held-out error {_f(r['max_error_pp'], '.2f')} pp{worst}; every "
+            f"held-out run within 3 pp, at least three: {_ok(r['met'])}."]
+    return [*out, ""]
+
+
 def render_warm_join(rec: dict[str, Any]) -> list[str]:
     r = rec["result"]
     ratio = r.get("warm_over_cold")
@@ -1043,6 +1070,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_gpu(rec, results.get("gpu_tests"))
         elif name == "dispatch":
             out += render_dispatch(rec)
+        elif name == "sim_validation":
+            out += render_sim_validation(rec)
         else:
             out += render_generic(name, rec)
         stale = stale_mark(rec, head)
