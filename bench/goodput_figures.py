@@ -20,6 +20,7 @@ __all__ = [
     "SETTLE_S",
     "detect_from_outside",
     "floor_figures",
+    "lost_share",
     "lost_work_per_kill",
     "per_kill",
     "planaria_report",
@@ -236,11 +237,21 @@ def _window_kills(run: dict[str, Any]) -> list[float]:
     return sorted(k["t_kill"] for k in run["kills"] if run["t0"] <= k["t_kill"] <= run["t1"])
 
 
+def lost_share(resumed: dict[str, Any]) -> float:
+    """A ``step_resumed`` record's share of a step lost: ``(redone - unstarted) / total``
+    (records from before ``unstarted`` was logged: ``redone / total``, an upper bound)."""
+    lost = float(resumed["redone"]) - float(resumed.get("unstarted") or 0)
+    return lost / float(resumed["total"])
+
+
 def lost_work_per_kill(run: dict[str, Any]) -> float | None:
-    """The mean over the window's kills of the share of a step computed again: ``redone /
-    total`` micro-batches of the first ``step_resumed`` record between the kill and the
-    next one (0 where none came: the step had committed). None where the run logged no
-    ``step_resumed`` at all (not measured: a planaria without it), or had no kill."""
+    """The mean over the window's kills of the share of a step lost: ``(redone -
+    unstarted) / total`` micro-batches of the first ``step_resumed`` record between the kill
+    and the next one (the micro-batches computed again less those a survivor had not begun:
+    the dead ranks' share, an upper bound; records without ``unstarted``, older ones, count
+    every redone one), 0 where none came (the step had committed). None where the run
+    logged no ``step_resumed`` at all (not measured: a planaria without it), or had no
+    kill."""
     resumed = [e for e in run.get("events") or [] if e["event"] == "step_resumed"]
     kills = _window_kills(run)
     if not resumed or not kills:
@@ -250,7 +261,7 @@ def lost_work_per_kill(run: dict[str, Any]) -> float | None:
         until = kills[i + 1] if i + 1 < len(kills) else float("inf")
         first = next((e for e in resumed if t_kill <= float(e["t"]) < until), None)
         total = first and first.get("total")
-        shares.append(float(first["redone"]) / float(total) if first and total else 0.0)
+        shares.append(lost_share(first) if first and total else 0.0)
     return sum(shares) / len(shares)
 
 

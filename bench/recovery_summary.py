@@ -15,6 +15,7 @@ import statistics
 from typing import Any
 
 from bench import stats
+from bench.goodput_figures import lost_share
 
 __all__ = ["SYSTEMS", "lost_work_per_kill", "summarize"]
 
@@ -22,12 +23,12 @@ SYSTEMS = ("planaria", "torchrun", "torchft")
 
 
 def lost_work_per_kill(raw: dict[str, Any]) -> float | None:
-    """``redone / total`` micro-batches of the first ``step_resumed`` record after the kill;
-    None where the run logged none (one kill: not measured)."""
+    """The share of a step lost (``goodput_figures.lost_share``: ``(redone - unstarted) /
+    total`` micro-batches) of the first ``step_resumed`` record after the kill; None where
+    the run logged none (one kill: not measured)."""
     resumed = raw.get("step_resumed") or []
     first = resumed[0] if resumed else None
-    return float(first["redone"]) / float(first["total"]) if first and first.get("total") \
-        else None
+    return lost_share(first) if first and first.get("total") else None
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -35,6 +35,17 @@ def test_a_survivor_that_had_not_finished_leaves_the_rest_to_be_split() -> None:
     assert sorted(every) == list(range(12))
 
 
+def test_what_survivors_had_not_begun_is_told_apart_from_the_work_lost() -> None:
+    # 6 micro-batches at 3 ranks, w1 (2, 3) died: w0 finished 0 and had not begun 1; w2 had
+    # begun neither of its own (4, 5). Computed now: 1..5; lost: only the dead's 2 and 3.
+    plan = plan_carry(4, {"w0": HeldWork(step=4, micro_batches=(0,), unstarted=(1,)),
+                          "w2": HeldWork(step=4, micro_batches=(), unstarted=(4, 5))},
+                      ["w0", "w2"], 6)
+    assert plan is not None
+    assert (plan.kept, plan.redone, plan.unstarted) == (1, 5, 3)
+    assert plan.redone - plan.unstarted == 2  # the dead rank's share: 1/R of the step
+
+
 def test_nothing_held_or_held_of_another_step_or_by_a_non_member_plans_nothing() -> None:
     assert plan_carry(3, {}, ["w0"], 4) is None
     assert plan_carry(3, {"w0": held(2, 0, 1)}, ["w0"], 4) is None

@@ -149,6 +149,7 @@ def test_a_kill_in_the_reduction_recomputes_only_the_dead_ranks_share(
     (resumed,) = of(evs, "step_resumed")
     assert (resumed["step"], resumed["kept"], resumed["redone"], resumed["total"]) == (
         KILL_AT, 8, 4, TOTAL)
+    assert resumed["unstarted"] == 0  # every survivor had finished: only the dead's share
     counts = {j: len(pids) for j, pids in forwards_of_step(log, KILL_AT).items()}
     dead = range(4, 8)  # w1 is rank 1 of 3: micro-batches 4..7
     assert counts == {j: 2 if j in dead else 1 for j in range(TOTAL)}, counts
@@ -165,6 +166,7 @@ def test_a_kill_during_the_compute_keeps_what_the_survivors_finished(tmp_path: P
     (resumed,) = of(evs, "step_resumed")
     assert resumed["kept"] + resumed["redone"] == TOTAL and resumed["redone"] >= 4
     assert resumed["kept"] >= 1
+    assert resumed["redone"] - resumed["unstarted"] == 4  # lost: the dead rank's share only
     counts = {j: len(pids) for j, pids in forwards_of_step(log, KILL_AT).items()}
     assert counts == dict.fromkeys(range(TOTAL), 1), counts
 

@@ -37,13 +37,13 @@ def test_settle_reports_the_finished_micro_batches_with_their_sums_and_samples()
     flat = torch.zeros(3)
     copy = GradientCopy([flat])
     kept = KeptWork()
-    kept.start(7, 4, None, None, copy)
+    kept.start(7, 4, None, None, copy, count=2)
     kept.served = Served(ids=(10, 11, 12, 13), digests=None)
     kept.counts = [(2, None), (2, None)]
     flat += 1.0
     kept.reached(1, 0.5, {"acc": 2.0})  # stopped after micro-batch 4, before 5
     held = kept.settle(7, 7, copy, keepable=True)
-    assert held == HeldWork(step=7, micro_batches=(4,))
+    assert held == HeldWork(step=7, micro_batches=(4,), unstarted=(5,))
     assert kept.held is not None and kept.held.served.ids == (10, 11)
     assert (kept.held.samples, kept.held.loss_sum) == (2, 0.5)
     flat.zero_()
@@ -68,3 +68,14 @@ def test_resuming_what_is_not_held_raises() -> None:
     with pytest.raises(PlanariaError, match="resume step 2"):
         kept.resume(CarriedStep(step=2, kept=(0,), new=()), 2, GradientCopy([torch.zeros(1)]))
     assert kept.resume(CarriedStep(step=2, kept=(), new=(0,)), 2, None) is None
+
+
+def test_settle_tells_what_it_had_not_begun_when_it_finished_none() -> None:
+    copy = GradientCopy([torch.zeros(2)])
+    kept = KeptWork()
+    kept.start(3, 6, None, None, copy, count=2)
+    kept.counts = [(1, None), (1, None)]
+    kept.reached(0, 0.0, {})  # aborted before its first micro-batch
+    assert kept.settle(3, 3, copy, keepable=True) == HeldWork(step=3, micro_batches=(),
+                                                               unstarted=(6, 7))
+    assert kept.held is None

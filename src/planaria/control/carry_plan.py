@@ -30,14 +30,17 @@ __all__ = ["CarryPlan", "HeldSteps", "plan_carry"]
 @dataclass(frozen=True, kw_only=True)
 class CarryPlan:
     """Step ``step`` resumed: each member's part (``shares``, by name); ``kept``, the
-    micro-batches whose gradient survivors kept; ``redone``, those computed again (an upper
-    bound of the work the fault lost); ``total``, the step's micro-batches."""
+    micro-batches whose gradient survivors kept; ``redone``, those computed now;
+    ``unstarted``, those of them a survivor had not begun when the step failed (so
+    ``redone - unstarted`` bounds the work the fault lost: the dead ranks' share);
+    ``total``, the step's micro-batches."""
 
     step: int
     shares: Mapping[str, CarriedStep]
     kept: int
     redone: int
     total: int
+    unstarted: int = 0
 
 
 def plan_carry(step: int, held: Mapping[str, HeldWork], members: Sequence[str],
@@ -56,7 +59,10 @@ def plan_carry(step: int, held: Mapping[str, HeldWork], members: Sequence[str],
         first, count = micro_batch_range(len(rest), len(members), rank)
         shares[name] = CarriedStep(step=step, kept=tuple(sorted(kept.get(name, ()))),
                                    new=tuple(rest[first : first + count]))
-    return CarryPlan(step=step, shares=shares, kept=len(taken), redone=len(rest), total=total)
+    unstarted = {j for name, h in held.items() if name in members and h.step == step
+                 for j in h.unstarted} - held_now
+    return CarryPlan(step=step, shares=shares, kept=len(taken), redone=len(rest), total=total,
+                     unstarted=len(unstarted))
 
 
 class HeldSteps:

@@ -147,7 +147,7 @@ class RunAhead:
         }
         if carry is not None:  # the survivors keep what they finished of it
             self.log.emit("step_resumed", step=start, gen=gen, kept=carry.kept,
-                          redone=carry.redone, total=carry.total)
+                          redone=carry.redone, unstarted=carry.unstarted, total=carry.total)
         if self.chaos is not None:
             self.chaos.during_step(start)
         try:

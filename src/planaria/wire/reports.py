@@ -262,10 +262,13 @@ class RunReport:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HeldWork:
     """The micro-batches of step ``step`` (global numbers) whose gradient sum a worker kept
-    when the step failed before it was applied (see :mod:`planaria.worker.kept_work`)."""
+    when the step failed before it was applied (see :mod:`planaria.worker.kept_work`);
+    ``unstarted``, those of its attempt it had not begun (stopped between two): computed
+    later, but never lost, so the lost work is told apart from the work still to do."""
 
     step: int
     micro_batches: tuple[int, ...]
+    unstarted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

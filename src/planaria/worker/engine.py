@@ -118,7 +118,7 @@ class StepEngine:
         copy, kept = self.state.reducer.gradient_copy(), self.kept
         if carry is None:
             first, count, ids, rounds = self.loader.own_share(ids, comm)
-            kept.start(step, first, None, None, copy)
+            kept.start(step, first, None, None, copy, count)
         else:  # the step resumed: its held part back in the buffers, its new part to compute
             prior = kept.resume(carry, self.commits.steps_done, copy)
             first, count = carry.new[0] if carry.new else 0, len(carry.new)

@@ -101,6 +101,7 @@ class KeptWork:
     def __init__(self) -> None:
         self.step = -1
         self.first = 0  # the attempt's micro-batches: first .. first + count - 1,
+        self.count = 0
         self.numbers: tuple[int, ...] | None = None  # or these (a resumed step's new ones)
         self.prior: HeldSums | None = None  # held from the attempt before, resumed in this one
         self.done = -1  # this attempt's micro-batches finished whole; -1: not known
@@ -111,9 +112,11 @@ class KeptWork:
         self.held: HeldSums | None = None
 
     def start(self, step: int, first: int, numbers: tuple[int, ...] | None,
-              prior: HeldSums | None, copy: GradientCopy | None) -> None:
-        """A step attempt starts on micro-batches ``first ..`` (or ``numbers``)."""
+              prior: HeldSums | None, copy: GradientCopy | None, count: int = 0) -> None:
+        """A step attempt starts on micro-batches ``first .. first + count - 1`` (or
+        ``numbers``)."""
         self.step, self.first, self.numbers, self.prior = step, first, numbers, prior
+        self.count = len(numbers) if numbers is not None else count
         self.done, self.served, self.counts = -1, None, ()
         self.held = None
         if copy is not None:
@@ -144,7 +147,8 @@ class KeptWork:
     def settle(self, steps_done: int, pending: int | None, copy: GradientCopy | None,
                keepable: bool) -> HeldWork | None:
         """After a failed run: what this rank holds of its failed step, if it can keep it
-        (see the module doc); the copy then holds its gradient sum."""
+        (see the module doc; ``micro_batches`` empty: none finished); the copy then holds its
+        gradient sum."""
         self.held = None
         if (not keepable or copy is None or self.done < 0 or pending != self.step
                 or steps_done != self.step):
@@ -152,9 +156,12 @@ class KeptWork:
         done, prior = self.done, self.prior
         numbers = (self.numbers[:done] if self.numbers is not None
                    else tuple(range(self.first, self.first + done)))
+        # the attempt's others, not begun (count 0: not told, none reported)
+        unstarted = (self.numbers[done:] if self.numbers is not None
+                     else tuple(range(self.first + done, self.first + self.count)))
         mine = tuple(prior.micro_batches if prior is not None else ()) + numbers
-        if not mine:
-            return None
+        if not mine:  # nothing held; what it had not begun still tells the work lost apart
+            return HeldWork(step=self.step, micro_batches=(), unstarted=unstarted or ())
         samples = sum(n for n, _ in self.counts[:done])
         base = prior.samples if prior is not None else 0
         served = self.served
@@ -169,4 +176,4 @@ class KeptWork:
             served=Served(ids=tuple(served.ids[:cut]),
                           digests=None if served.digests is None
                           else tuple(served.digests[:cut])))
-        return HeldWork(step=self.step, micro_batches=mine)
+        return HeldWork(step=self.step, micro_batches=mine, unstarted=unstarted)
