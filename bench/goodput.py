@@ -23,11 +23,12 @@ a planaria standby spare, the torchft lighthouse, torchrun's agent or Ray's own
 processes). The window opens once a system has committed ``--warmup`` steps (and, with
 spares, once its spare stands by): start-up is not measured.
 
-Repeats. ``--repeats N`` (3) runs every system once per repeat, the kill schedule's seed
-``--seed + repeat``, INTERLEAVED: repeat 0 runs every system, then repeat 1, ..., so that
-the machine's drift hits all systems alike, and each repeat's runs are a pair (the same
-kills) for the ratios. Before the repeats, one fault-free control run per system
-(``--control-s``, no kills) gives its fault-free step rate, and reads the estimator on a
+Repeats. ``--repeats N`` (3) runs every system once per repeat (repeats
+``--first-repeat`` .. + N - 1), the kill schedule's seed ``--seed + repeat``,
+INTERLEAVED: repeat 0 runs every system, then repeat 1, ..., so that the machine's drift
+hits all systems alike, and each repeat's runs are a pair (the same kills) for the ratios.
+Before the repeats, one fault-free control run per system (``--control-s``, no kills)
+gives its fault-free step rate, and reads the estimator on a
 run without faults (it should read 1).
 
 The systems (``--systems``, default all four):
@@ -81,21 +82,26 @@ The estimators, fixed before any run (change them only before a run, never after
 - across repeats, a system's figure is the MEDIAN of its per-run values, with a
   percentile-bootstrap 95 % interval over the runs (``bench/stats.py``: fixed seed, 4000
   resamples).
-- ratios: the median of the per-repeat paired ratios (planaria with spares ÷ the peer, in
-  the same repeat, under the same kills), with the paired bootstrap interval (repeat
-  indices resampled, so the runs made side by side stay together). Against the *best
-  peer*: in each repeat, the highest per-slot figure among the peers (torchft, torchrun,
-  planaria without spare): the conservative choice.
+- ratios: the median of the per-repeat paired ratios (planaria ÷ the peer, in the same
+  repeat, under the same kills), with the paired bootstrap interval (repeat indices
+  resampled, so the runs made side by side stay together). planaria's configuration for
+  them is fixed before the runs: no spare (``goodput_summary.HEADLINE``: charged per slot,
+  a spare gives up a quarter of 4 slots, more than it wins back at these kill rates).
+  Against the *best peer*: in each repeat, the highest per-slot figure among torchft's and
+  torchrun's configurations: the conservative choice (the peers get the best of their
+  sweeps, planaria one configuration). planaria with a spare gets the same ratios, per
+  slot, beside (``detail.spares_ratio_*``).
 - spares are charged per provisioned slot: a figure per slot = figure x replicas ÷ slots
   (planaria with 3 replicas + 1 spare: x 3/4; torchft with a warm standby: x 3/4). The
   ratios use the per-slot figures; planaria with spares reports both.
 - a claim: "ahead" only if the ratio's interval's low end is above 1; a target "met" only
   if the interval is on the right side of it (``stats.ahead``, ``stats.met``).
-- ``floor`` (planaria with spares) = 1 - kills x (detect + lost work + transfer stall) ÷
+- ``floor`` (each planaria configuration) = 1 - kills x (detect + lost work + transfer stall) ÷
   window from its measured parts, each a mean per kill: detect = the harness's SIGKILL →
   planaria's ``fault`` record; lost work = ``lost_work_per_kill_steps`` x the fault-free
-  step time, where ``lost_work_per_kill_steps`` is the mean over kills of ``redone /
-  total`` micro-batches of the ``step_resumed`` record after the kill (0 for a kill after
+  step time, where ``lost_work_per_kill_steps`` is the mean over kills of ``(redone -
+  unstarted) / total`` micro-batches of the ``step_resumed`` record after the kill (those
+  computed again less those a survivor had not begun: the dead ranks' share) (0 for a kill after
   which none came: the step had committed; null, not measured, when the run logged none);
   transfer stall = the window's ``state_transfer`` seconds (the survivors wait at the step
   boundary while a survivor sends the state) ÷ kills. Targets: goodput >= 0.985 and within
@@ -139,9 +145,9 @@ committed step under torchft); the window is ``[t0, t0 + duration_s]``.
   still restarting) until the next one was due.
 
 Output. The last line printed is one JSON object: ``{"bench": "goodput", "regime",
-"commit", "planaria_spares": {"goodput", "floor", "samples_per_s",
-"lost_work_per_kill_steps", ...per slot, intervals}, "peers": {NAME: {"config", "goodput",
-"samples_per_s"}}, "ratio_goodput_vs_best_peer": {"median", "ci95": [lo, hi]},
+"commit", "planaria": {"goodput", "floor", "samples_per_s", "lost_work_per_kill_steps",
+...per slot, intervals, targets}, "planaria_spares": {the same}, "peers": {NAME:
+{"config", "goodput", "samples_per_s"}}, "ratio_goodput_vs_best_peer": {"median", "ci95": [lo, hi]},
 "ratio_samples_per_s_vs_best_peer": {"median", "ci95": [lo, hi]}}`` (peers' figures per
 slot). Every run's raw record (commits, kills, window, configuration, seed, load average
 before and after, the tree's commit, the command) goes to
@@ -150,6 +156,9 @@ before and after, the tree's commit, the command) goes to
 the summary with its ``detail`` (every run's figures, the controls, the ratio to each
 peer) to ``bench/results/goodput-<regime>.json`` (a ``--quick`` run's to its workdir).
 ``--rescore`` computes the same JSON from the raw records alone (``bench/goodput_summary``).
+A regime too long for one sitting (the realistic one: ~2 h a repeat) is made in several:
+each adds repeats to one folder (``--into DIR --first-repeat K --repeats 1``), every record
+naming the commit it ran at, and the result is scored from them all.
 """
 
 from __future__ import annotations
@@ -202,7 +211,7 @@ REGIMES = {
     "fast": Regime(size="medium", duration_s=600.0, kill_every_s=30.0, control_s=120.0,
                    startup_s=60.0, torchrun_ckpt_every="5,10,20"),
     "realistic": Regime(size="realistic", duration_s=1200.0, kill_every_s=60.0,
-                        control_s=300.0, startup_s=180.0, torchrun_ckpt_every="8,16,32"),
+                        control_s=300.0, startup_s=30.0, torchrun_ckpt_every="8,16,32"),
 }
 
 
@@ -218,6 +227,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-controls", action="store_true", help="skip the control runs")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="repeat r's kills use seed + r")
+    p.add_argument("--first-repeat", type=int, default=0,
+                   help="the repeats run are FIRST.. FIRST + REPEATS - 1 (a later sitting adds "
+                   "repeats to earlier ones: with --into)")
     p.add_argument("--warmup", type=int, default=3, help="steps committed before the window")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"which systems, comma-separated, of {','.join(SYSTEMS)}")
@@ -229,6 +241,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="where runs write (default: a temp dir)")
     p.add_argument("--raw-dir", default=None,
                    help="where raw records go (default: bench/results/raw; --quick: WORKDIR/raw)")
+    p.add_argument("--into", default=None, metavar="DIR",
+                   help="write the raw records into DIR, not RAW_DIR's folder for this commit: "
+                   "repeats made in several sittings (each record names its commit) score "
+                   "together")
     p.add_argument("--summary", default=None, help="where the summary record goes (default: "
                    "bench/results/goodput-<regime>.json; --quick: WORKDIR)")
     p.add_argument("--rescore", nargs="?", const="", default=None, metavar="DIR",
@@ -317,7 +333,7 @@ def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
             variant, config = _variants(args, system)[len(_variants(args, system)) // 2]
             plan.append(PlannedRun(system=system, variant=variant, kind="control", repeat=-1,
                                    seed=args.seed, config=config))
-    for rep in range(args.repeats):
+    for rep in range(args.first_repeat, args.first_repeat + args.repeats):
         for system in args.system_list:
             for variant, config in _variants(args, system):
                 plan.append(PlannedRun(system=system, variant=variant, kind="faults",
@@ -416,7 +432,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     budget = budget_s(args, plan)
     _say(said, f"plan ({args.regime_name}): {len(plan)} runs, size={args.size}, "
          f"{args.replicas} replicas x 1 thread, window {args.duration_s:.0f} s, a kill every "
-         f"{args.kill_every_s:.0f} s, seeds {args.seed}..{args.seed + args.repeats - 1}, "
+         f"{args.kill_every_s:.0f} s, seeds {args.seed + args.first_repeat}.."
+         f"{args.seed + args.first_repeat + args.repeats - 1}, "
          f"{os.cpu_count()} cores")
     for r in plan:
         _say(said, f"  {r.name}: {r.system} {json.dumps(r.config)} seed {r.seed}")
@@ -427,7 +444,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           "budget_s": round(budget)}), flush=True)
         return {}
     commit = records.tree_commit()
-    folder = records.raw_dir(raw_root, "goodput", args.regime_name, commit)
+    folder = (Path(args.into) if args.into
+              else records.raw_dir(raw_root, "goodput", args.regime_name, commit))
     if folder.is_dir() and records.read_raw(folder):
         _say(said, f"note: {folder} holds records already; they count in the result")
     command = shlex.join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None

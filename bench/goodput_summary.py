@@ -17,10 +17,15 @@ from bench import stats
 from bench.goodput_figures import floor_figures, planaria_report, window_figures
 from planaria.observe.metrics import percentile
 
-__all__ = ["GOODPUT_TARGET", "PEERS", "SPARES_SYSTEM", "run_figures", "summarize"]
+__all__ = ["GOODPUT_TARGET", "HEADLINE", "PEERS", "SPARES_SYSTEM", "run_figures", "summarize"]
 
+HEADLINE = "planaria"
+"""planaria's configuration for the ratios, fixed before the runs: no spare, every slot
+trains (with a spare charged per provisioned slot, 3 replicas + 1 give up a quarter of the
+slots, more than a spare can win back at these kill rates); the spare's run is reported
+beside it, with its own ratios."""
 SPARES_SYSTEM = "planaria_spares"
-PEERS = ("torchft", "torchrun", "planaria")
+PEERS = ("torchft", "torchrun")
 GOODPUT_TARGET = 0.985
 FLOOR_POINTS = 0.01
 
@@ -109,35 +114,43 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     best_peer = {key: [max((v for p in peers if (v := series(p, key)[i]) is not None),
                            default=None) for i in range(len(repeats))]
                  for key in ("goodput_per_slot", "samples_per_s_per_slot")}
-    ratios: dict[str, Any] = {}
-    per_peer: dict[str, Any] = {}
-    if SPARES_SYSTEM in chosen:
-        for key, label in (("goodput_per_slot", "goodput"),
-                           ("samples_per_s_per_slot", "samples_per_s")):
-            ours = series(SPARES_SYSTEM, key)
-            ratios[label] = stats.paired_ratio(ours, best_peer[key])
-            per_peer[label] = {p: stats.paired_ratio(ours, series(p, key)).as_dict()
-                               for p in peers}
-    spares: dict[str, Any] = {}
-    if SPARES_SYSTEM in chosen:
-        goodput = stats.median_ci(series(SPARES_SYSTEM, "goodput"))
-        floors = series(SPARES_SYSTEM, "floor")
-        spares = {
+    def ratios_of(system: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``system``'s per-slot figures ÷ the best peer's, and ÷ each peer's, paired."""
+        ratios: dict[str, Any] = {}
+        per_peer: dict[str, Any] = {}
+        if system in chosen:
+            for key, label in (("goodput_per_slot", "goodput"),
+                               ("samples_per_s_per_slot", "samples_per_s")):
+                ours = series(system, key)
+                ratios[label] = stats.paired_ratio(ours, best_peer[key])
+                per_peer[label] = {p: stats.paired_ratio(ours, series(p, key)).as_dict()
+                                   for p in peers}
+        return ratios, per_peer
+
+    def planaria_of(system: str) -> dict[str, Any]:
+        """A planaria configuration's figures: medians over the repeats, and its targets."""
+        if system not in chosen:
+            return {}
+        goodput = stats.median_ci(series(system, "goodput"))
+        floor = _median(series(system, "floor"))
+        return {
             "goodput": goodput.as_dict()["median"],
             "goodput_ci95": goodput.as_dict()["ci95"],
-            "floor": _median(floors),
-            "samples_per_s": _median(series(SPARES_SYSTEM, "samples_per_s")),
-            "lost_work_per_kill_steps": _median(series(SPARES_SYSTEM,
-                                                       "lost_work_per_kill_steps")),
-            "goodput_per_slot": _median(series(SPARES_SYSTEM, "goodput_per_slot")),
-            "samples_per_s_per_slot": _median(series(SPARES_SYSTEM, "samples_per_s_per_slot")),
+            "floor": floor,
+            "samples_per_s": _median(series(system, "samples_per_s")),
+            "lost_work_per_kill_steps": _median(series(system, "lost_work_per_kill_steps")),
+            "goodput_per_slot": _median(series(system, "goodput_per_slot")),
+            "samples_per_s_per_slot": _median(series(system, "samples_per_s_per_slot")),
             "ratio_uses": "per_slot",
             "targets": {
                 f"goodput_ge_{GOODPUT_TARGET}": stats.met(goodput, GOODPUT_TARGET, ">="),
-                "within_1pt_of_floor": None if goodput.median is None or not floors
-                or _median(floors) is None else goodput.median >= _median(floors) - FLOOR_POINTS,
+                "within_1pt_of_floor": None if goodput.median is None or floor is None
+                else goodput.median >= floor - FLOOR_POINTS,
             },
         }
+
+    ratios, per_peer = ratios_of(HEADLINE)
+    spares_ratios, spares_per_peer = ratios_of(SPARES_SYSTEM)
 
     def config_of(system: str) -> Any:
         picks = [c["raw"].get("config") for c in chosen[system] if c is not None]
@@ -150,7 +163,8 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "bench": "goodput",
         "regime": _one_of(raws, "regime"),
         "commit": _one_of(raws, "commit"),
-        "planaria_spares": spares,
+        "planaria": planaria_of(HEADLINE),
+        "planaria_spares": planaria_of(SPARES_SYSTEM),
         "peers": {p: {"config": config_of(p),
                       "goodput": _median(series(p, "goodput_per_slot")),
                       "goodput_ci95": estimate(p, "goodput_per_slot")["ci95"],
@@ -164,6 +178,10 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "seeds": {str(rep): sorted({r["seed"] for r in fault.values() if r["repeat"] == rep})
                   for rep in repeats},
         "ratio_vs_each_peer": per_peer,
+        "spares_ratio_goodput_vs_best_peer": _ratio_json(spares_ratios.get("goodput")),
+        "spares_ratio_samples_per_s_vs_best_peer": _ratio_json(
+            spares_ratios.get("samples_per_s")),
+        "spares_ratio_vs_each_peer": spares_per_peer,
         "best_peer_per_repeat": "the highest per-slot figure among the peers in each repeat",
         "runs": {system: {str(rep): {v: {"name": run["name"], **_compact(run["figures"])}
                                     for v, run in runs[system].get(rep, {}).items()}

@@ -981,6 +981,7 @@ def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
     r = rec["result"]
     d = r.get("detail") or {}
     setup = d.get("setup") or {}
+    pl = r.get("planaria") or {}
     sp = r.get("planaria_spares") or {}
     seeds = d.get("seeds") or {}
     out = [f"## Goodput under repeated faults, `{r.get('regime')}` regime", "", *_header(rec),
@@ -990,10 +991,14 @@ def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
            f"with kill seeds {', '.join(str(v) for vs in seeds.values() for v in vs)}, "
            "interleaved. Each figure is the median over "
            "the repeats with its bootstrap 95 % interval; ratios are the median of the "
-           "per-repeat paired ratios (planaria with a spare per provisioned slot ÷ the best "
-           "peer of that repeat), with the paired bootstrap interval; \"ahead\" only where "
-           "the interval's low end is above 1 (`bench/goodput.py`'s docstring).", "",
+           "per-repeat paired ratios (planaria without a spare, its configuration fixed "
+           "before the runs, ÷ the best peer of that repeat, per provisioned slot), with the "
+           "paired bootstrap interval; \"ahead\" only where the interval's low end is above 1 "
+           "(`bench/goodput.py`'s docstring). planaria with a spare is charged its fourth "
+           "slot.", "",
            "| system | configuration | goodput | samples/s |", "|---|---|---:|---:|",
+           f"| planaria | no spare | {_f(pl.get('goodput'), '.3f')}"
+           f"{_ci(pl.get('goodput_ci95'), '.3f')} | {_f(pl.get('samples_per_s'), '.1f')} |",
            f"| planaria, 1 spare (per slot) | — | {_f(sp.get('goodput_per_slot'), '.3f')} | "
            f"{_f(sp.get('samples_per_s_per_slot'), '.1f')} |",
            f"| planaria, 1 spare (not charged) | — | {_f(sp.get('goodput'), '.3f')}"
@@ -1002,14 +1007,20 @@ def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
         out.append(f"| {name} | `{json.dumps(p.get('config'))}` | {_f(p.get('goodput'), '.3f')}"
                    f"{_ci(p.get('goodput_ci95'), '.3f')} | {_f(p.get('samples_per_s'), '.1f')} |")
     g, sps = r.get("ratio_goodput_vs_best_peer"), r.get("ratio_samples_per_s_vs_best_peer")
+    sg = d.get("spares_ratio_goodput_vs_best_peer")
     out += ["", "| figure | value (95 % interval) | claim |", "|---|---:|---|",
             f"| goodput ÷ best peer | {_est(g)} | {_ok((g or {}).get('ahead'))} (ahead) |",
             f"| samples/s ÷ best peer | {_est(sps)} | {_ok((sps or {}).get('ahead'))} (ahead) |",
-            f"| planaria floor | {_f(sp.get('floor'), '.3f')} | — |",
-            f"| planaria lost work per kill (steps) | "
-            f"{_f(sp.get('lost_work_per_kill_steps'), '.3f')} | — |"]
-    for target, ok in (sp.get("targets") or {}).items():
-        out.append(f"| {target} | — | {_ok(ok)} |")
+            f"| with a spare, goodput per slot ÷ best peer | {_est(sg)} | "
+            f"{_ok((sg or {}).get('ahead'))} (ahead) |"]
+    for label, x in (("planaria", pl), ("planaria, 1 spare", sp)):
+        if not x:
+            continue
+        out += [f"| {label}: floor | {_f(x.get('floor'), '.3f')} | — |",
+                f"| {label}: lost work per kill (steps) | "
+                f"{_f(x.get('lost_work_per_kill_steps'), '.3f')} | — |"]
+        for target, ok in (x.get("targets") or {}).items():
+            out.append(f"| {label}: {target} | — | {_ok(ok)} |")
     controls = d.get("controls") or {}
     if controls:
         out += ["", "Fault-free control runs (no kills; the estimator should read ~1): "

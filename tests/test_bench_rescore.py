@@ -32,7 +32,8 @@ def test_rescore_writes_the_summary_and_the_page_marks_other_commits(tmp_path, m
     text = mk.render(mk.load_results())
     assert "## Goodput under repeated faults, `fast` regime" in text
     assert "**From c0ffee**" in text
-    assert "| goodput ÷ best peer | 0.75" in text and "kill seeds 0, 1, 2" in text
+    assert "| goodput ÷ best peer | 1." in text and "kill seeds 0, 1, 2" in text
+    assert "| with a spare, goodput per slot ÷ best peer | 0.7" in text
 
 
 def test_another_kill_rate_is_a_section_of_its_own(tmp_path, monkeypatch):
