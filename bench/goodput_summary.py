@@ -145,7 +145,7 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "targets": {
                 f"goodput_ge_{GOODPUT_TARGET}": stats.met(goodput, GOODPUT_TARGET, ">="),
                 "within_1pt_of_floor": None if goodput.median is None or floor is None
-                else goodput.median >= floor - FLOOR_POINTS,
+                or goodput.n < stats.MIN_FOR_CLAIM else goodput.median >= floor - FLOOR_POINTS,
             },
         }
 

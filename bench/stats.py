@@ -103,17 +103,26 @@ def paired_ratio(numerators: Sequence[float | None], denominators: Sequence[floa
     return Estimate(median=statistics.median(ratios), ci95=ci, n=len(ratios))
 
 
+MIN_FOR_CLAIM = 3
+"""Fewer measured values than this support no claim: a bootstrap interval of one or two
+values is not an interval (one value's is the value itself)."""
+
+
 def ahead(estimate: Estimate, parity: float = 1.0) -> bool | None:
     """A ratio is "ahead" only if its interval's low end is above ``parity``; None where
-    nothing was measured."""
-    return None if estimate.ci95 is None else estimate.ci95[0] > parity
+    nothing was measured, or fewer than :data:`MIN_FOR_CLAIM` values were."""
+    if estimate.ci95 is None or estimate.n < MIN_FOR_CLAIM:
+        return None
+    return estimate.ci95[0] > parity
 
 
 def met(estimate: Estimate, target: float, direction: str) -> bool | None:
     """A target is "met" only if the whole interval is on its side: ``">="``/``">"`` want the
     low end at (above) the target, ``"<="``/``"<"`` the high end; None where nothing was
-    measured."""
-    if estimate.ci95 is None:
+    measured, or fewer than :data:`MIN_FOR_CLAIM` values were."""
+    if direction not in (">=", ">", "<=", "<"):
+        raise ValueError(f"direction {direction!r}: one of ['<', '<=', '>', '>=']")
+    if estimate.ci95 is None or estimate.n < MIN_FOR_CLAIM:
         return None
     lo, hi = estimate.ci95
     checks = {">=": lo >= target, ">": lo > target, "<=": hi <= target, "<": hi < target}

@@ -65,6 +65,14 @@ def test_claims_need_the_whole_interval():
         stats.met(tie, 1.0, "~")
 
 
+def test_one_or_two_values_support_no_claim():
+    one = stats.paired_ratio([1.04], [1.0])  # its interval is the value itself
+    assert one.ci95 == (1.04, 1.04) and stats.ahead(one) is None
+    assert stats.met(one, 1.0, ">=") is None
+    two = stats.median_ci([1.2, 1.3])
+    assert stats.ahead(two) is None and stats.met(two, 1.0, ">") is None
+
+
 def test_raw_records_round_trip_and_large_ones_are_gzipped(tmp_path, monkeypatch):
     folder = records.raw_dir(tmp_path, "goodput", "fast", "a" * 40 + "-dirty")
     assert folder == tmp_path / "goodput" / "fast" / ("a" * 12 + "-dirty")
