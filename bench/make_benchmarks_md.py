@@ -35,7 +35,7 @@ from typing import Any
 _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))  # for bench.common, when run as a script
 
-from bench import common, records  # noqa: E402
+from bench import common, records, stats  # noqa: E402
 from bench.records import machine  # noqa: E402
 
 RESULTS = _REPO / "bench" / "results"
@@ -1021,6 +1021,19 @@ def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
                 f"{_f(x.get('lost_work_per_kill_steps'), '.3f')} | — |"]
         for target, ok in (x.get("targets") or {}).items():
             out.append(f"| {label}: {target} | — | {_ok(ok)} |")
+    n = len(d.get("repeats") or [])
+    if n < stats.MIN_FOR_CLAIM:
+        out += ["", f"**{n} repeat(s) of the {stats.MIN_FOR_CLAIM} a claim needs**: the "
+                "figures are single runs, their \"intervals\" the values themselves; no "
+                "claim (—) is made from them."]
+    widths = [f"{v} r{rep}: {fig.get('step_ms_by_width')}"
+              for by_rep in (d.get("runs") or {}).values() for rep, by_v in by_rep.items()
+              for v, fig in by_v.items()]
+    if widths:
+        out += ["", "Mean step ms by width (goodput charges every useful step the full-width "
+                "step time: where a narrower width runs faster, as with 3 workers on 2 cores, "
+                "a system that runs narrow after a kill reads high; samples/s does not): "
+                + "; ".join(widths) + "."]
     controls = d.get("controls") or {}
     if controls:
         out += ["", "Fault-free control runs (no kills; the estimator should read ~1): "
