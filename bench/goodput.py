@@ -96,13 +96,14 @@ The estimators, fixed before any run (change them only before a run, never after
   ratios use the per-slot figures; planaria with spares reports both.
 - a claim: "ahead" only if the ratio's interval's low end is above 1; a target "met" only
   if the interval is on the right side of it (``stats.ahead``, ``stats.met``).
-- ``floor`` (each planaria configuration) = 1 - kills x (detect + lost work + transfer stall) ÷
-  window from its measured parts, each a mean per kill: detect = the harness's SIGKILL →
-  planaria's ``fault`` record; lost work = ``lost_work_per_kill_steps`` x the fault-free
-  step time, where ``lost_work_per_kill_steps`` is the mean over kills of ``(redone -
-  unstarted) / total`` micro-batches of the ``step_resumed`` record after the kill (those
-  computed again less those a survivor had not begun: the dead ranks' share) (0 for a kill after
-  which none came: the step had committed; null, not measured, when the run logged none);
+- ``floor`` (each planaria configuration) = 1 - kills x (detect + lost work + transfer
+  stall) ÷ window from its measured parts, each a mean per kill: detect = the harness's
+  SIGKILL → planaria's ``fault`` record; lost work = ``lost_work_per_kill_steps`` x the
+  fault-free step time, where ``lost_work_per_kill_steps`` is the mean over kills of
+  ``(redone - unstarted) / total`` micro-batches of the ``step_resumed`` record after the
+  kill: those computed again less those a survivor had not begun, the dead ranks' share
+  (0 for a kill after which none came: the step had committed; null, not measured, when
+  the run logged none);
   transfer stall = the window's ``state_transfer`` seconds (the survivors wait at the step
   boundary while a survivor sends the state) ÷ kills. Targets: goodput >= 0.985 and within
   1 point of the floor; the ratios ahead.

@@ -15,6 +15,7 @@ interval is as wide as the runs are apart: that is the point.
 
 from __future__ import annotations
 
+import operator
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -120,12 +121,14 @@ def met(estimate: Estimate, target: float, direction: str) -> bool | None:
     """A target is "met" only if the whole interval is on its side: ``">="``/``">"`` want the
     low end at (above) the target, ``"<="``/``"<"`` the high end; None where nothing was
     measured, or fewer than :data:`MIN_FOR_CLAIM` values were."""
-    if direction not in (">=", ">", "<=", "<"):
-        raise ValueError(f"direction {direction!r}: one of ['<', '<=', '>', '>=']")
+    if direction not in _SIDES:
+        raise ValueError(f"direction {direction!r}: one of {sorted(_SIDES)}")
     if estimate.ci95 is None or estimate.n < MIN_FOR_CLAIM:
         return None
-    lo, hi = estimate.ci95
-    checks = {">=": lo >= target, ">": lo > target, "<=": hi <= target, "<": hi < target}
-    if direction not in checks:
-        raise ValueError(f"direction {direction!r}: one of {sorted(checks)}")
-    return checks[direction]
+    end, compare = _SIDES[direction]
+    return compare(estimate.ci95[end], target)
+
+
+_SIDES = {">=": (0, operator.ge), ">": (0, operator.gt), "<=": (1, operator.le),
+          "<": (1, operator.lt)}
+"""A direction of :func:`met`: the interval's end it looks at (0 low, 1 high), and how."""

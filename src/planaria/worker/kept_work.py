@@ -116,7 +116,7 @@ class KeptWork:
         """A step attempt starts on micro-batches ``first .. first + count - 1`` (or
         ``numbers``)."""
         self.step, self.first, self.numbers, self.prior = step, first, numbers, prior
-        self.count = len(numbers) if numbers is not None else count
+        self.count = count
         self.done, self.served, self.counts = -1, None, ()
         self.held = None
         if copy is not None:
@@ -161,7 +161,7 @@ class KeptWork:
                      else tuple(range(self.first + done, self.first + self.count)))
         mine = tuple(prior.micro_batches if prior is not None else ()) + numbers
         if not mine:  # nothing held; what it had not begun still tells the work lost apart
-            return HeldWork(step=self.step, micro_batches=(), unstarted=unstarted or ())
+            return HeldWork(step=self.step, micro_batches=(), unstarted=unstarted)
         samples = sum(n for n, _ in self.counts[:done])
         base = prior.samples if prior is not None else 0
         served = self.served
