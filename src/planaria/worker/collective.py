@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from planaria.wire import store_keys
+from planaria.worker.ring import SLICE_EXPIRED, RingPart, RingSum
 
 __all__ = ["Collective", "connect_store"]
 
@@ -53,7 +55,6 @@ the kill's whole critical path is ~140 ms). A slice that expires costs ~0.4 ms o
 (c10d raises its timeout; measured on the 2-core machine, in a bare process and in one with
 a worker's libraries loaded): ~4 % of a core while a rank waits, twice that at 5 ms."""
 WAIT_SLICE = timedelta(seconds=WAIT_SLICE_S)
-SLICE_EXPIRED = "Operation timed out!"  # c10d's Work.wait(timeout) when the timeout passes
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -120,6 +121,15 @@ class Collective:
         if self.world_size == 1:
             return []
         return self._start(lambda pg: [pg.allreduce([t]) for t in tensors])
+
+    def ring_sum_start(self, parts: Sequence[RingPart], scratch: torch.Tensor) -> list[Any]:
+        """Starts summing each part's ``src`` over the ranks into its ``dst``, out of place
+        (:class:`planaria.worker.ring.RingSum`, gloo only); :meth:`wait_all` waits, and can
+        leave it on an interrupt as it leaves an all-reduce."""
+        if self.backend != "gloo":
+            raise ValueError(f"the out-of-place ring runs on gloo, not {self.backend}")
+        return self._start(lambda pg: [RingSum(pg, self.rank, self.world_size, parts,
+                                               scratch)])
 
     def wait_all(self, works: list[Any], *, interruptible: bool = True) -> None:
         """Waits for operations :meth:`allreduce_start` started; on an error closes the group.

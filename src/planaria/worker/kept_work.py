@@ -1,12 +1,14 @@
 """A failed step's finished micro-batches, kept: only the rest is computed again.
 
 When a worker dies during step s, each survivor has finished some of its micro-batches:
-their gradients are summed in its flat gradient buffers. The all-reduce works in place,
-so a collective broken half way leaves partial sums there: :class:`GradientCopy` copies
-each region of the buffers just before that region's all-reduce starts (the whole
-buffers for :class:`~planaria.worker.reduce.FlatReducer`, a bucket for the overlapped
-reducer), into memory allocated once. After the failure (``RunLoop.settle``),
-:class:`KeptWork` completes the copy from the regions no reduction touched and reports
+their gradients are summed in its flat gradient buffers. On gloo the
+:class:`~planaria.worker.reduce.FlatReducer` sums them out of place
+(:mod:`planaria.worker.ring`), so they are whole after a failed reduction, and copied
+once, then. An in-place all-reduce (NCCL's, the overlapped reducer's buckets) broken half
+way leaves partial sums: :class:`GradientCopy` copies each region of the buffers just
+before that region's all-reduce starts (the whole buffers, or a bucket), into memory
+allocated once. After the failure (``RunLoop.settle``), :class:`KeptWork` completes
+the copy from the regions no reduction touched and reports
 which micro-batches it holds (:class:`~planaria.wire.reports.HeldWork`), with their
 loss, metric and sample sums and what they were served. The controller resumes the step
 (:mod:`planaria.control.carry_plan`): the survivor restores the copy into its buffers,

@@ -8,7 +8,8 @@ loss, sample counts and flags, :data:`planaria.worker.run_loop.STATUS`). The
 :class:`Reducer` is that seam; :func:`make_reducer` picks one of
 
 - :class:`FlatReducer`: one all-reduce of the flat gradient buffers after the
-  last backward, the status in a tail of the first fp32/fp64 buffer;
+  last backward, the status in a tail of the first fp32/fp64 buffer; on gloo an
+  out-of-place ring (:mod:`planaria.worker.ring`) that leaves the rank's own sum whole;
 - :class:`planaria.worker.reduce_overlapped.OverlappedReducer`: buckets of the
   same buffers reduced while the last backward runs, as DDP does;
 - :class:`planaria.worker.reduce_sharded.ShardedReducer`: a sharded replica's
@@ -19,13 +20,16 @@ The transport below them is :class:`planaria.worker.collective.Collective`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Protocol
+from itertools import pairwise
+from typing import Any, Protocol
 
 import torch
 
 from planaria.worker.collective import Collective
 from planaria.worker.kept_work import GradientCopy
+from planaria.worker.ring import RingPart, chunk_bounds
 
 __all__ = [
     "FP32_EXACT_COUNT",
@@ -141,13 +145,17 @@ class FlatGradients:
     has :data:`STATUS_TAIL` more slots, where the run's status rides.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device, *,
+                 attach: bool = True) -> None:
+        """``attach``: the parameters' ``.grad`` become the views now (:meth:`attach`)."""
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
+        self.device = device
         self.layout = list(by_dtype.values())  # the parameters of each buffer, in order
         self.buffers: list[torch.Tensor] = []  # the gradients, one flat view per dtype
         self.reduced: list[torch.Tensor] = []  # what the all-reduce sums: those and the tail
+        self.views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.tail: torch.Tensor | None = None
         for dtype, group in by_dtype.items():
             numel = sum(p.numel() for p in group)
@@ -157,12 +165,24 @@ class FlatGradients:
             flat = torch.zeros(numel + tail, dtype=dtype, device=device)
             offset = 0
             for p in group:
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                self.views.append((p, flat[offset : offset + p.numel()].view_as(p)))
                 offset += p.numel()
             self.buffers.append(flat[:numel])
             self.reduced.append(flat)
             if tail:
                 self.tail = flat[numel:]
+        if attach:
+            self.attach()
+
+    def twin(self) -> FlatGradients:
+        """Buffers of the same layout, not attached to the parameters."""
+        return FlatGradients([p for group in self.layout for p in group], self.device,
+                             attach=False)
+
+    def attach(self) -> None:
+        """Every parameter's ``.grad`` becomes its view into these buffers."""
+        for p, view in self.views:
+            p.grad = view
 
     def zero(self) -> None:
         for flat in self.buffers:
@@ -174,17 +194,32 @@ class FlatReducer:
     the step's status in the first fp32/fp64 buffer's tail when it fits exactly."""
 
     def __init__(self, grads: FlatGradients, global_batch_size: int, *,
-                 keep: bool = True) -> None:
-        """``keep``: copy the gradient before its all-reduce (:meth:`gradient_copy`)."""
+                 keep: bool = True, out_of_place: bool = False) -> None:
+        """``keep``: this rank's own gradient sum survives a failed reduction
+        (:meth:`gradient_copy`). ``out_of_place`` (gloo): the sum goes into a second set of
+        buffers (:mod:`planaria.worker.ring`), the own sum left whole, so that nothing is
+        copied before the reduction; otherwise the in-place all-reduce, and with ``keep``
+        a copy of the gradient before it."""
         self.grads = grads
         self.global_batch_size = global_batch_size
+        self.out_of_place = out_of_place
         self.copy = GradientCopy(grads.buffers) if keep else None
+        self._sums: FlatGradients | None = None  # where the ring writes the sum
+        self._scratch: torch.Tensor | None = None  # where it receives peers' chunks
+        self._ring: Any = None  # the last ring (its thread outlives a ring left on an abort)
+        self._summed = False  # the parameters' .grad are views of the sums
 
     def gradients(self) -> list[torch.Tensor]:
+        if self._summed:
+            assert self._sums is not None
+            return self._sums.buffers
         return self.grads.buffers
 
     def zero(self) -> None:
         self.grads.zero()
+        if self._summed:  # the next step accumulates into the own buffers again
+            self.grads.attach()
+            self._summed = False
 
     def start_step(self) -> None:
         pass
@@ -214,6 +249,9 @@ class FlatReducer:
             assert status is not None and tail is not None
             tail[: len(status)].copy_(status)
         beside = [status] if status is not None and not in_tail else []
+        if self.out_of_place and comm.world_size > 1:
+            return self._reduce_out_of_place(comm, status, extra + beside, in_tail,
+                                             meanwhile)
         if self.copy is not None and comm.world_size > 1:  # a peer may break it half way
             self.copy.save_all()
         works = comm.allreduce_start(self.grads.reduced + extra + beside)
@@ -225,6 +263,42 @@ class FlatReducer:
         # The reduced gradient is the same on every rank: its norm tells every rank (and
         # the controller) whether the update is finite, and serves the clipping at apply.
         return global_norm(self.grads.buffers)
+
+    def _reduce_out_of_place(
+        self, comm: Collective, status: torch.Tensor | None, small: list[torch.Tensor],
+        in_tail: bool, meanwhile: Callable[[], None],
+    ) -> float:
+        """The ring sums the buffers into :attr:`_sums` (and their norm on the way); the
+        small tensors are all-reduced after it. The parameters' ``.grad`` then view the
+        sums, until :meth:`zero`."""
+        sums, scratch = self._ring_buffers(comm.world_size)
+        parts = [RingPart(src, dst, own.numel()) for src, dst, own in
+                 zip(self.grads.reduced, sums.reduced, self.grads.buffers, strict=True)]
+        works = comm.ring_sum_start(parts, scratch)
+        self._ring = works[0]
+        meanwhile()
+        comm.wait_all(works)
+        if small:
+            comm.allreduce_sum(small)
+        if in_tail:
+            assert status is not None and sums.tail is not None
+            status.copy_(sums.tail[: len(status)])
+        sums.attach()
+        self._summed = True
+        return math.sqrt(self._ring.square_sum)  # NaN or inf where an element is
+
+    def _ring_buffers(self, world_size: int) -> tuple[FlatGradients, torch.Tensor]:
+        """The sums' buffers and the scratch, allocated at the first ring, and again where
+        a ring left on an abort may still write into the last ones."""
+        if self._ring is not None and self._ring.running():
+            self._sums = self._scratch = None  # the old ones stay with that ring's thread
+        if self._sums is None:
+            self._sums = self.grads.twin()
+        need = max((b - a) * flat.element_size() for flat in self.grads.reduced
+                   for a, b in pairwise(chunk_bounds(flat.numel(), world_size)))
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8, device=self.grads.device)
+        return self._sums, self._scratch
 
     def close(self) -> None:
         pass

@@ -173,7 +173,8 @@ class ReplicaState:
         keep = self.shape.keep_finished and self.spec.precision != "fp16"
         if self.shape.overlap_reduction:
             return OverlappedReducer(grads, gbs, keep=keep)
-        return FlatReducer(grads, gbs, keep=keep)
+        # On gloo (host memory) the out-of-place ring: no copy before the reduction
+        return FlatReducer(grads, gbs, keep=keep, out_of_place=self.device.type == "cpu")
 
     def _shard(self) -> None:
         """Shards the model over the replica's workers (planaria.worker.sharded)."""
