@@ -278,9 +278,11 @@ def render_overhead_change(before: dict[str, Any], after: dict[str, Any] | None)
     return [*out, ""]
 
 
-AB_FIGURES = (("planaria ÷ DDP, `small` (median of a run's steps)", "ratio", ".3f"),
-              ("planaria ÷ DDP, `small` (ratio of means)", "ratio_of_means", ".3f"),
+AB_FIGURES = (("planaria ÷ DDP, `{size}` (median of a run's steps)", "ratio", ".3f"),
+              ("planaria ÷ DDP, `{size}` (ratio of means)", "ratio_of_means", ".3f"),
               ("planaria ÷ DDP, `tiny`", "tiny_ratio", ".3f"),
+              ("planaria's step, `{size}` (ms)", "planaria_step_ms", ".1f"),
+              ("DDP's step, `{size}` (ms)", "ddp_step_ms", ".1f"),
               ("one step's latency, `Job.train_step` (ms)", "train_step_ms", ".1f"))
 
 
@@ -300,10 +302,13 @@ def render_overhead_ab(records: list[dict[str, Any]]) -> list[str]:
         out += [f"`{rec.get('command')}`: A `{rec['a']}`, B `{rec['b']}`, {rec['pairs']} "
                 f"pairs, {rec.get('date', 'n/a')}, {rec.get('machine', '')}", "",
                 "| figure | A | B | B - A | 95% interval |", "|---|---:|---:|---:|---|"]
+        runs = (rec.get("runs") or {}).get("a") or [{}]
+        size = runs[0].get("size", "small")
         for label, key, fmt in AB_FIGURES:
             f = rec.get(key)
             if not f:
                 continue
+            label = label.format(size=size)
             lo, hi = f["b_minus_a_ci95"]
             out.append(f"| {label} | {_f(f['a_median'], fmt)} | {_f(f['b_median'], fmt)} | "
                        f"{f['b_minus_a']:+{fmt}} | {lo:+{fmt}} to {hi:+{fmt}} |")

@@ -75,17 +75,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r = _run(tree, extra.split(), Path(args.workdir) / f"{side}{i}")
             runs[side].append(r)
             print(f"  pair {i} {side.upper()} ({_commit(tree)}): ratio {r['ratio']:.3f} "
-                  f"(planaria {r['planaria_step_ms']:.2f} ms, DDP {r['ddp_step_ms']:.2f} ms); "
-                  f"tiny {r['tiny']['ratio']:.3f}", flush=True)
+                  f"(planaria {r['planaria_step_ms']:.2f} ms, DDP {r['ddp_step_ms']:.2f} ms)"
+                  + (f"; tiny {r['tiny']['ratio']:.3f}" if r.get("tiny") else ""), flush=True)
     out: dict[str, Any] = {"bench": "overhead_ab", "a": _commit(a), "b": _commit(b),
                            "pairs": args.pairs}
-    for name, get in (("ratio", lambda r: r["ratio"]), ("tiny_ratio", lambda r: r["tiny"]["ratio"]),
+    for name, get in (("ratio", lambda r: r["ratio"]),
+                      ("tiny_ratio", lambda r: (r.get("tiny") or {}).get("ratio")),
                       ("ratio_of_means", lambda r: r["ratio_of_means"]),
-                      ("tiny_ratio_of_means", lambda r: r["tiny"]["ratio_of_means"]),
+                      ("tiny_ratio_of_means",
+                       lambda r: (r.get("tiny") or {}).get("ratio_of_means")),
+                      ("planaria_step_ms", lambda r: r["planaria_step_ms"]),
+                      ("ddp_step_ms", lambda r: r["ddp_step_ms"]),
                       ("train_step_ms", lambda r: r.get("train_step_ms"))):
         xa = [get(r) for r in runs["a"]]
         xb = [get(r) for r in runs["b"]]
-        if None in xa or None in xb:  # not measured on one side (--train-step-rounds 0)
+        if None in xa or None in xb:  # not measured (--train-step-rounds 0, --no-tiny)
             continue
         out[name] = {"a": xa, "b": xb, "a_median": statistics.median(xa),
                      "b_median": statistics.median(xb),
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{out[name]['b_minus_a']:+.3f} (95% interval {out[name]['b_minus_a_ci95'][0]:+.3f}"
               f" to {out[name]['b_minus_a_ci95'][1]:+.3f})")
     out["order"] = ["ab" if i % 2 == 0 else "ba" for i in range(args.pairs)]
+    out["date"] = time.strftime("%Y-%m-%d", time.gmtime())
     out["runs"] = runs  # every run's own figures, as overhead.py printed them
     out["wall_s"] = time.time() - t0
     out["command"] = " ".join(["python", "bench/overhead_ab.py", *sys.argv[1:]])
