@@ -414,8 +414,10 @@ def _rescore(args: argparse.Namespace, raw_root: Path) -> dict[str, Any]:
 
 
 def _command(args: argparse.Namespace, folder: Path) -> str:
+    """The commands that made the folder's runs (several sittings: each, in order)."""
     raws = records.read_raw(folder)
-    return next((str(r["command"]) for r in raws.values() if r.get("command")), "")
+    return "; ".join(dict.fromkeys(str(r["command"]) for r in raws.values()
+                                   if r.get("command")))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -183,7 +183,9 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
             spares_ratios.get("samples_per_s")),
         "spares_ratio_vs_each_peer": spares_per_peer,
         "best_peer_per_repeat": "the highest per-slot figure among the peers in each repeat",
-        "runs": {system: {str(rep): {v: {"name": run["name"], **_compact(run["figures"])}
+        "runs": {system: {str(rep): {v: {"name": run["name"],
+                                         "commit": str(run["raw"].get("commit") or "")[:12],
+                                         **_compact(run["figures"])}
                                     for v, run in runs[system].get(rep, {}).items()}
                           for rep in repeats} for system in runs},
         "chosen_variant": {s: [None if c is None else c["raw"]["variant"] for c in cs]

@@ -210,9 +210,16 @@ def _ok(met: bool | None) -> str:
     return "—" if met is None else ("met" if met else "**missed**")
 
 
+def _commits(commit: Any) -> str:
+    """A record's commit, or the commits of a result scored from runs at several."""
+    if isinstance(commit, list):
+        return ", ".join(str(c)[:12] for c in commit)
+    return str(commit or "")[:12]
+
+
 def _header(rec: dict[str, Any]) -> list[str]:
     lines = [f"Command: `{rec['command']}` — {rec['date']}"
-             + (f", commit `{rec['commit'][:12]}`" if rec.get("commit") else "")]
+             + (f", commit `{_commits(rec['commit'])}`" if rec.get("commit") else "")]
     load = rec["result"].get("loadavg") or {}
     before = rec.get("loadavg_before") or load.get("before")
     after = rec.get("loadavg_after") or load.get("after")
@@ -968,7 +975,13 @@ def render_gpu(rec: dict[str, Any], tests: dict[str, Any] | None = None) -> list
 def stale_mark(rec: dict[str, Any], head: str) -> str | None:
     """The line that marks a section measured at another commit than this checkout's:
     "from <commit>" (None when it is this checkout's, or no commit is known here)."""
-    commit_of = str(rec.get("commit") or "")
+    commit_of = rec.get("commit") or ""
+    if isinstance(commit_of, list):  # runs at several commits: stale unless all are HEAD
+        if not head or all(str(c).removesuffix("-dirty") == head for c in commit_of):
+            return None
+        return (f"**From commits {_commits(commit_of)}** (this page's checkout: {head[:12]}): "
+                "each run at the commit listed below, not re-run since.")
+    commit_of = str(commit_of)
     if not head or commit_of.removesuffix("-dirty") == head:
         return None
     return (f"**From {commit_of[:12] or 'an unrecorded commit'}** (this page's checkout: "
@@ -1031,6 +1044,18 @@ def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
         out += ["", f"**{n} repeat(s) of the {stats.MIN_FOR_CLAIM} a claim needs**: the "
                 "figures are single runs, their \"intervals\" the values themselves; no "
                 "claim (—) is made from them."]
+    notes = _REPO / str(rec.get("recomputed_from") or "-") / "NOTES.md"
+    if rec.get("recomputed_from") and notes.is_file():  # what the raw records' folder says
+        out += ["", *notes.read_text().strip().splitlines()]
+    ran_at: dict[str, list[str]] = {}
+    for by_rep in (d.get("runs") or {}).values():
+        for rep, by_v in by_rep.items():
+            for v, fig in by_v.items():
+                ran_at.setdefault(f"`{fig.get('commit') or 'unrecorded'}`", []).append(
+                    f"{v} r{rep}")
+    if ran_at:
+        out += ["", "Runs by the commit they ran at: " + "; ".join(
+            f"{c}: {', '.join(sorted(names))}" for c, names in sorted(ran_at.items())) + "."]
     widths = [f"{v} r{rep}: {fig.get('step_ms_by_width')}"
               for by_rep in (d.get("runs") or {}).values() for rep, by_v in by_rep.items()
               for v, fig in by_v.items()]
