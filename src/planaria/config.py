@@ -295,10 +295,11 @@ class RunConfig:
     planaria.worker.reduce_overlapped)."""
     keep_finished_micro_batches: bool = True
     """When a worker dies during a step, the survivors keep the micro-batches they finished
-    and only the rest is computed again (docs/design.md, "Keeping finished micro-batches"):
-    each rank copies its gradient just before its all-reduce starts (one memory copy of the
-    gradient a step, into memory allocated once: ~0.1 % of the medium bench model's step).
-    False: no copy, and a failed step is computed again whole."""
+    and only the rest is computed again (docs/design.md, "Keeping finished micro-batches").
+    On gloo it costs nothing a step (the gradient is summed out of place and a failed
+    step's own sum is kept where it is); with NCCL each rank copies its gradient just
+    before its all-reduce starts (a device-memory pass, into memory allocated once).
+    False: a failed step is computed again whole."""
     prefetch: bool | None = None
     """Load the next step's samples in a background thread while this step computes. None
     (auto): only where the node has a core to spare for it (more cores than the planaria

@@ -23,6 +23,42 @@ def test_the_copy_holds_saved_regions_as_saved_and_the_others_as_they_are() -> N
     assert flat.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
+def test_a_live_hold_keeps_the_buffers_until_resumed_or_zeroes_them_at_the_next_attempt(
+) -> None:
+    """Out of place (the ring never writes the buffers): a failed step's own sum stays where
+    it is, nothing copied; the reducer's drop leaves it; a resume finds it; an attempt
+    started without one begins from zero."""
+    flat = torch.arange(4.0)
+    copy = GradientCopy([flat], live=True)
+    copy.arm()
+    copy.hold()
+    assert copy.holding and copy.pairs == []  # nothing allocated, nothing copied
+    copy.restore()
+    assert flat.tolist() == [0.0, 1.0, 2.0, 3.0] and not copy.holding
+    copy.arm()  # the resumed attempt: its held sum stays, new micro-batches add to it
+    assert flat.tolist() == [0.0, 1.0, 2.0, 3.0]
+    copy.hold()
+    copy.arm()  # a fresh attempt, the held sum not resumed
+    assert flat.tolist() == [0.0] * 4 and not copy.holding
+
+
+def test_the_flat_reducer_does_not_drop_a_live_held_sum() -> None:
+    from planaria.worker.reduce import FlatGradients, FlatReducer
+
+    model = torch.nn.Linear(2, 1)
+    reducer = FlatReducer(FlatGradients(list(model.parameters()), torch.device("cpu")), 8,
+                          out_of_place=True)
+    model(torch.ones(1, 2)).sum().backward()
+    copy = reducer.gradient_copy()
+    assert copy is not None and copy.live
+    copy.hold()
+    reducer.zero()  # the failed step's drop
+    assert model.weight.grad is not None and model.weight.grad.tolist() == [[1.0, 1.0]]
+    copy.arm()
+    reducer.zero()
+    assert not model.weight.grad.any()
+
+
 def test_the_copy_is_allocated_once() -> None:
     flat = torch.ones(4)
     copy = GradientCopy([flat])

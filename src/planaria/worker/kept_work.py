@@ -3,14 +3,15 @@
 When a worker dies during step s, each survivor has finished some of its micro-batches:
 their gradients are summed in its flat gradient buffers. On gloo the
 :class:`~planaria.worker.reduce.FlatReducer` sums them out of place
-(:mod:`planaria.worker.ring`), so they are whole after a failed reduction, and copied
-once, then. An in-place all-reduce (NCCL's, the overlapped reducer's buckets) broken half
-way leaves partial sums: :class:`GradientCopy` copies each region of the buffers just
-before that region's all-reduce starts (the whole buffers, or a bucket), into memory
-allocated once. After the failure (``RunLoop.settle``), :class:`KeptWork` completes
-the copy from the regions no reduction touched and reports
-which micro-batches it holds (:class:`~planaria.wire.reports.HeldWork`), with their
-loss, metric and sample sums and what they were served. The controller resumes the step
+(:mod:`planaria.worker.ring`), so they are whole after a failed reduction and kept where
+they are: nothing is copied, before or after. An in-place all-reduce (NCCL's, the
+overlapped reducer's buckets) broken half way leaves partial sums: :class:`GradientCopy`
+copies each region of the buffers just before that region's all-reduce starts (the whole
+buffers, or a bucket), into memory allocated once. After the failure
+(``RunLoop.settle``), :class:`KeptWork` completes the copy from the regions no reduction
+touched and reports which micro-batches it holds
+(:class:`~planaria.wire.reports.HeldWork`), with their loss, metric and sample sums and
+what they were served. The controller resumes the step
 (:mod:`planaria.control.carry_plan`): the survivor restores the copy into its buffers,
 computes only the micro-batches it is given on top, and reduces as usual. Each
 micro-batch is seeded by its global number, so the result equals the fault-free step up
@@ -38,10 +39,16 @@ __all__ = ["GradientCopy", "HeldSums", "KeptWork"]
 
 class GradientCopy:
     """Copies of regions of the flat gradient buffers, each taken just before the region's
-    reduction starts in the current attempt (:meth:`save`); allocated once, at the first."""
+    reduction starts in the current attempt (:meth:`save`); allocated once, at the first.
+
+    ``live``: the reduction never writes the buffers (the out-of-place ring), so after a
+    failed one they hold this rank's own sum as they are: :meth:`hold` keeps them (nothing
+    copied, and :attr:`holding` tells the reducer not to zero them), :meth:`restore`
+    finds them in place, and an attempt armed without a restore starts them from zero."""
 
     def __init__(self, buffers: Sequence[torch.Tensor],
-                 places: Sequence[tuple[int, int, int]] | None = None) -> None:
+                 places: Sequence[tuple[int, int, int]] | None = None, *,
+                 live: bool = False) -> None:
         """``places``: the regions as (buffer index, start, end); None: each buffer whole."""
         self.buffers = list(buffers)
         self.places = (list(places) if places is not None
@@ -49,10 +56,17 @@ class GradientCopy:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer's, copy's)
         self.saved = [0] * len(self.places)  # the attempt each region was last saved in
         self.attempt = 1
+        self.live = live
+        self.holding = False  # live: the buffers hold a failed attempt's sum, kept
 
     def arm(self) -> None:
-        """A step attempt starts: no region is saved in it yet."""
+        """A step attempt starts: no region is saved in it yet (live: a sum held and not
+        restored is dropped now, the zeroing its failed attempt's drop left undone)."""
         self.attempt += 1
+        if self.holding:
+            self.holding = False
+            for b in self.buffers:
+                b.zero_()
 
     def save(self, region: int) -> None:
         """Copies region ``region`` (its reduction starts next)."""
@@ -68,13 +82,19 @@ class GradientCopy:
 
     def hold(self) -> None:
         """After a failed reduction: the regions no reduction started are copied too, so
-        the copy holds this rank's own sum whole."""
+        the copy holds this rank's own sum whole (live: the buffers are kept as they are)."""
+        if self.live:
+            self.holding = True
+            return
         for region in range(len(self.places)):
             if self.saved[region] != self.attempt:
                 self.save(region)
 
     def restore(self) -> None:
-        """The copy back into the buffers."""
+        """The copy back into the buffers (live: the buffers held it all along)."""
+        if self.live:
+            self.holding = False
+            return
         for live, copy in self.pairs:
             live.copy_(copy)
 

@@ -197,13 +197,13 @@ class FlatReducer:
                  keep: bool = True, out_of_place: bool = False) -> None:
         """``keep``: this rank's own gradient sum survives a failed reduction
         (:meth:`gradient_copy`). ``out_of_place`` (gloo): the sum goes into a second set of
-        buffers (:mod:`planaria.worker.ring`), the own sum left whole, so that nothing is
-        copied before the reduction; otherwise the in-place all-reduce, and with ``keep``
-        a copy of the gradient before it."""
+        buffers (:mod:`planaria.worker.ring`), the own sum left whole in the buffers, where
+        a failed step's is kept (nothing copied); otherwise the in-place all-reduce, and
+        with ``keep`` a copy of the gradient before it."""
         self.grads = grads
         self.global_batch_size = global_batch_size
         self.out_of_place = out_of_place
-        self.copy = GradientCopy(grads.buffers) if keep else None
+        self.copy = GradientCopy(grads.buffers, live=out_of_place) if keep else None
         self._sums: FlatGradients | None = None  # where the ring writes the sum
         self._scratch: torch.Tensor | None = None  # where it receives peers' chunks
         self._ring: Any = None  # the last ring (its thread outlives a ring left on an abort)
@@ -216,7 +216,8 @@ class FlatReducer:
         return self.grads.buffers
 
     def zero(self) -> None:
-        self.grads.zero()
+        if self.copy is None or not self.copy.holding:  # held: kept until resumed or armed
+            self.grads.zero()
         if self._summed:  # the next step accumulates into the own buffers again
             self.grads.attach()
             self._summed = False
