@@ -208,6 +208,10 @@ class FlatReducer:
         self._scratch: torch.Tensor | None = None  # where it receives peers' chunks
         self._ring: Any = None  # the last ring (its thread outlives a ring left on an abort)
         self._summed = False  # the parameters' .grad are views of the sums
+        if out_of_place:  # allocated and touched here, not in a joiner's first step
+            self._ring_buffers(2)  # a chunk at width 2 is the largest at any width
+            assert self._scratch is not None
+            self._scratch.zero_()
 
     def gradients(self) -> list[torch.Tensor]:
         if self._summed:
