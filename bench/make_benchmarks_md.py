@@ -1048,17 +1048,16 @@ def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
     if rec.get("recomputed_from") and notes.is_file():  # what the raw records' folder says
         out += ["", *notes.read_text().strip().splitlines()]
     ran_at: dict[str, list[str]] = {}
+    widths: list[str] = []
     for by_rep in (d.get("runs") or {}).values():
         for rep, by_v in by_rep.items():
             for v, fig in by_v.items():
                 ran_at.setdefault(f"`{fig.get('commit') or 'unrecorded'}`", []).append(
                     f"{v} r{rep}")
+                widths.append(f"{v} r{rep}: {fig.get('step_ms_by_width')}")
     if ran_at:
         out += ["", "Runs by the commit they ran at: " + "; ".join(
             f"{c}: {', '.join(sorted(names))}" for c, names in sorted(ran_at.items())) + "."]
-    widths = [f"{v} r{rep}: {fig.get('step_ms_by_width')}"
-              for by_rep in (d.get("runs") or {}).values() for rep, by_v in by_rep.items()
-              for v, fig in by_v.items()]
     if widths:
         out += ["", "Mean step ms by width (goodput charges every useful step the full-width "
                 "step time: where a narrower width runs faster, as with 3 workers on 2 cores, "

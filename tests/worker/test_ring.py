@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from planaria.faults.errors import StepAborted
 from planaria.worker.collective import Collective
-from planaria.worker.ring import RingPart, chunk_bounds
+from planaria.worker.ring import RingPart, scratch_bytes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,10 +35,8 @@ def _parts(rank: int) -> tuple[list[torch.Tensor], list[RingPart], torch.Tensor]
     srcs = _sources(rank)
     parts = [RingPart(s, torch.full_like(s, float("nan")), k)
              for s, (_, _, k) in zip(srcs, SIZES, strict=True)]
-    need = max((b - a) * s.element_size() for s in srcs
-               for a, b in zip(chunk_bounds(s.numel(), 3), chunk_bounds(s.numel(), 3)[1:],
-                               strict=False))
-    return [s.clone() for s in srcs], parts, torch.empty(need, dtype=torch.uint8)
+    scratch = torch.empty(scratch_bytes(srcs, 3), dtype=torch.uint8)
+    return [s.clone() for s in srcs], parts, scratch
 
 
 def _rank(rank: int, world: int, port: int, mode: str, q: mp.Queue) -> None:

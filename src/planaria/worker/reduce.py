@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from itertools import pairwise
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from planaria.worker.collective import Collective
 from planaria.worker.kept_work import GradientCopy
-from planaria.worker.ring import RingPart, chunk_bounds
+from planaria.worker.ring import RingPart, RingSum, scratch_bytes
 
 __all__ = [
     "FP32_EXACT_COUNT",
@@ -206,7 +205,7 @@ class FlatReducer:
         self.copy = GradientCopy(grads.buffers, live=out_of_place) if keep else None
         self._sums: FlatGradients | None = None  # where the ring writes the sum
         self._scratch: torch.Tensor | None = None  # where it receives peers' chunks
-        self._ring: Any = None  # the last ring (its thread outlives a ring left on an abort)
+        self._ring: RingSum | None = None  # the last (its thread outlives one left on an abort)
         self._summed = False  # the parameters' .grad are views of the sums
         if out_of_place:  # allocated and touched here, not in a joiner's first step
             self._ring_buffers(2)  # a chunk at width 2 is the largest at any width
@@ -280,7 +279,7 @@ class FlatReducer:
         parts = [RingPart(src, dst, own.numel()) for src, dst, own in
                  zip(self.grads.reduced, sums.reduced, self.grads.buffers, strict=True)]
         works = comm.ring_sum_start(parts, scratch)
-        self._ring = works[0]
+        self._ring = ring = works[0]
         meanwhile()
         comm.wait_all(works)
         if small:
@@ -290,7 +289,7 @@ class FlatReducer:
             status.copy_(sums.tail[: len(status)])
         sums.attach()
         self._summed = True
-        return math.sqrt(self._ring.square_sum)  # NaN or inf where an element is
+        return math.sqrt(ring.square_sum)  # NaN or inf where an element is
 
     def _ring_buffers(self, world_size: int) -> tuple[FlatGradients, torch.Tensor]:
         """The sums' buffers and the scratch, allocated at the first ring, and again where
@@ -299,8 +298,7 @@ class FlatReducer:
             self._sums = self._scratch = None  # the old ones stay with that ring's thread
         if self._sums is None:
             self._sums = self.grads.twin()
-        need = max((b - a) * flat.element_size() for flat in self.grads.reduced
-                   for a, b in pairwise(chunk_bounds(flat.numel(), world_size)))
+        need = scratch_bytes(self.grads.reduced, world_size)
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8, device=self.grads.device)
         return self._sums, self._scratch

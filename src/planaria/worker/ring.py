@@ -5,7 +5,7 @@ Why: gloo's all-reduce works in place, so a survivor whose peer died half way th
 partial sums. Keeping its finished micro-batches (:mod:`planaria.worker.kept_work`) then
 needed a copy of the gradient before every all-reduce, a pass over the gradient a step
 for a kill that lands in one step of thousands. Here the source is never written: a failed
-step's own sum is intact, and copied once, after the failure. The ring moves the bytes
+step's own sum is intact where it is, and kept there. The ring moves the bytes
 gloo's own ring moves (2 (R - 1) / R of the buffer each way) and does the same additions,
 out of place (3 gloo ranks x 84.6M floats x 1 thread on the 2-core box, medians of 11:
 350 ms, against 325 for gloo's in-place all-reduce and 400 for a copy and that).
@@ -28,11 +28,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import pairwise
 from typing import Any
 
 import torch
 
-__all__ = ["RING_TAG", "RingPart", "RingSum", "chunk_bounds"]
+__all__ = ["RING_TAG", "RingPart", "RingSum", "chunk_bounds", "scratch_bytes"]
 
 RING_TAG = 1 << 24
 """Point-to-point tags from here on are the ring's; a generation's other transfers (a state
@@ -55,13 +56,20 @@ def chunk_bounds(numel: int, world_size: int) -> list[int]:
     return [numel * i // world_size for i in range(world_size + 1)]
 
 
+def scratch_bytes(buffers: Sequence[torch.Tensor], world_size: int) -> int:
+    """The scratch a ring of ``buffers`` over ``world_size`` ranks needs: its largest chunk,
+    in bytes."""
+    return max((b - a) * t.element_size() for t in buffers
+               for a, b in pairwise(chunk_bounds(t.numel(), world_size)))
+
+
 class RingSum:
     """One out-of-place ring all-reduce of ``parts`` over the group ``pg``, on a thread.
 
     Contract: every rank starts one with parts of the same sizes and dtypes, in the same
     order. Each ``src`` is read, never written; each ``dst`` is written whole, and holds the
     sum, bit for bit the same on every rank, once :meth:`wait` returns; ``scratch`` (bytes,
-    1-D ``torch.uint8``, at least a chunk of the largest part: :func:`chunk_bounds`)
+    1-D ``torch.uint8``, at least :func:`scratch_bytes` of the sources)
     receives peers' chunks.
     :attr:`square_sum` is then the sum of the squares of every ``dst[:norm_numel]``, the
     same on every rank (NaN or inf where an element is). :meth:`wait` raises the
