@@ -311,15 +311,18 @@ def render_overhead_ab(records: list[dict[str, Any]]) -> list[str]:
                 "| figure | A | B | B - A | 95% interval |", "|---|---:|---:|---:|---|"]
         runs = (rec.get("runs") or {}).get("a") or [{}]
         size = runs[0].get("size", "small")
+        invalid = set(rec.get("invalid_figures") or ())
         for label, key, fmt in AB_FIGURES:
             f = rec.get(key)
-            if not f:
+            if not f or key in invalid:  # a record's own note says why (below)
                 continue
             label = label.format(size=size)
             lo, hi = f["b_minus_a_ci95"]
             out.append(f"| {label} | {_f(f['a_median'], fmt)} | {_f(f['b_median'], fmt)} | "
                        f"{f['b_minus_a']:+{fmt}} | {lo:+{fmt}} to {hi:+{fmt}} |")
         out.append("")
+        if rec.get("note"):
+            out += [f"Note: {rec['note']}", ""]
     return out
 
 

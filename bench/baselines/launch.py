@@ -28,6 +28,7 @@ __all__ = [
     "commit_record",
     "descendants",
     "free_port",
+    "fresh_log",
     "kill_logged",
     "kill_tree",
     "log_tail",
@@ -178,6 +179,14 @@ def log_tail(log: Path | None, lines: int = 25) -> str:
         return ""
     tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
     return f"; the last lines of {log}:\n" + "\n".join(tail)
+
+
+def fresh_log(path: Path) -> Path:
+    """``path``, emptied: a run's log holds that run's rows alone. The runners append to it
+    (a restarted rank goes on in the same file), so a workdir used again would otherwise
+    mix an earlier run's steps into this one's figures."""
+    path.unlink(missing_ok=True)
+    return path
 
 
 def workdir_path(workdir: str | os.PathLike | None, prefix: str) -> Path:

@@ -60,6 +60,7 @@ def run_nvrx_steady(
     wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="nvrx_"))
     wd.mkdir(parents=True, exist_ok=True)
     log, out = wd / "nvrx.jsonl", wd / "ft_launcher.log"
+    log.unlink(missing_ok=True)  # this run's rows alone (the workdir may be used again)
     cmd = [ft_launcher(python), "--nnodes=1", f"--nproc-per-node={nproc}", "--max-restarts=0",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
            "--monitor-interval=0.1", f"--ft-initial-rank-heartbeat-timeout={timeout_s}",

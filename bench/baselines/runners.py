@@ -126,7 +126,7 @@ def run_ddp_steady(
     if steps <= warmup:
         raise ValueError(f"steps={steps} must exceed warmup={warmup}")
     wd = launch.workdir_path(workdir, "ddp_steady_")
-    log = wd / "ddp.jsonl"
+    log = launch.fresh_log(wd / "ddp.jsonl")
     args = [
         str(launch.HERE / "ddp_train.py"),
         f"--steps={steps}",
@@ -182,7 +182,7 @@ def run_hsdp_steady(
     if steps <= warmup:
         raise ValueError(f"steps={steps} must exceed warmup={warmup}")
     wd = launch.workdir_path(workdir, "hsdp_steady_")
-    log = wd / "hsdp.jsonl"
+    log = launch.fresh_log(wd / "hsdp.jsonl")
     nproc = replicas * shards
     args = [
         str(launch.HERE / "hsdp_train.py"),
@@ -239,7 +239,7 @@ def run_torchrun_kill(
     if not warmup < kill_at_step < steps - 1:
         raise ValueError("need warmup < kill_at_step < steps - 1")
     wd = launch.workdir_path(workdir, "ddp_restart_")
-    log = wd / "ddp_restart.jsonl"
+    log = launch.fresh_log(wd / "ddp_restart.jsonl")
     cmd = [
         *_torchrun(nproc, max_restarts),
         str(launch.HERE / "ddp_ckpt_restart.py"),
@@ -352,7 +352,7 @@ def run_torchrun_faults(
     ``ckpt_save_ms`` (rank 0's save times) and the configuration.
     """
     wd = launch.workdir_path(workdir, "ddp_faults_")
-    log = wd / "ddp_restart.jsonl"
+    log = launch.fresh_log(wd / "ddp_restart.jsonl")
     cmd = [
         *_torchrun(nproc, max_restarts),
         str(launch.HERE / "ddp_ckpt_restart.py"),

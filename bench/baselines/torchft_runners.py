@@ -160,7 +160,7 @@ def run_torchft_kill(
         raise ValueError("groups must be >= 2 (survivors are needed)")
     victim = groups - 1 if victim is None else victim
     wd = launch.workdir_path(workdir, "torchft_kill_")
-    log = wd / "torchft.jsonl"
+    log = launch.fresh_log(wd / "torchft.jsonl")
     lh_port = launch.free_port()
     lighthouse, script = torchft_commands(
         config, lh_port, max(1, groups - 1), 60_000,
@@ -280,7 +280,7 @@ def run_torchft_steady(
     if steps <= warmup:
         raise ValueError(f"steps={steps} must exceed warmup={warmup}")
     wd = launch.workdir_path(workdir, "torchft_steady_")
-    log = wd / "torchft.jsonl"
+    log = launch.fresh_log(wd / "torchft.jsonl")
     lh_port = launch.free_port()
     lighthouse, cmd = torchft_commands(
         config, lh_port, groups, 60_000,
@@ -370,7 +370,7 @@ def run_torchft_faults(
     window that did not commit, over all groups), ``config`` and ``torchft_version``.
     """
     wd = launch.workdir_path(workdir, "torchft_faults_")
-    log = wd / "torchft.jsonl"
+    log = launch.fresh_log(wd / "torchft.jsonl")
     lh_port = launch.free_port()
     lighthouse, script = torchft_commands(
         config, lh_port, min_replicas, join_timeout_ms,
