@@ -8,7 +8,7 @@ import torch
 
 from planaria.faults.errors import PlanariaError
 from planaria.wire.reports import CarriedStep, HeldWork, Served
-from planaria.worker.kept_work import GradientCopy, KeptWork
+from planaria.worker.kept_work import GradientCopy, GradientKeptInPlace, KeptWork
 
 
 def test_the_copy_holds_saved_regions_as_saved_and_the_others_as_they_are() -> None:
@@ -29,10 +29,12 @@ def test_a_live_hold_keeps_the_buffers_until_resumed_or_zeroes_them_at_the_next_
     it is, nothing copied; the reducer's drop leaves it; a resume finds it; an attempt
     started without one begins from zero."""
     flat = torch.arange(4.0)
-    copy = GradientCopy([flat], live=True)
+    copy = GradientKeptInPlace([flat])
     copy.arm()
+    copy.save_all()  # the ring starts: nothing copied
+    flat_before = flat.data_ptr()
     copy.hold()
-    assert copy.holding and copy.pairs == []  # nothing allocated, nothing copied
+    assert copy.holding and flat.data_ptr() == flat_before
     copy.restore()
     assert flat.tolist() == [0.0, 1.0, 2.0, 3.0] and not copy.holding
     copy.arm()  # the resumed attempt: its held sum stays, new micro-batches add to it
@@ -50,7 +52,7 @@ def test_the_flat_reducer_does_not_drop_a_live_held_sum() -> None:
                           out_of_place=True)
     model(torch.ones(1, 2)).sum().backward()
     copy = reducer.gradient_copy()
-    assert copy is not None and copy.live
+    assert isinstance(copy, GradientKeptInPlace)
     copy.hold()
     reducer.zero()  # the failed step's drop
     assert model.weight.grad is not None and model.weight.grad.tolist() == [[1.0, 1.0]]

@@ -4,12 +4,13 @@ When a worker dies during step s, each survivor has finished some of its micro-b
 their gradients are summed in its flat gradient buffers. On gloo the
 :class:`~planaria.worker.reduce.FlatReducer` sums them out of place
 (:mod:`planaria.worker.ring`), so they are whole after a failed reduction and kept where
-they are: nothing is copied, before or after. An in-place all-reduce (NCCL's, the
-overlapped reducer's buckets) broken half way leaves partial sums: :class:`GradientCopy`
-copies each region of the buffers just before that region's all-reduce starts (the whole
-buffers, or a bucket), into memory allocated once. After the failure
-(``RunLoop.settle``), :class:`KeptWork` completes the copy from the regions no reduction
-touched and reports which micro-batches it holds
+they are (:class:`GradientKeptInPlace`): nothing is copied, before or after. An in-place
+all-reduce (NCCL's, the overlapped reducer's buckets) broken half way leaves partial sums:
+:class:`GradientCopy` copies each region of the buffers just before that region's
+all-reduce starts (the whole buffers, or a bucket), into memory allocated once; both keep
+the :class:`HeldGradient` contract. After the failure (``RunLoop.settle``),
+:class:`KeptWork` completes the copy from the regions no reduction touched and reports
+which micro-batches it holds
 (:class:`~planaria.wire.reports.HeldWork`), with their loss, metric and sample sums and
 what they were served. The controller resumes the step
 (:mod:`planaria.control.carry_plan`): the survivor restores the copy into its buffers,
@@ -28,27 +29,55 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from planaria.faults.errors import PlanariaError
 from planaria.wire.reports import CarriedStep, HeldWork, Served
 
-__all__ = ["GradientCopy", "HeldSums", "KeptWork"]
+__all__ = ["GradientCopy", "GradientKeptInPlace", "HeldGradient", "HeldSums", "KeptWork"]
+
+
+class HeldGradient(Protocol):
+    """Where a failed step attempt's own gradient sum is kept until the step resumes.
+
+    The engine calls :meth:`arm` as each attempt starts; a reducer calls :meth:`save` (or
+    :meth:`save_all`) just before a region's reduction starts, and asks :attr:`holding`
+    before it zeroes the buffers; :class:`KeptWork` calls :meth:`hold` after a failed
+    attempt and :meth:`restore` when the step resumes. After ``hold``, ``restore`` puts
+    this rank's own sum (never a partial one) back into the buffers; an attempt armed
+    without a restore starts from zero buffers."""
+
+    @property
+    def holding(self) -> bool:
+        """The buffers themselves hold a failed attempt's sum: the reducer must not zero them."""
+
+    def arm(self) -> None:
+        """A step attempt starts."""
+
+    def save(self, region: int) -> None:
+        """Region ``region``'s reduction starts next."""
+
+    def save_all(self) -> None:
+        """Every region's reduction starts next."""
+
+    def hold(self) -> None:
+        """After a failed reduction: keep this rank's own sum."""
+
+    def restore(self) -> None:
+        """The held sum back in the buffers (the step resumes)."""
 
 
 class GradientCopy:
-    """Copies of regions of the flat gradient buffers, each taken just before the region's
-    reduction starts in the current attempt (:meth:`save`); allocated once, at the first.
+    """:class:`HeldGradient` for an in-place reduction: copies of regions of the flat
+    gradient buffers, each taken just before the region's reduction starts in the current
+    attempt (:meth:`save`); allocated once, at the first."""
 
-    ``live``: the reduction never writes the buffers (the out-of-place ring), so after a
-    failed one they hold this rank's own sum as they are: :meth:`hold` keeps them (nothing
-    copied, and :attr:`holding` tells the reducer not to zero them), :meth:`restore`
-    finds them in place, and an attempt armed without a restore starts them from zero."""
+    holding = False  # the buffers are the reduction's: the copy holds the sum
 
     def __init__(self, buffers: Sequence[torch.Tensor],
-                 places: Sequence[tuple[int, int, int]] | None = None, *,
-                 live: bool = False) -> None:
+                 places: Sequence[tuple[int, int, int]] | None = None) -> None:
         """``places``: the regions as (buffer index, start, end); None: each buffer whole."""
         self.buffers = list(buffers)
         self.places = (list(places) if places is not None
@@ -56,17 +85,10 @@ class GradientCopy:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer's, copy's)
         self.saved = [0] * len(self.places)  # the attempt each region was last saved in
         self.attempt = 1
-        self.live = live
-        self.holding = False  # live: the buffers hold a failed attempt's sum, kept
 
     def arm(self) -> None:
-        """A step attempt starts: no region is saved in it yet (live: a sum held and not
-        restored is dropped now, the zeroing its failed attempt's drop left undone)."""
+        """A step attempt starts: no region is saved in it yet."""
         self.attempt += 1
-        if self.holding:
-            self.holding = False
-            for b in self.buffers:
-                b.zero_()
 
     def save(self, region: int) -> None:
         """Copies region ``region`` (its reduction starts next)."""
@@ -82,25 +104,49 @@ class GradientCopy:
 
     def hold(self) -> None:
         """After a failed reduction: the regions no reduction started are copied too, so
-        the copy holds this rank's own sum whole (live: the buffers are kept as they are)."""
-        if self.live:
-            self.holding = True
-            return
+        the copy holds this rank's own sum whole."""
         for region in range(len(self.places)):
             if self.saved[region] != self.attempt:
                 self.save(region)
 
     def restore(self) -> None:
-        """The copy back into the buffers (live: the buffers held it all along)."""
-        if self.live:
-            self.holding = False
-            return
+        """The copy back into the buffers."""
         for live, copy in self.pairs:
             live.copy_(copy)
 
     def _allocate(self) -> None:
         copies = [torch.empty_like(b) for b in self.buffers]
         self.pairs = [(self.buffers[i][a:b], copies[i][a:b]) for i, a, b in self.places]
+
+
+class GradientKeptInPlace:
+    """:class:`HeldGradient` for an out-of-place reduction (the ring never writes the
+    buffers): after a failed one they hold this rank's own sum as they are. :meth:`hold`
+    keeps them (nothing copied; :attr:`holding` tells the reducer not to zero them),
+    :meth:`restore` finds them in place, and an attempt armed without a restore zeroes
+    them, the drop its failed attempt left undone."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.buffers = list(buffers)
+        self.holding = False
+
+    def arm(self) -> None:
+        if self.holding:
+            self.holding = False
+            for b in self.buffers:
+                b.zero_()
+
+    def save(self, region: int) -> None:
+        pass  # the reduction leaves the buffers as they are
+
+    def save_all(self) -> None:
+        pass
+
+    def hold(self) -> None:
+        self.holding = True
+
+    def restore(self) -> None:
+        self.holding = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,7 +180,7 @@ class KeptWork:
         self.held: HeldSums | None = None
 
     def start(self, step: int, first: int, numbers: tuple[int, ...] | None,
-              prior: HeldSums | None, copy: GradientCopy | None, count: int = 0) -> None:
+              prior: HeldSums | None, copy: HeldGradient | None, count: int = 0) -> None:
         """A step attempt starts on micro-batches ``first .. first + count - 1`` (or
         ``numbers``)."""
         self.step, self.first, self.numbers, self.prior = step, first, numbers, prior
@@ -150,7 +196,7 @@ class KeptWork:
         self.done, self.loss_sum, self.metric_sums = done, loss_sum, metric_sums
 
     def resume(self, carry: CarriedStep, steps_done: int,
-               copy: GradientCopy | None) -> HeldSums | None:
+               copy: HeldGradient | None) -> HeldSums | None:
         """Step ``carry.step`` resumes here with ``carry.kept`` held: the held gradient goes
         back into the buffers. Returns what is held (None: nothing, ``carry.kept`` empty)."""
         if not carry.kept:
@@ -166,7 +212,7 @@ class KeptWork:
         copy.restore()
         return held
 
-    def settle(self, steps_done: int, pending: int | None, copy: GradientCopy | None,
+    def settle(self, steps_done: int, pending: int | None, copy: HeldGradient | None,
                keepable: bool) -> HeldWork | None:
         """After a failed run: what this rank holds of its failed step, if it can keep it
         (see the module doc; ``micro_batches`` empty: none finished); the copy then holds its

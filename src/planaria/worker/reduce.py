@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from planaria.worker.collective import Collective
-from planaria.worker.kept_work import GradientCopy
+from planaria.worker.kept_work import GradientCopy, GradientKeptInPlace, HeldGradient
 from planaria.worker.ring import RingPart, RingSum, scratch_bytes
 
 __all__ = [
@@ -105,7 +105,7 @@ class Reducer(Protocol):
         """Removes what the reducer installed on the model (hooks)."""
         ...
 
-    def gradient_copy(self) -> GradientCopy | None:
+    def gradient_copy(self) -> HeldGradient | None:
         """The copy of this rank's own gradient sum taken as each region's reduction
         starts (:mod:`planaria.worker.kept_work`); None: this reducer keeps none."""
         ...
@@ -202,7 +202,10 @@ class FlatReducer:
         self.grads = grads
         self.global_batch_size = global_batch_size
         self.out_of_place = out_of_place
-        self.copy = GradientCopy(grads.buffers, live=out_of_place) if keep else None
+        self.copy: HeldGradient | None = None
+        if keep:
+            self.copy = (GradientKeptInPlace(grads.buffers) if out_of_place
+                         else GradientCopy(grads.buffers))
         self._sums: FlatGradients | None = None  # where the ring writes the sum
         self._scratch: torch.Tensor | None = None  # where it receives peers' chunks
         self._ring: RingSum | None = None  # the last (its thread outlives one left on an abort)
@@ -306,5 +309,5 @@ class FlatReducer:
     def close(self) -> None:
         pass
 
-    def gradient_copy(self) -> GradientCopy | None:
+    def gradient_copy(self) -> HeldGradient | None:
         return self.copy

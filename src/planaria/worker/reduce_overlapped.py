@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from planaria.worker.collective import Collective
-from planaria.worker.kept_work import GradientCopy
+from planaria.worker.kept_work import GradientCopy, HeldGradient
 from planaria.worker.reduce import FlatGradients, FlatReducer, global_norm
 
 __all__ = ["BUCKET_BYTES", "GradientBuckets", "OverlappedReducer"]
@@ -193,5 +193,5 @@ class OverlappedReducer:
     def close(self) -> None:
         self.buckets.remove()
 
-    def gradient_copy(self) -> GradientCopy | None:
+    def gradient_copy(self) -> HeldGradient | None:
         return self.buckets.copy
