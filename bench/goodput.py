@@ -465,7 +465,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "size": args.size, "replicas": args.replicas, "duration_s": run["t1"] - run["t0"],
                "kill_every_s": args.kill_every_s, "global_batch": common.GLOBAL_BATCH,
                "loadavg_before": before, "loadavg_after": common.loadavg(),
-               "wall_s": round(time.time() - t0, 1), "commit": commit, "command": command}
+               "wall_s": round(time.time() - t0, 1), "commit": commit, "command": command,
+               "machine": records.machine()}
         records.write_raw(folder, planned.name, raw)
         found = _step_s_of(raw)
         step_s = found if step_s is None or (found and found < step_s) else step_s

@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, run in _repeat(args, i, wd, ft_config).items():
             records.write_raw(folder, f"{name}-r{i}", {
                 **run, "loadavg_before": before, "loadavg_after": common.loadavg(),
-                "commit": commit, "command": command, "size": args.size})
+                "commit": commit, "command": command, "size": args.size,
+                "machine": records.machine()})
     paired = summarize(records.read_raw(folder))
     pl, tr, ft = paired["planaria"], paired["torchrun"], paired["torchft"]
     pl_run = records.read_raw(folder)  # the median run's transfer figures
