@@ -406,10 +406,12 @@ def _rescore(args: argparse.Namespace, raw_root: Path) -> dict[str, Any]:
     if folder is None or not folder.is_dir() or not records.read_raw(folder):
         raise SystemExit(f"--rescore: no raw records in {folder or raw_root}; give the folder "
                          "of a finished run's raw records (or its --raw-dir / --workdir)")
-    out = summarize(records.read_raw(folder))
+    raws = records.read_raw(folder)
+    out = summarize(raws)
     if args.summary:
         records.save_record(Path(args.summary), "goodput", out, _command(args, folder),
-                            commit=out["commit"], recomputed_from=str(folder))
+                            commit=out["commit"], recomputed_from=str(folder),
+                            machine_info=records.machine_of(raws))
     return out
 
 

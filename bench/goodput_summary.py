@@ -185,6 +185,7 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "best_peer_per_repeat": "the highest per-slot figure among the peers in each repeat",
         "runs": {system: {str(rep): {v: {"name": run["name"],
                                          "commit": str(run["raw"].get("commit") or "")[:12],
+                                         "cpu": (run["raw"].get("machine") or {}).get("cpu"),
                                          **_compact(run["figures"])}
                                     for v, run in runs[system].get(rep, {}).items()}
                           for rep in repeats} for system in runs},

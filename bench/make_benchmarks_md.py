@@ -1051,16 +1051,23 @@ def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
     if rec.get("recomputed_from") and notes.is_file():  # what the raw records' folder says
         out += ["", *notes.read_text().strip().splitlines()]
     ran_at: dict[str, list[str]] = {}
+    ran_on: dict[str, list[str]] = {}
     widths: list[str] = []
     for by_rep in (d.get("runs") or {}).values():
         for rep, by_v in by_rep.items():
             for v, fig in by_v.items():
                 ran_at.setdefault(f"`{fig.get('commit') or 'unrecorded'}`", []).append(
                     f"{v} r{rep}")
+                ran_on.setdefault(fig.get("cpu") or "unrecorded", []).append(f"{v} r{rep}")
                 widths.append(f"{v} r{rep}: {fig.get('step_ms_by_width')}")
     if ran_at:
         out += ["", "Runs by the commit they ran at: " + "; ".join(
             f"{c}: {', '.join(sorted(names))}" for c, names in sorted(ran_at.items())) + "."]
+    if len(ran_on) > 1:  # one machine is the page's; several are named run by run
+        out += ["", "Runs by the machine they ran on (the record's CPU; \"unrecorded\" for "
+                "records made before the records named it): " + "; ".join(
+                    f"{c}: {', '.join(sorted(names))}" for c, names in sorted(ran_on.items()))
+                + "."]
     if widths:
         out += ["", "Mean step ms by width (goodput charges every useful step the full-width "
                 "step time: where a narrower width runs faster, as with 3 workers on 2 cores, "
@@ -1180,6 +1187,7 @@ def rescore(raw_root: Path | None = None) -> list[Path]:
             if bench == "recovery" and path.exists():
                 out = {**json.loads(path.read_text())["result"], **out}
             written.append(save(name, out, command, commit=out.get("commit"),
+                                machine_info=records.machine_of(raws),
                                 recomputed_from=str(folder.relative_to(root.parent)
                                                     if folder.is_relative_to(root.parent)
                                                     else folder),

@@ -85,6 +85,18 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def machine_of(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The machine the raw records ran on, for a summary scored from them: the one they all
+    name; where they name several, or some name none (records before machines were kept), its
+    ``cpu`` says so and the run lines name each run's."""
+    named = [r.get("machine") for r in raws.values()]
+    if named and all(m is not None and m == named[0] for m in named):
+        return dict(named[0])  # type: ignore[arg-type]
+    cpus = sorted({str((m or {}).get("cpu") or "unrecorded") for m in named})
+    base = next((m for m in named if m), None) or machine()
+    return {**base, "cpu": "several: " + ", ".join(cpus) + " (each run's is listed)"}
+
+
 def raw_dir(root: Path, bench: str, regime: str, commit: str | None) -> Path:
     """``root/bench/regime/<commit>``: where one bench run's raw records go."""
     return Path(root) / bench / regime / commit_dir_name(commit)

@@ -69,3 +69,27 @@ def test_recovery_pairs_each_repeat():
     assert out["speedup_vs_torchft_ahead"] is True
     assert out["torchft"]["config"] == {"heartbeat_ms": 100}
     assert out["planaria"]["lost_work_per_kill_steps"] == pytest.approx(1 / 6, abs=1e-4)
+
+
+def test_a_summary_names_the_machine_its_runs_ran_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(mk, "RESULTS", tmp_path)
+    amd = {"nproc": 2, "cpu": "AMD EPYC", "mem_gib": 23.5}
+    intel = {"nproc": 2, "cpu": "Intel(R) Xeon(R) Processor", "mem_gib": 23.5}
+    folder = records.raw_dir(tmp_path / "raw", "goodput", "realistic", "c0ffee")
+    for name, raw in _raws().items():
+        records.write_raw(folder, name, {**raw, "machine": amd})
+    [written] = mk.rescore()
+    assert json.loads(written.read_text())["machine"] == amd  # every run's: the summary's
+    assert "Runs by the machine" not in mk.render(mk.load_results())
+    for name, raw in _raws().items():  # repeat 0 again on another machine, one record unnamed
+        if raw["repeat"] == 0:
+            records.write_raw(folder, name, {**raw, "machine": intel}
+                              if raw["system"] == "planaria" else raw)
+    [written] = mk.rescore()
+    cpu = json.loads(written.read_text())["machine"]["cpu"]
+    assert cpu.startswith("several: ") and "AMD EPYC" in cpu and "Intel" in cpu
+    assert "unrecorded" in cpu
+    page = mk.render(mk.load_results())
+    line = next(ln for ln in page.splitlines() if ln.startswith("Runs by the machine"))
+    assert "Intel(R) Xeon(R) Processor: " in line and "AMD EPYC: " in line
+    assert "unrecorded: " in line
