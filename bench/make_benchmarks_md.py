@@ -1019,11 +1019,12 @@ def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
            "slot.", "",
            "| system | configuration | goodput | samples/s |", "|---|---|---:|---:|",
            f"| planaria | no spare | {_f(pl.get('goodput'), '.3f')}"
-           f"{_ci(pl.get('goodput_ci95'), '.3f')} | {_f(pl.get('samples_per_s'), '.1f')} |",
-           f"| planaria, 1 spare (per slot) | — | {_f(sp.get('goodput_per_slot'), '.3f')} | "
-           f"{_f(sp.get('samples_per_s_per_slot'), '.1f')} |",
-           f"| planaria, 1 spare (not charged) | — | {_f(sp.get('goodput'), '.3f')}"
-           f"{_ci(sp.get('goodput_ci95'), '.3f')} | {_f(sp.get('samples_per_s'), '.1f')} |"]
+           f"{_ci(pl.get('goodput_ci95'), '.3f')} | {_f(pl.get('samples_per_s'), '.1f')} |"]
+    if sp:  # rows for a system that ran
+        out += [f"| planaria, 1 spare (per slot) | — | {_f(sp.get('goodput_per_slot'), '.3f')} | "
+                f"{_f(sp.get('samples_per_s_per_slot'), '.1f')} |",
+                f"| planaria, 1 spare (not charged) | — | {_f(sp.get('goodput'), '.3f')}"
+                f"{_ci(sp.get('goodput_ci95'), '.3f')} | {_f(sp.get('samples_per_s'), '.1f')} |"]
     for name, p in (r.get("peers") or {}).items():
         out.append(f"| {name} | `{json.dumps(p.get('config'))}` | {_f(p.get('goodput'), '.3f')}"
                    f"{_ci(p.get('goodput_ci95'), '.3f')} | {_f(p.get('samples_per_s'), '.1f')} |")
@@ -1031,9 +1032,10 @@ def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
     sg = d.get("spares_ratio_goodput_vs_best_peer")
     out += ["", "| figure | value (95 % interval) | claim |", "|---|---:|---|",
             f"| goodput ÷ best peer | {_est(g)} | {_ok((g or {}).get('ahead'))} (ahead) |",
-            f"| samples/s ÷ best peer | {_est(sps)} | {_ok((sps or {}).get('ahead'))} (ahead) |",
-            f"| with a spare, goodput per slot ÷ best peer | {_est(sg)} | "
-            f"{_ok((sg or {}).get('ahead'))} (ahead) |"]
+            f"| samples/s ÷ best peer | {_est(sps)} | {_ok((sps or {}).get('ahead'))} (ahead) |"]
+    if sp:
+        out.append(f"| with a spare, goodput per slot ÷ best peer | {_est(sg)} | "
+                   f"{_ok((sg or {}).get('ahead'))} (ahead) |")
     for label, x in (("planaria", pl), ("planaria, 1 spare", sp)):
         if not x:
             continue
