@@ -225,6 +225,9 @@ def _header(rec: dict[str, Any]) -> list[str]:
     after = rec.get("loadavg_after") or load.get("after")
     if before or after:
         lines.append(f"Load average (1/5/15 min) before: {before}; after: {after}.")
+    m = rec.get("machine") or {}
+    if m.get("cpu"):  # the machines differ between sections: each names its own
+        lines.append(f"Machine: {m.get('nproc')} CPUs ({m['cpu']}), {m.get('mem_gib')} GiB.")
     return lines
 
 
@@ -1095,9 +1098,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "runs the systems side by side in one run, so ratios come from the same machine "
         "state; the load average shows how busy the machine was.",
         "",
-        f"Machine: {m.get('nproc')} CPUs ({m.get('cpu', 'n/a')}), {m.get('mem_gib', 'n/a')} GiB, "
-        f"Python {m.get('python')}, torch {m.get('torch')}, ray {m.get('ray')}, "
-        f"torchft {m.get('torchft')}; no GPU (the GPU section names its own machine).",
+        f"Software: Python {m.get('python')}, torch {m.get('torch')}, ray {m.get('ray')}, "
+        f"torchft {m.get('torchft')}; no GPU (the GPU section names its own machine). Each "
+        "section names the machine its record was made on: they were not all made on one.",
         "",
     ]
     head = (commit() or "").removesuffix("-dirty")
