@@ -403,21 +403,20 @@ def _say(lines: list[str], text: str) -> None:
 def _rescore(args: argparse.Namespace, raw_root: Path) -> dict[str, Any]:
     folder = Path(args.rescore) if args.rescore else records.latest_raw_dir(
         raw_root, "goodput", args.regime_name)
-    if folder is None or not folder.is_dir() or not records.read_raw(folder):
+    raws = records.read_raw(folder) if folder is not None and folder.is_dir() else {}
+    if not raws:
         raise SystemExit(f"--rescore: no raw records in {folder or raw_root}; give the folder "
                          "of a finished run's raw records (or its --raw-dir / --workdir)")
-    raws = records.read_raw(folder)
     out = summarize(raws)
     if args.summary:
-        records.save_record(Path(args.summary), "goodput", out, _command(args, folder),
+        records.save_record(Path(args.summary), "goodput", out, _command(raws),
                             commit=out["commit"], recomputed_from=str(folder),
                             machine_info=records.machine_of(raws))
     return out
 
 
-def _command(args: argparse.Namespace, folder: Path) -> str:
-    """The commands that made the folder's runs (several sittings: each, in order)."""
-    raws = records.read_raw(folder)
+def _command(raws: dict[str, dict[str, Any]]) -> str:
+    """The commands that made these runs (several sittings: each, in order)."""
     return "; ".join(dict.fromkeys(str(r["command"]) for r in raws.values()
                                    if r.get("command")))
 
@@ -456,6 +455,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     command = shlex.join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None
                                                           else argv)])
     load_before, t_start = common.loadavg(), time.time()
+    this_machine = records.machine()  # a sitting's runs share it
     step_s: float | None = None
     for planned in plan:
         _say(said, f"{planned.name} ...")
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "kill_every_s": args.kill_every_s, "global_batch": common.GLOBAL_BATCH,
                "loadavg_before": before, "loadavg_after": common.loadavg(),
                "wall_s": round(time.time() - t0, 1), "commit": commit, "command": command,
-               "machine": records.machine()}
+               "machine": this_machine}
         records.write_raw(folder, planned.name, raw)
         found = _step_s_of(raw)
         step_s = found if step_s is None or (found and found < step_s) else step_s

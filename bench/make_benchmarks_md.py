@@ -1000,6 +1000,12 @@ def _est(x: dict[str, Any] | None, fmt: str = ".3f") -> str:
     return f"{_f(x['median'], fmt)}{_ci(x.get('ci95'), fmt)}"
 
 
+def _runs_by(what: str, groups: dict[str, list[str]]) -> str:
+    """``Runs by WHAT: key: run, run; key: run.``"""
+    return f"Runs by {what}: " + "; ".join(
+        f"{key}: {', '.join(sorted(names))}" for key, names in sorted(groups.items())) + "."
+
+
 def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
     """``bench/goodput.py --regime R``: medians over repeats, paired ratios, intervals."""
     r = rec["result"]
@@ -1066,13 +1072,10 @@ def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
                 ran_on.setdefault(fig.get("cpu") or "unrecorded", []).append(f"{v} r{rep}")
                 widths.append(f"{v} r{rep}: {fig.get('step_ms_by_width')}")
     if ran_at:
-        out += ["", "Runs by the commit they ran at: " + "; ".join(
-            f"{c}: {', '.join(sorted(names))}" for c, names in sorted(ran_at.items())) + "."]
-    if len(ran_on) > 1:  # one machine is the page's; several are named run by run
-        out += ["", "Runs by the machine they ran on (the record's CPU; \"unrecorded\" for "
-                "records made before the records named it): " + "; ".join(
-                    f"{c}: {', '.join(sorted(names))}" for c, names in sorted(ran_on.items()))
-                + "."]
+        out += ["", _runs_by("the commit they ran at", ran_at)]
+    if len(ran_on) > 1:  # one machine is the section's; several are named run by run
+        out += ["", _runs_by("the machine they ran on (the record's CPU; \"unrecorded\" for "
+                             "records made before the records named it)", ran_on)]
     if widths:
         out += ["", "Mean step ms by width (goodput charges every useful step the full-width "
                 "step time: where a narrower width runs faster, as with 3 workers on 2 cores, "

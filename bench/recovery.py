@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else load_best())
     load = {"before": common.loadavg()}
     t0 = time.time()
+    this_machine = records.machine()  # the repeats' runs share it
     print(f"{args.replicas} replicas, size={args.size}, kill near step {args.kill_at}, "
           f"{args.repeat} repeats (seeds {args.seed}..), torchft {ft_config.label()}",
           flush=True)
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             records.write_raw(folder, f"{name}-r{i}", {
                 **run, "loadavg_before": before, "loadavg_after": common.loadavg(),
                 "commit": commit, "command": command, "size": args.size,
-                "machine": records.machine()})
+                "machine": this_machine})
     paired = summarize(records.read_raw(folder))
     pl, tr, ft = paired["planaria"], paired["torchrun"], paired["torchft"]
     pl_run = records.read_raw(folder)  # the median run's transfer figures
