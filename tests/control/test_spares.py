@@ -77,6 +77,10 @@ def test_a_warm_spare_takes_the_place_with_no_step_at_reduced_width(
     # One node: every worker, spares included, was forked warm by the fork server.
     started = of(evs, "worker_started")  # w4, the new standby, may still be starting at the end
     assert len(started) >= 4 and all(e["forked"] for e in started)
+    # A spare ran a forward and backward before standing by (its first step at the
+    # others' speed); the job's first workers did not; the state is the reference's above.
+    warm = {e["worker"]: e["warm_s"] for e in started}
+    assert all(warm[w] == 0 for w in ("w0", "w1", "w2")) and warm["w3"] > 0, warm
 
 
 @pytest.mark.extended

@@ -41,8 +41,10 @@ class Setup:
     init_t: float
     """When the process was up and had imported planaria (Unix time)."""
     start: Mapping[str, float]
-    """How long each part of the setup took (``build_s``, ``data_s``, ``compile_s``,
-    ``setup_s``), and ``forked``: whether the process was forked from a warm one."""
+    """How long each part of the setup took (``build_s``, ``data_s``, ``warm_s``: the
+    forward and backward a replacement, a spare or a compiled model runs before its first
+    step, ``compile_s``: that, where it compiles, ``setup_s``), and ``forked``: whether the
+    process was forked from a warm one."""
     checksum: int
     param_bytes: int
     num_samples: int

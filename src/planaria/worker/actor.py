@@ -194,11 +194,10 @@ class Worker:
     ) -> Setup:
         """Builds model, optimizer, scheduler and dataset from the spec's factories.
 
-        A replacement (``prebuild_optimizer_state``) also materialises its
-        optimizer state now, off the critical path, so that the state it will
-        receive lands in memory that is already allocated and touched. With
-        ``spec.compile`` the model is compiled here, from ``compile_cache`` (a
-        running worker's, see :mod:`planaria.worker.compile_cache`) when given.
+        Off the critical path, a replacement or a spare (``prebuild_optimizer_state``)
+        materialises its optimizer state (received into touched memory) and runs a forward
+        and backward (:meth:`~planaria.worker.engine.StepEngine.warm_up`), which with
+        ``spec.compile`` compiles, from ``compile_cache`` (planaria.worker.compile_cache) if given.
         """
         self.vitals.phase = "setup"
         t0 = time.time()
@@ -210,16 +209,18 @@ class Worker:
         t1 = time.time()
         num_samples, fingerprint = self.loader.setup()
         t2 = time.time()
-        if self.spec.compile:
-            self.engine.warm_compile()
-        t3 = time.time()
+        warm_s = 0.0
+        if self.spec.compile or prebuild_optimizer_state:
+            self.engine.warm_up()
+            warm_s = time.time() - t2
         if prebuild_optimizer_state:
             self.commits.prebuild_optimizer_state()
         self.vitals.phase = "idle"
         return Setup(
             pid=os.getpid(), node=socket.gethostname(), ray_node=self.ray_node,
             init_t=self.init_t,
-            start={"build_s": t1 - t0, "data_s": t2 - t1, "compile_s": t3 - t2,
+            start={"build_s": t1 - t0, "data_s": t2 - t1, "warm_s": warm_s,
+                   "compile_s": warm_s if self.spec.compile else 0.0,
                    "setup_s": time.time() - t0, "forked": forkserver.forked()},
             checksum=self.state.checksum(), param_bytes=self.state.nbytes(),
             num_samples=num_samples, data_fingerprint=fingerprint,
