@@ -1006,15 +1006,20 @@ def _runs_by(what: str, groups: dict[str, list[str]]) -> str:
         f"{key}: {', '.join(sorted(names))}" for key, names in sorted(groups.items())) + "."
 
 
-def render_goodput_repeats(rec: dict[str, Any]) -> list[str]:
-    """``bench/goodput.py --regime R``: medians over repeats, paired ratios, intervals."""
+def render_goodput_repeats(rec: dict[str, Any], name: str = "") -> list[str]:
+    """``bench/goodput.py --regime R``: medians over repeats, paired ratios, intervals.
+    ``name``: the record's file name (``goodput-<regime>[-<tag>]``); a tag beyond the regime
+    (another sitting's records of the same regime) goes in the title."""
     r = rec["result"]
     d = r.get("detail") or {}
     setup = d.get("setup") or {}
     pl = r.get("planaria") or {}
     sp = r.get("planaria_spares") or {}
     seeds = d.get("seeds") or {}
-    out = [f"## Goodput under repeated faults, `{r.get('regime')}` regime", "", *_header(rec),
+    regime = str(r.get("regime"))
+    tag = name.removeprefix(f"goodput-{regime}").removeprefix("-")
+    title = f"## Goodput under repeated faults, `{regime}` regime" + (f", {tag}" if tag else "")
+    out = [title, "", *_header(rec),
            "", f"Model `{setup.get('size')}`, {setup.get('replicas')} replicas, window "
            f"{_f(setup.get('duration_s'), '.0f')} s, a SIGKILL about every "
            f"{_f(setup.get('kill_every_s'), '.0f')} s, {len(d.get('repeats') or [])} repeats "
@@ -1124,7 +1129,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         elif name == "goodput":
             out += render_goodput(rec)
         elif name.startswith("goodput-"):
-            out += render_goodput_repeats(rec)
+            out += render_goodput_repeats(rec, name)
         elif name == "campaign":
             out += render_campaign(rec)
         elif name == "campaign_widened":

@@ -130,11 +130,22 @@ def read_raw(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def latest_raw_dir(root: Path, bench: str, regime: str) -> Path | None:
-    """The most recently written commit folder of ``root/bench/regime``, if any."""
+    """The commit folder of ``root/bench/regime`` whose runs ended last, if any: by the
+    records' own end times (``t1``, a goodput run's window), else by the files' times (which
+    a fresh clone sets all alike, in no order)."""
     base = Path(root) / bench / regime
     dirs = [d for d in base.iterdir() if d.is_dir()] if base.is_dir() else []
-    return max(dirs, key=lambda d: max((p.stat().st_mtime for p in d.iterdir()),
-                                       default=d.stat().st_mtime), default=None)
+    return max(dirs, key=_written, default=None)
+
+
+def _written(folder: Path) -> float:
+    """When the runs of ``folder`` ended (Unix time): the latest ``t1`` its records carry,
+    else its files' latest modification time."""
+    ends = [float(r["t1"]) for r in read_raw(folder).values()
+            if isinstance(r.get("t1"), int | float)]
+    if ends:
+        return max(ends)
+    return max((p.stat().st_mtime for p in folder.iterdir()), default=folder.stat().st_mtime)
 
 
 def save_record(path: Path, name: str, result: dict[str, Any], command: str, *,

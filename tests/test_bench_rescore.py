@@ -47,6 +47,13 @@ def test_another_kill_rate_is_a_section_of_its_own(tmp_path, monkeypatch):
               if line.startswith("## Goodput")]
     assert titles == ["## Goodput under repeated faults, `realistic` regime",
                       "## Goodput under repeated faults, `realistic-kill30s` regime"]
+    # An earlier code's records of the same regime, kept beside under a tag, say it.
+    (tmp_path / "goodput-realistic-c0ffee.json").write_text(
+        (tmp_path / "goodput-realistic.json").read_text())
+    titles = [line for line in mk.render(mk.load_results()).splitlines()
+              if line.startswith("## Goodput")]
+    assert titles[:2] == ["## Goodput under repeated faults, `realistic` regime",
+                          "## Goodput under repeated faults, `realistic` regime, c0ffee"]
 
 
 def test_no_mark_for_this_checkouts_commit():

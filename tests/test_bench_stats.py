@@ -89,3 +89,17 @@ def test_raw_records_round_trip_and_large_ones_are_gzipped(tmp_path, monkeypatch
 def test_tree_commit_names_head():
     commit = records.tree_commit()
     assert commit is None or len(commit.removesuffix("-dirty")) == 40
+
+
+def test_the_latest_folder_is_the_one_whose_runs_ended_last_whatever_the_files_times(tmp_path):
+    """A fresh clone gives every file the time of the checkout, in no order: the records'
+    own end times decide."""
+    import os
+
+    older = records.raw_dir(tmp_path, "goodput", "realistic", "b" * 40)
+    newer = records.raw_dir(tmp_path, "goodput", "realistic", "c" * 40)
+    records.write_raw(newer, "planaria-r0", {"t0": 2000.0, "t1": 3200.0})
+    records.write_raw(older, "planaria-r0", {"t0": 1000.0, "t1": 2200.0})
+    for path in newer.iterdir():  # written first: the files say the other folder is newer
+        os.utime(path, (1, 1))
+    assert records.latest_raw_dir(tmp_path, "goodput", "realistic") == newer
