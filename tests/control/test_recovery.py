@@ -133,7 +133,9 @@ def test_fault_during_hot_join(tmp_path, reference):
     evs = events(tmp_path)
     assert [f["worker"] for f in of(evs, "fault")][:2] == ["w1", "w3"]
     assert all(r["lost_steps"] == 0 for r in of(evs, "recovered"))
-    assert of(evs, "step_committed")[-1]["width"] == 3
+    # The dead joiner's place is asked for again (whether that one is up before the run's
+    # last step depends on the machine's start time, not on planaria: not asserted).
+    assert [e["worker"] for e in of(evs, "replacement_requested")][:2] == ["w3", "w4"]
 
 
 def test_zombie_after_sigcont_is_fenced_off(tmp_path, reference):
