@@ -237,10 +237,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 **run, "loadavg_before": before, "loadavg_after": common.loadavg(),
                 "commit": commit, "command": command, "size": args.size,
                 "machine": this_machine})
-    paired = summarize(records.read_raw(folder))
+    raws = records.read_raw(folder)
+    paired = summarize(raws)
     pl, tr, ft = paired["planaria"], paired["torchrun"], paired["torchft"]
-    pl_run = records.read_raw(folder)  # the median run's transfer figures
-    pl_median = next((r for r in pl_run.values() if r["system"] == "planaria"
+    # the median run's transfer figures
+    pl_median = next((r for r in raws.values() if r["system"] == "planaria"
                       and r.get("back_s") == pl["back_s"]), {})
     transfer = {k: pl_median.get(k) for k in ("transfer_bytes", "transfer_s",
                                               "transfer_gb_per_s", "size")}
