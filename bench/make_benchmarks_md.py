@@ -211,9 +211,10 @@ def _ok(met: bool | None) -> str:
 
 
 def _commits(commit: Any) -> str:
-    """A record's commit, or the commits of a result scored from runs at several."""
+    """A record's commit, or the commits of a result scored from runs at several
+    (12 hex digits each, ``-dirty`` kept: a run from a dirty tree is not its commit's)."""
     if isinstance(commit, list):
-        return ", ".join(str(c)[:12] for c in commit)
+        return ", ".join(records.commit_dir_name(str(c)) for c in commit)
     return str(commit or "")[:12]
 
 

@@ -62,6 +62,12 @@ def test_no_mark_for_this_checkouts_commit():
     assert "from" in (mk.stale_mark({"commit": "abc"}, head or "def") or "").lower()
 
 
+def test_runs_at_several_commits_keep_their_dirty_mark():
+    """A run from a dirty tree is not its commit's: the page says which runs were."""
+    mark = mk.stale_mark({"commit": ["a" * 40, "a" * 40 + "-dirty", "b" * 40]}, "c" * 40)
+    assert f"**From commits {'a' * 12}, {'a' * 12}-dirty, {'b' * 12}**" in (mark or "")
+
+
 def test_recovery_pairs_each_repeat():
     raws = {}
     for rep, (pl, ft) in enumerate(((0.1, 0.3), (0.2, 0.6), (0.4, 1.2))):
