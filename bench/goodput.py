@@ -27,6 +27,23 @@ Repeats. ``--repeats N`` (3) runs every system once per repeat (repeats
 ``--first-repeat`` .. + N - 1), the kill schedule's seed ``--seed + repeat``,
 INTERLEAVED: repeat 0 runs every system, then repeat 1, ..., so that the machine's drift
 hits all systems alike, and each repeat's runs are a pair (the same kills) for the ratios.
+
+Parts (``--parts K``; the realistic regime's default 4, the fast regime's 1). Two runs of
+20 minutes back to back sit 20 minutes apart, and on a shared 2-core host the speed
+drifts by more than the few per cent between the systems over that time (measured: one
+repeat's pair ran 30 % slower than the others, for both systems). So each repeat's
+window is cut in K parts of ``window / K`` seconds, each a run of its own (a fresh job,
+its window opening after its warm-up, as a whole run's does), run in turn with the
+systems' order reversed every other part: A B, B A, A B, B A. Each system sees the host
+of the same minutes, and a drift linear over the repeat hits both alike. The kills are
+the whole window's seeded schedule, each part taking those due in its stretch (counted
+from its own start): the same kills as a run of one part. A repeat's figures are its
+parts' together, as if one window (``bench/goodput_parts.py``: counts add up, goodput,
+samples/s and the floor are the parts' means weighted by their windows, percentiles over
+kills are taken again over all the parts' kills); a repeat missing a part (a sitting cut
+short) is left out and named in ``detail.incomplete``. Each part's start pays a fresh
+start-up (not measured: the window opens after it) and a fresh full width: the same for
+every system.
 Before the repeats, one fault-free control run per system (``--control-s``, no kills)
 gives its fault-free step rate, and reads the estimator on a
 run without faults (it should read 1).
@@ -152,7 +169,7 @@ Output. The last line printed is one JSON object: ``{"bench": "goodput", "regime
 "ratio_samples_per_s_vs_best_peer": {"median", "ci95": [lo, hi]}}`` (peers' figures per
 slot). Every run's raw record (commits, kills, window, configuration, seed, load average
 before and after, the tree's commit, the command) goes to
-``--raw-dir/goodput/<regime>/<commit>/<system>-r<repeat>.json`` (``bench/records.py``;
+``--raw-dir/goodput/<regime>/<commit>/<system>-r<repeat>[-p<part>].json`` (``bench/records.py``;
 ``--raw-dir`` defaults to ``bench/results/raw``, a ``--quick`` run's to its workdir), and
 the summary with its ``detail`` (every run's figures, the controls, the ratio to each
 peer) to ``bench/results/goodput-<regime>.json`` (a ``--quick`` run's to its workdir).
@@ -185,7 +202,7 @@ from bench.baselines import runners, torchft_runners  # noqa: E402
 from bench.baselines.torchft_config import TorchftConfig, load_best  # noqa: E402
 from bench.goodput_figures import window_figures  # noqa: E402
 from bench.goodput_summary import run_figures, summarize  # noqa: E402
-from bench.kill_harness import KillHarness, plan_kills  # noqa: E402
+from bench.kill_harness import KillHarness, PlannedKill, plan_kills  # noqa: E402
 from bench.planaria_side import run_planaria_faults  # noqa: E402
 
 __all__ = ["REGIMES", "SYSTEMS", "Regime", "main", "plan_runs", "window_figures"]
@@ -206,13 +223,16 @@ class Regime:
     startup_s: float
     """An estimate of a run's start-up and teardown, for the budget printed up front."""
     torchrun_ckpt_every: str
+    parts: int = 1
+    """Each repeat's window in this many parts, the systems alternating (``--parts``)."""
 
 
 REGIMES = {
     "fast": Regime(size="medium", duration_s=600.0, kill_every_s=30.0, control_s=120.0,
                    startup_s=60.0, torchrun_ckpt_every="5,10,20"),
     "realistic": Regime(size="realistic", duration_s=1200.0, kill_every_s=60.0,
-                        control_s=300.0, startup_s=30.0, torchrun_ckpt_every="8,16,32"),
+                        control_s=300.0, startup_s=30.0, torchrun_ckpt_every="8,16,32",
+                        parts=4),
 }
 
 
@@ -232,6 +252,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the repeats run are FIRST.. FIRST + REPEATS - 1 (a later sitting adds "
                    "repeats to earlier ones: with --into)")
     p.add_argument("--warmup", type=int, default=3, help="steps committed before the window")
+    p.add_argument("--parts", type=int, default=None,
+                   help="each repeat's window in PARTS runs, the systems alternating A B B A "
+                   "... (default: the regime's; 1: one run a system a repeat)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"which systems, comma-separated, of {','.join(SYSTEMS)}")
     p.add_argument("--torchft-configs", default=None,
@@ -268,6 +291,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.kill_every_s = args.kill_every_s or regime.kill_every_s
     args.control_s = args.control_s or regime.control_s
     args.startup_s = regime.startup_s
+    args.parts = args.parts or regime.parts
+    if args.parts < 1:
+        p.error(f"--parts {args.parts}: give 1 (one run a system a repeat) or more")
     args.torchrun_ckpt_every = args.torchrun_ckpt_every or regime.torchrun_ckpt_every
     args.system_list = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(args.system_list) - set(SYSTEMS))
@@ -296,10 +322,15 @@ class PlannedRun:
     repeat: int
     seed: int
     config: dict[str, Any]
+    part: int = 0
+    """Which part of the repeat's window this run is (0 .. ``parts`` - 1)."""
+    parts: int = 1
 
     @property
     def name(self) -> str:
-        return f"{self.variant}-{'control' if self.kind == 'control' else f'r{self.repeat}'}"
+        if self.kind == "control":
+            return f"{self.variant}-control"
+        return f"{self.variant}-r{self.repeat}" + (f"-p{self.part}" if self.parts > 1 else "")
 
 
 def torchft_configs(option: str | None) -> list[TorchftConfig]:
@@ -327,25 +358,50 @@ def _variants(args: argparse.Namespace, system: str) -> list[tuple[str, dict[str
 
 def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
     """The controls (one per system: its first configuration), then the repeats,
-    interleaved: repeat 0 runs every system and configuration, then repeat 1, ..."""
+    interleaved: repeat 0 runs every system and configuration, then repeat 1, ... With
+    ``parts`` > 1 each repeat's window is cut in parts run in turn, the order of the systems
+    reversed every other part (A B, B A, A B, ...: each system's runs sit as early as the
+    other's on average, so a drift of the machine's speed that is linear over the repeat
+    hits both alike)."""
     plan: list[PlannedRun] = []
     if not args.no_controls:
         for system in args.system_list:
             variant, config = _variants(args, system)[len(_variants(args, system)) // 2]
             plan.append(PlannedRun(system=system, variant=variant, kind="control", repeat=-1,
                                    seed=args.seed, config=config))
+    parts = getattr(args, "parts", 1)
     for rep in range(args.first_repeat, args.first_repeat + args.repeats):
-        for system in args.system_list:
-            for variant, config in _variants(args, system):
-                plan.append(PlannedRun(system=system, variant=variant, kind="faults",
-                                       repeat=rep, seed=args.seed + rep, config=config))
+        for part in range(parts):
+            systems = args.system_list if part % 2 == 0 else args.system_list[::-1]
+            for system in systems:
+                for variant, config in _variants(args, system):
+                    plan.append(PlannedRun(system=system, variant=variant, kind="faults",
+                                           repeat=rep, seed=args.seed + rep, config=config,
+                                           part=part, parts=parts))
     return plan
+
+
+def part_window(duration_s: float, planned: PlannedRun) -> tuple[float, float]:
+    """A run's part of its repeat's window: its start (seconds into the whole window) and
+    its length."""
+    length = duration_s / planned.parts
+    return planned.part * length, length
+
+
+def part_kills(seed: int, every_s: float, duration_s: float, planned: PlannedRun
+               ) -> list[PlannedKill]:
+    """The kills of a part: the whole window's seeded schedule (the same kills as a run
+    of one part), those due in this part, their times counted from its start."""
+    start, length = part_window(duration_s, planned)
+    return [dataclasses.replace(k, at_s=k.at_s - start)
+            for k in plan_kills(seed, every_s, duration_s)
+            if start <= k.at_s < start + length]
 
 
 def budget_s(args: argparse.Namespace, plan: list[PlannedRun]) -> float:
     """The plan's wall time: each run's window plus the regime's start-up estimate."""
-    return sum((args.control_s if r.kind == "control" else args.duration_s) + args.startup_s
-               for r in plan)
+    return sum((args.control_s if r.kind == "control" else args.duration_s / r.parts)
+               + args.startup_s for r in plan)
 
 
 # ---------------------------------------------------------------- runs
@@ -361,9 +417,11 @@ def _slim(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_system(args: argparse.Namespace, planned: PlannedRun, wd: Path, step_s: float | None
                ) -> dict[str, Any]:
     """Runs one planned run; its raw measurements (and the configuration it ran)."""
-    window = args.control_s if planned.kind == "control" else args.duration_s
-    kills = [] if planned.kind == "control" else plan_kills(planned.seed, args.kill_every_s,
-                                                             window)
+    if planned.kind == "control":
+        window, kills = args.control_s, []
+    else:
+        window = part_window(args.duration_s, planned)[1]
+        kills = part_kills(planned.seed, args.kill_every_s, args.duration_s, planned)
     harness = KillHarness(kills)
     run_dir = wd / planned.name
     config = dict(planned.config)
@@ -435,12 +493,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     said: list[str] = []
     budget = budget_s(args, plan)
     _say(said, f"plan ({args.regime_name}): {len(plan)} runs, size={args.size}, "
-         f"{args.replicas} replicas x 1 thread, window {args.duration_s:.0f} s, a kill every "
+         f"{args.replicas} replicas x 1 thread, window {args.duration_s:.0f} s"
+         + (f" in {args.parts} parts of {args.duration_s / args.parts:.0f} s, the systems "
+            "alternating" if args.parts > 1 else "") + ", a kill every "
          f"{args.kill_every_s:.0f} s, seeds {args.seed + args.first_repeat}.."
          f"{args.seed + args.first_repeat + args.repeats - 1}, "
          f"{os.cpu_count()} cores")
     for r in plan:
-        _say(said, f"  {r.name}: {r.system} {json.dumps(r.config)} seed {r.seed}")
+        at = ([round(k.at_s) for k in part_kills(r.seed, args.kill_every_s, args.duration_s, r)]
+              if r.kind == "faults" and r.parts > 1 else None)
+        _say(said, f"  {r.name}: {r.system} {json.dumps(r.config)} seed {r.seed}"
+             + (f", kills at {at} s" if at is not None else ""))
     _say(said, f"compute budget: {budget / 60:.0f} min ({budget / 3600:.1f} h: runs x "
          f"(window + ~{args.startup_s:.0f} s start-up))")
     if args.dry_run:
@@ -464,6 +527,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raw = {**{k: v for k, v in run.items() if k != "run_dir"},
                "system": planned.system, "variant": planned.variant, "kind": planned.kind,
                "repeat": planned.repeat, "seed": planned.seed, "regime": args.regime_name,
+               "part": planned.part, "parts": planned.parts,
+               "part_start_s": part_window(args.duration_s, planned)[0],
                "size": args.size, "replicas": args.replicas, "duration_s": run["t1"] - run["t0"],
                "kill_every_s": args.kill_every_s, "global_batch": common.GLOBAL_BATCH,
                "loadavg_before": before, "loadavg_after": common.loadavg(),

@@ -187,6 +187,7 @@ def window_figures(run: dict[str, Any], replicas: int) -> dict[str, Any]:
         "step_s_exact": step_s,
         "window_s": round(span, 1),
         "mttr_s": [None if b is None else round(b, 3) for b in back],
+        "recover_s": [None if r is None else round(r, 3) for r in recover],
         "full_width_s": [None if f is None else round(f, 3) for f in full],
         "kill_log": [{"at_s": round(k["t_kill"] - t0, 2), "worker": k["worker"]}
                      for k in run["kills"]],

@@ -15,6 +15,7 @@ from typing import Any
 
 from bench import stats
 from bench.goodput_figures import floor_figures, planaria_report, window_figures
+from bench.goodput_parts import combine_parts
 from planaria.observe.metrics import percentile
 
 __all__ = ["GOODPUT_TARGET", "HEADLINE", "PEERS", "SPARES_SYSTEM", "run_figures", "summarize"]
@@ -92,11 +93,19 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     fault = {n: r for n, r in raws.items() if r.get("kind") == "faults"}
     control = {n: r for n, r in raws.items() if r.get("kind") == "control"}
     repeats = sorted({r["repeat"] for r in fault.values()})
-    # system -> repeat -> variant -> run
+    # system -> repeat -> variant -> run (a repeat run in parts: its parts together)
     runs: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
-    for name, raw in fault.items():
-        runs.setdefault(raw["system"], {}).setdefault(raw["repeat"], {})[raw["variant"]] = {
-            "name": name, "raw": raw, "figures": run_figures(raw)}
+    incomplete: list[str] = []
+    for (system, rep, variant), named in _by_run(fault).items():
+        expected = int(named[0][1].get("parts") or 1)
+        if len(named) != expected:  # a sitting cut short: the pair would not be like for like
+            incomplete.append(f"{variant}-r{rep}: {len(named)} of {expected} parts")
+            continue
+        figures = [run_figures(raw) for _, raw in named]
+        runs.setdefault(system, {}).setdefault(rep, {})[variant] = {
+            "name": named[0][0] if expected == 1 else f"{variant}-r{rep}",
+            "raw": named[0][1],
+            "figures": figures[0] if expected == 1 else combine_parts(figures)}
     chosen: dict[str, list[dict[str, Any] | None]] = {}
     for system, by_repeat in runs.items():
         chosen[system] = []
@@ -173,6 +182,10 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "ratio_goodput_vs_best_peer": _ratio_json(ratios.get("goodput")),
         "ratio_samples_per_s_vs_best_peer": _ratio_json(ratios.get("samples_per_s")),
     }
+    durations = {  # a repeat in parts: the parts' windows together
+        f"{k}": {"duration_s": round(sum(float(r["duration_s"]) for _, r in named), 1)}
+        for k, named in _by_run(fault).items()}
+    durations.update({n: {"duration_s": r.get("duration_s")} for n, r in control.items()})
     out["detail"] = {
         "repeats": repeats,
         "seeds": {str(rep): sorted({r["seed"] for r in fault.values() if r["repeat"] == rep})
@@ -192,9 +205,24 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "chosen_variant": {s: [None if c is None else c["raw"]["variant"] for c in cs]
                            for s, cs in chosen.items()},
         "controls": {r["system"]: _control(r) for r in control.values()},
-        "setup": {k: _one_of(raws, k) for k in ("size", "replicas", "duration_s",
-                                                "kill_every_s", "global_batch", "command")},
+        "incomplete": incomplete,
+        "setup": {**{k: _one_of(raws, k) for k in ("size", "replicas", "kill_every_s",
+                                                   "global_batch", "command")},
+                  "duration_s": _one_of(durations, "duration_s"),
+                  "parts": _one_of(fault, "parts")},
     }
+    return out
+
+
+def _by_run(fault: dict[str, dict[str, Any]]
+            ) -> dict[tuple[str, int, str], list[tuple[str, dict[str, Any]]]]:
+    """The fault runs by (system, repeat, variant), each a list of (name, raw) in part
+    order (one for a repeat not run in parts)."""
+    out: dict[tuple[str, int, str], list[tuple[str, dict[str, Any]]]] = {}
+    for name, raw in fault.items():
+        out.setdefault((raw["system"], raw["repeat"], raw["variant"]), []).append((name, raw))
+    for named in out.values():
+        named.sort(key=lambda nr: int(nr[1].get("part") or 0))
     return out
 
 

@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import goodput_figures, goodput_summary, records  # noqa: E402
+from bench import goodput_figures, goodput_parts, goodput_summary, records  # noqa: E402
 
 
 def _raw(system: str, variant: str, repeat: int, step_s: float, *, kills=(30.0, 60.0, 90.0),
@@ -122,3 +122,92 @@ def test_rescore_from_written_records_gives_the_same_json(tmp_path):
     direct = goodput_summary.summarize(json.loads(json.dumps(raws)))
     again = goodput_summary.summarize(records.read_raw(folder))
     assert json.dumps(direct, sort_keys=True) == json.dumps(again, sort_keys=True)
+
+
+# ---- a repeat run in parts (bench/goodput.py --parts, bench/goodput_parts.py) ----------------
+
+
+def _in_parts(raw: dict, parts: int) -> list[dict]:
+    """``raw``'s window cut in ``parts`` runs: each the same commits and kills, its own
+    window (the figures of a part count only what falls in it)."""
+    span = (raw["t1"] - raw["t0"]) / parts
+    return [{**raw, "t0": raw["t0"] + k * span, "t1": raw["t0"] + (k + 1) * span,
+             "duration_s": span, "part": k, "parts": parts} for k in range(parts)]
+
+
+def test_a_repeat_in_parts_reads_as_its_window_in_one_run():
+    raw = _raw("torchrun", "torchrun_ckpt5", 0, 0.05, kills=(20.0, 50.0, 80.0, 110.0),
+               lost_s=2.0)
+    whole = goodput_summary.run_figures(raw)
+    combined = goodput_parts.combine_parts(
+        [goodput_summary.run_figures(p) for p in _in_parts(raw, 4)])
+    for key in ("useful_steps", "lost_steps", "kills", "recoveries"):
+        assert combined[key] == whole[key], key
+    assert combined["window_s"] == pytest.approx(whole["window_s"])
+    assert combined["parts"] == 4
+    for key in ("goodput", "samples_per_s", "step_ms", "mttr_s_p50"):
+        assert combined[key] == pytest.approx(whole[key], rel=2e-3), key
+    assert combined["goodput"] < 0.99  # the kills cost: not a vacuous 1
+
+
+def test_parts_weigh_by_what_a_figure_is_a_mean_of():
+    a = {"window_s": 100.0, "useful_steps": 10, "kills": 1, "goodput": 0.9, "step_ms": 100.0,
+         "lost_work_per_kill_steps": 0.3, "mttr_s": [1.0], "mttr_s_p50": 1.0,
+         "floor_parts_s": {"detect_s": 0.1}, "commit": "c0ffee"}
+    b = {"window_s": 300.0, "useful_steps": 30, "kills": 3, "goodput": 0.5, "step_ms": 200.0,
+         "lost_work_per_kill_steps": 0.1, "mttr_s": [3.0, 5.0, None], "mttr_s_p50": 4.0,
+         "floor_parts_s": {"detect_s": 0.5}, "commit": "c0ffee"}
+    out = goodput_parts.combine_parts([a, b])
+    assert out["window_s"] == 400.0 and out["useful_steps"] == 40 and out["kills"] == 4
+    assert out["goodput"] == pytest.approx((0.9 * 100 + 0.5 * 300) / 400)
+    assert out["step_ms"] == pytest.approx((100 * 10 + 200 * 30) / 40)
+    assert out["lost_work_per_kill_steps"] == pytest.approx((0.3 + 0.1 * 3) / 4)
+    assert out["floor_parts_s"]["detect_s"] == pytest.approx((0.1 + 0.5 * 3) / 4)
+    assert out["mttr_s"] == [1.0, 3.0, 5.0, None] and out["mttr_s_p50"] == 3.0
+    assert out["commit"] == "c0ffee"
+
+
+def test_summarize_pairs_repeats_in_parts_and_leaves_out_an_incomplete_one():
+    raws = {}
+    for rep, speed in enumerate((0.05, 0.08, 0.11)):
+        for system, variant, lost in (("planaria", "planaria", 0.3),
+                                      ("torchrun", "torchrun_ckpt5", 3.0)):
+            run = _raw(system, variant, rep, speed, lost_s=lost, kills=(30.0, 50.0, 90.0))
+            for part in _in_parts(run, 2):
+                raws[f"{variant}-r{rep}-p{part['part']}"] = part
+    out = goodput_summary.summarize(raws)
+    assert out["detail"]["repeats"] == [0, 1, 2] and out["detail"]["incomplete"] == []
+    assert out["detail"]["setup"]["parts"] == 2
+    assert out["detail"]["setup"]["duration_s"] == 120.0  # the parts' windows together
+    run = out["detail"]["runs"]["planaria"]["0"]["planaria"]
+    assert run["name"] == "planaria-r0" and run["parts"] == 2 and run["kills"] == 3
+    assert out["ratio_goodput_vs_best_peer"]["ahead"] is True
+    del raws["torchrun_ckpt5-r2-p1"]  # a sitting cut short: no pair in repeat 2
+    cut = goodput_summary.summarize(raws)
+    assert cut["detail"]["incomplete"] == ["torchrun_ckpt5-r2: 1 of 2 parts"]
+    assert not cut["detail"]["runs"]["torchrun"]["2"]
+    assert cut["ratio_goodput_vs_best_peer"]["n"] == 2
+
+
+def test_parts_alternate_the_systems_and_share_out_the_whole_windows_kills():
+    from bench import goodput
+    from bench.kill_harness import plan_kills
+
+    args = goodput.parse_args(["--regime", "realistic", "--no-controls", "--repeats", "1",
+                               "--systems", "planaria,torchrun", "--torchrun-ckpt-every", "16"])
+    assert args.parts == 4  # the realistic regime's default
+    plan = goodput.plan_runs(args)
+    assert [r.name for r in plan] == [
+        "planaria-r0-p0", "torchrun_ckpt16-r0-p0", "torchrun_ckpt16-r0-p1", "planaria-r0-p1",
+        "planaria-r0-p2", "torchrun_ckpt16-r0-p2", "torchrun_ckpt16-r0-p3", "planaria-r0-p3"]
+    whole = plan_kills(0, args.kill_every_s, args.duration_s)
+    shared = [k.at_s + goodput.part_window(args.duration_s, r)[0]
+              for r in plan if r.system == "planaria"
+              for k in goodput.part_kills(r.seed, args.kill_every_s, args.duration_s, r)]
+    assert shared == pytest.approx([k.at_s for k in whole]) and len(whole) == 19
+    for r in plan:
+        assert all(0 <= k.at_s < 300 for k in goodput.part_kills(
+            r.seed, args.kill_every_s, args.duration_s, r))
+    one = goodput.plan_runs(goodput.parse_args(["--regime", "fast", "--no-controls",
+                                                "--repeats", "1", "--systems", "planaria"]))
+    assert [r.name for r in one] == ["planaria-r0"]  # the fast regime: one run a repeat
