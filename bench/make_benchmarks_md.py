@@ -215,7 +215,7 @@ def _commits(commit: Any) -> str:
     (12 hex digits each, ``-dirty`` kept: a run from a dirty tree is not its commit's)."""
     if isinstance(commit, list):
         return ", ".join(records.commit_dir_name(str(c)) for c in commit)
-    return str(commit or "")[:12]
+    return records.commit_dir_name(str(commit)) if commit else ""
 
 
 def _header(rec: dict[str, Any]) -> list[str]:
@@ -991,7 +991,7 @@ def stale_mark(rec: dict[str, Any], head: str) -> str | None:
     commit_of = str(commit_of)
     if not head or commit_of.removesuffix("-dirty") == head:
         return None
-    return (f"**From {commit_of[:12] or 'an unrecorded commit'}** (this page's checkout: "
+    return (f"**From {_commits(commit_of) or 'an unrecorded commit'}** (this page's checkout: "
             f"{head[:12]}): measured before the code's latest changes, not re-run since.")
 
 

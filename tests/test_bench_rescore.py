@@ -68,6 +68,15 @@ def test_runs_at_several_commits_keep_their_dirty_mark():
     assert f"**From commits {'a' * 12}, {'a' * 12}-dirty, {'b' * 12}**" in (mark or "")
 
 
+def test_a_run_from_a_dirty_tree_says_so_in_its_header_and_mark():
+    """One commit, as several: a record made from a dirty tree is not its commit's."""
+    rec = {"command": "python bench/x.py", "date": "2026-12-06", "result": {},
+           "commit": "a" * 40 + "-dirty"}
+    assert f"commit `{'a' * 12}-dirty`" in mk._header(rec)[0]
+    assert f"commit `{'a' * 12}`" in mk._header({**rec, "commit": "a" * 40})[0]
+    assert f"**From {'a' * 12}-dirty**" in (mk.stale_mark(rec, "c" * 40) or "")
+
+
 def test_recovery_pairs_each_repeat():
     raws = {}
     for rep, (pl, ft) in enumerate(((0.1, 0.3), (0.2, 0.6), (0.4, 1.2))):
