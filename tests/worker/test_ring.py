@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from planaria.faults.errors import StepAborted
+from planaria.worker import ring as ring_mod
 from planaria.worker.collective import Collective
-from planaria.worker.ring import RingPart, scratch_bytes
+from planaria.worker.ring import RingPart
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,8 +36,7 @@ def _parts(rank: int) -> tuple[list[torch.Tensor], list[RingPart], torch.Tensor]
     srcs = _sources(rank)
     parts = [RingPart(s, torch.full_like(s, float("nan")), k)
              for s, (_, _, k) in zip(srcs, SIZES, strict=True)]
-    scratch = torch.empty(scratch_bytes(srcs, 3), dtype=torch.uint8)
-    return [s.clone() for s in srcs], parts, scratch
+    return [s.clone() for s in srcs], parts
 
 
 def _rank(rank: int, world: int, port: int, mode: str, q: mp.Queue) -> None:
@@ -45,7 +45,9 @@ def _rank(rank: int, world: int, port: int, mode: str, q: mp.Queue) -> None:
                               timeout=timedelta(seconds=30))
         comm = Collective(store, 0, rank, world, join_timeout_s=30, timeout_s=60)
         comm.allreduce_sum([torch.ones(1)])  # every rank is in the group
-        before, parts, scratch = _parts(rank)
+        if mode == "segmented":  # many segments a chunk: the pipelined path
+            ring_mod.SEGMENT_BYTES = 64
+        before, parts = _parts(rank)
         if mode == "dead" and rank == world - 1:
             os._exit(0)  # its connections close: the ring's peers see it
         if mode == "stall" and rank == 1:
@@ -53,7 +55,7 @@ def _rank(rank: int, world: int, port: int, mode: str, q: mp.Queue) -> None:
             return
         if mode == "stall":
             threading.Timer(0.5, comm.interrupt).start()
-        works = comm.ring_sum_start(parts, scratch)
+        works = comm.ring_sum_start(parts)
         ring = works[0]  # wait_all empties the list on a failure
         t0 = time.monotonic()
         try:
@@ -101,6 +103,14 @@ def test_the_ring_sums_every_ranks_buffers_the_same_on_every_rank_with_the_norm(
                  for i, (_, _, k) in enumerate(SIZES))
     assert {g[5] for g in got} == {got[0][5]}  # the same norm on every rank
     assert got[0][5] == pytest.approx(square, rel=1e-5)  # the tail past norm_numel left out
+
+
+def test_a_ring_in_many_segments_sums_the_same_bits_as_in_one():
+    whole, segmented = _run(3, "sum", 3), _run(3, "segmented", 3)
+    assert [g[1] for g in segmented] == ["summed"] * 3, segmented
+    assert all(g[3] for g in segmented)  # no source written
+    assert [g[4] for g in segmented] == [g[4] for g in whole]  # bit for bit
+    assert [g[5] for g in segmented] == [g[5] for g in whole]
 
 
 def test_a_dead_peer_fails_the_ring_and_every_survivor_keeps_its_own_sum():

@@ -122,14 +122,13 @@ class Collective:
             return []
         return self._start(lambda pg: [pg.allreduce([t]) for t in tensors])
 
-    def ring_sum_start(self, parts: Sequence[RingPart], scratch: torch.Tensor) -> list[Any]:
+    def ring_sum_start(self, parts: Sequence[RingPart]) -> list[Any]:
         """Starts summing each part's ``src`` over the ranks into its ``dst``, out of place
         (:class:`planaria.worker.ring.RingSum`, gloo only); :meth:`wait_all` waits, and can
         leave it on an interrupt as it leaves an all-reduce."""
         if self.backend != "gloo":
             raise ValueError(f"the out-of-place ring runs on gloo, not {self.backend}")
-        return self._start(lambda pg: [RingSum(pg, self.rank, self.world_size, parts,
-                                               scratch)])
+        return self._start(lambda pg: [RingSum(pg, self.rank, self.world_size, parts)])
 
     def wait_all(self, works: list[Any], *, interruptible: bool = True) -> None:
         """Waits for operations :meth:`allreduce_start` started; on an error closes the group.

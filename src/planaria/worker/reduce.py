@@ -28,7 +28,7 @@ import torch
 
 from planaria.worker.collective import Collective
 from planaria.worker.kept_work import GradientCopy, GradientKeptInPlace, HeldGradient
-from planaria.worker.ring import RingPart, RingSum, scratch_bytes
+from planaria.worker.ring import RingPart, RingSum
 
 __all__ = [
     "FP32_EXACT_COUNT",
@@ -206,14 +206,11 @@ class FlatReducer:
         if keep:
             self.copy = (GradientKeptInPlace(grads.buffers) if out_of_place
                          else GradientCopy(grads.buffers))
-        self._sums: FlatGradients | None = None  # where the ring writes the sum
-        self._scratch: torch.Tensor | None = None  # where it receives peers' chunks
+        self._sums: FlatGradients | None = None  # where the ring writes (and receives) the sum
         self._ring: RingSum | None = None  # the last (its thread outlives one left on an abort)
         self._summed = False  # the parameters' .grad are views of the sums
         if out_of_place:  # allocated and touched here, not in a joiner's first step
-            self._ring_buffers(2)  # a chunk at width 2 is the largest at any width
-            assert self._scratch is not None
-            self._scratch.zero_()
+            self._ring_buffers()
 
     def gradients(self) -> list[torch.Tensor]:
         if self._summed:
@@ -278,10 +275,10 @@ class FlatReducer:
         """The ring sums the buffers into :attr:`_sums` (and their norm on the way); the
         small tensors are all-reduced after it. The parameters' ``.grad`` then view the
         sums, until :meth:`zero`."""
-        sums, scratch = self._ring_buffers(comm.world_size)
+        sums = self._ring_buffers()
         parts = [RingPart(src, dst, own.numel()) for src, dst, own in
                  zip(self.grads.reduced, sums.reduced, self.grads.buffers, strict=True)]
-        works = comm.ring_sum_start(parts, scratch)
+        works = comm.ring_sum_start(parts)
         self._ring = ring = works[0]
         meanwhile()
         comm.wait_all(works)
@@ -294,17 +291,14 @@ class FlatReducer:
         self._summed = True
         return math.sqrt(ring.square_sum)  # NaN or inf where an element is
 
-    def _ring_buffers(self, world_size: int) -> tuple[FlatGradients, torch.Tensor]:
-        """The sums' buffers and the scratch, allocated at the first ring, and again where
-        a ring left on an abort may still write into the last ones."""
+    def _ring_buffers(self) -> FlatGradients:
+        """The sums' buffers, allocated at the first ring, and again where a ring left on an
+        abort may still write into the last ones."""
         if self._ring is not None and self._ring.running():
-            self._sums = self._scratch = None  # the old ones stay with that ring's thread
+            self._sums = None  # the old ones stay with that ring's thread
         if self._sums is None:
             self._sums = self.grads.twin()
-        need = scratch_bytes(self.grads.reduced, world_size)
-        if self._scratch is None or self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.uint8, device=self.grads.device)
-        return self._sums, self._scratch
+        return self._sums
 
     def close(self) -> None:
         pass
