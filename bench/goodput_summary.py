@@ -92,7 +92,8 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     ``detail``) from raw records by name."""
     fault = {n: r for n, r in raws.items() if r.get("kind") == "faults"}
     control = {n: r for n, r in raws.items() if r.get("kind") == "control"}
-    repeats = sorted({r["repeat"] for r in fault.values()})
+    repeats = sorted({rep for (_, rep, _), named in _by_run(fault).items()
+                      if len(named) == int(named[0][1].get("parts") or 1)})  # complete ones
     # system -> repeat -> variant -> run (a repeat run in parts: its parts together)
     runs: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
     incomplete: list[str] = []
@@ -184,7 +185,7 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
     durations = {  # a repeat in parts: the parts' windows together
         f"{k}": {"duration_s": round(sum(float(r["duration_s"]) for _, r in named), 1)}
-        for k, named in _by_run(fault).items()}
+        for k, named in _by_run(fault).items() if len(named) == int(named[0][1].get("parts") or 1)}
     durations.update({n: {"duration_s": r.get("duration_s")} for n, r in control.items()})
     out["detail"] = {
         "repeats": repeats,

@@ -1025,7 +1025,9 @@ def render_goodput_repeats(rec: dict[str, Any], name: str = "") -> list[str]:
            f"{_f(setup.get('duration_s'), '.0f')} s, a SIGKILL about every "
            f"{_f(setup.get('kill_every_s'), '.0f')} s, {len(d.get('repeats') or [])} repeats "
            f"with kill seeds {', '.join(str(v) for vs in seeds.values() for v in vs)}, "
-           "interleaved. Each figure is the median over "
+           + (f"each repeat's window in {setup.get('parts')} parts run in turn, the systems "
+              "alternating (A B, B A, ...)" if (setup.get("parts") or 1) != 1
+              else "interleaved") + ". Each figure is the median over "
            "the repeats with its bootstrap 95 % interval; ratios are the median of the "
            "per-repeat paired ratios (planaria without a spare, its configuration fixed "
            "before the runs, ÷ the best peer of that repeat, per provisioned slot), with the "

@@ -187,6 +187,9 @@ def test_summarize_pairs_repeats_in_parts_and_leaves_out_an_incomplete_one():
     assert cut["detail"]["incomplete"] == ["torchrun_ckpt5-r2: 1 of 2 parts"]
     assert not cut["detail"]["runs"]["torchrun"]["2"]
     assert cut["ratio_goodput_vs_best_peer"]["n"] == 2
+    assert cut["detail"]["setup"]["duration_s"] == 120.0  # not the lone part's 60
+    del raws["planaria-r2-p0"], raws["planaria-r2-p1"]  # repeat 2: one lone part left
+    assert goodput_summary.summarize(raws)["detail"]["repeats"] == [0, 1]
 
 
 def test_parts_alternate_the_systems_and_share_out_the_whole_windows_kills():
