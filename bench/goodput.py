@@ -369,7 +369,7 @@ def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
             variant, config = _variants(args, system)[len(_variants(args, system)) // 2]
             plan.append(PlannedRun(system=system, variant=variant, kind="control", repeat=-1,
                                    seed=args.seed, config=config))
-    parts = getattr(args, "parts", 1)
+    parts = args.parts
     for rep in range(args.first_repeat, args.first_repeat + args.repeats):
         for part in range(parts):
             systems = args.system_list if part % 2 == 0 else args.system_list[::-1]

@@ -92,21 +92,21 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     ``detail``) from raw records by name."""
     fault = {n: r for n, r in raws.items() if r.get("kind") == "faults"}
     control = {n: r for n, r in raws.items() if r.get("kind") == "control"}
-    repeats = sorted({rep for (_, rep, _), named in _by_run(fault).items()
-                      if len(named) == int(named[0][1].get("parts") or 1)})  # complete ones
+    by_run = _by_run(fault)
+    # A repeat missing a part (a sitting cut short) would not be like for like: left out.
+    complete = {k: named for k, named in by_run.items() if len(named) == _parts_of(named)}
+    incomplete = [f"{variant}-r{rep}: {len(named)} of {_parts_of(named)} parts"
+                  for (system, rep, variant), named in by_run.items()
+                  if (system, rep, variant) not in complete]
+    repeats = sorted({rep for _, rep, _ in complete})
     # system -> repeat -> variant -> run (a repeat run in parts: its parts together)
     runs: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
-    incomplete: list[str] = []
-    for (system, rep, variant), named in _by_run(fault).items():
-        expected = int(named[0][1].get("parts") or 1)
-        if len(named) != expected:  # a sitting cut short: the pair would not be like for like
-            incomplete.append(f"{variant}-r{rep}: {len(named)} of {expected} parts")
-            continue
+    for (system, rep, variant), named in complete.items():
         figures = [run_figures(raw) for _, raw in named]
         runs.setdefault(system, {}).setdefault(rep, {})[variant] = {
-            "name": named[0][0] if expected == 1 else f"{variant}-r{rep}",
+            "name": named[0][0] if len(named) == 1 else f"{variant}-r{rep}",
             "raw": named[0][1],
-            "figures": figures[0] if expected == 1 else combine_parts(figures)}
+            "figures": figures[0] if len(named) == 1 else combine_parts(figures)}
     chosen: dict[str, list[dict[str, Any] | None]] = {}
     for system, by_repeat in runs.items():
         chosen[system] = []
@@ -185,7 +185,7 @@ def summarize(raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
     durations = {  # a repeat in parts: the parts' windows together
         f"{k}": {"duration_s": round(sum(float(r["duration_s"]) for _, r in named), 1)}
-        for k, named in _by_run(fault).items() if len(named) == int(named[0][1].get("parts") or 1)}
+        for k, named in complete.items()}
     durations.update({n: {"duration_s": r.get("duration_s")} for n, r in control.items()})
     out["detail"] = {
         "repeats": repeats,
@@ -225,6 +225,11 @@ def _by_run(fault: dict[str, dict[str, Any]]
     for named in out.values():
         named.sort(key=lambda nr: int(nr[1].get("part") or 0))
     return out
+
+
+def _parts_of(named: list[tuple[str, dict[str, Any]]]) -> int:
+    """How many parts a run's records say it was cut in (1: not in parts)."""
+    return int(named[0][1].get("parts") or 1)
 
 
 def _ratio_json(estimate: stats.Estimate | None) -> dict[str, Any]:

@@ -7,8 +7,9 @@ Three processes (``--world``), one torch thread each, one gloo group; each round
 turn and in an order rotated every round, every mode on the same buffers:
 
 - ``ring``: :class:`planaria.worker.ring.RingSum` as a step runs it (segments of
-  ``ring.SEGMENT_BYTES``: the reduce-scatter pipelined);
-- ``ring_whole``: the same ring with each chunk moved in one piece (no pipelining);
+  ``ring.SEGMENT_BYTES``: both phases pipelined);
+- ``ring_whole``: the same ring with each chunk moved in one piece (no pipelining within
+  a chunk); on a ring from before segments, both modes are that ring;
 - ``gloo``: ``dist.all_reduce`` in place (what a peer's DDP runs; it writes the source).
 
 Estimator (fixed before the runs): per mode the median over rounds of the slowest rank's
