@@ -122,7 +122,9 @@ The estimators, fixed before any run (change them only before a run, never after
   (0 for a kill after which none came: the step had committed; null, not measured, when
   the run logged none);
   transfer stall = the window's ``state_transfer`` seconds (the survivors wait at the step
-  boundary while a survivor sends the state) ÷ kills. Targets: goodput >= 0.985 and within
+  boundary while a survivor sends the state; a transfer ``beside`` the step: the model's
+  part, plus what the generation's first step took over the fault-free step, the joiner
+  waiting there for the rest) ÷ kills. Targets: goodput >= 0.985 and within
   1 point of the floor; the ratios ahead.
 
 Figures (per system, same definitions for all; times are ``time.time()`` in this

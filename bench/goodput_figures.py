@@ -266,19 +266,32 @@ def lost_work_per_kill(run: dict[str, Any]) -> float | None:
     return sum(shares) / len(shares)
 
 
-def transfer_stall_s(run: dict[str, Any]) -> float:
+def transfer_stall_s(run: dict[str, Any], step_s: float | None = None) -> float:
     """The seconds the survivors waited in the window for joiners' state transfers: the
     ``state_transfer`` records' own seconds (planaria sends the state while building the
-    joiners' generation, the survivors stopped at the step boundary)."""
-    return sum(float(e.get("seconds") or 0.0) for e in _window_events(run)
-               if e["event"] == "state_transfer")
+    joiners' generation, the survivors stopped at the step boundary). A transfer
+    ``beside`` the step (its record's seconds: the model's part alone) also charges what
+    the generation's first step took over ``step_s`` (the fault-free step): the joiner
+    waits for the rest before the reduction, and the survivors with it."""
+    commits = sorted(c["wall"] for c in run.get("commits") or [])
+    total = 0.0
+    for e in _window_events(run):
+        if e["event"] != "state_transfer":
+            continue
+        total += float(e.get("seconds") or 0.0)
+        if e.get("beside") and step_s is not None:
+            after = commits[bisect.bisect_right(commits, float(e["t"])):]
+            if after:
+                total += max(0.0, after[0] - float(e["t"]) - step_s)
+    return total
 
 
 def floor_figures(run: dict[str, Any], step_s: float | None) -> dict[str, Any]:
     """planaria's floor, ``1 - kills x (detect + lost work + transfer stall) / window``,
     from its measured parts (each a mean per kill): ``detect_s`` the harness's SIGKILL →
     planaria's ``fault`` record, lost work ``lost_work_per_kill_steps x`` the fault-free
-    step time, ``transfer_stall_s`` the window's state transfers over its kills. None
+    step time, ``transfer_stall_s`` the window's state transfers (:func:`transfer_stall_s`) over its
+    kills. None
     where a part was not measured (no kill, no ``step_resumed`` record)."""
     kills = _window_kills(run)
     detects = [d for d in detect_from_outside(run) if d is not None]
@@ -286,7 +299,7 @@ def floor_figures(run: dict[str, Any], step_s: float | None) -> dict[str, Any]:
     parts: dict[str, float | None] = {
         "detect_s": sum(detects) / len(detects) if detects else None,
         "lost_work_s": None if lost_steps is None or step_s is None else lost_steps * step_s,
-        "transfer_stall_s": transfer_stall_s(run) / len(kills) if kills else None,
+        "transfer_stall_s": transfer_stall_s(run, step_s) / len(kills) if kills else None,
     }
     span = run["t1"] - run["t0"]
     known = [v for v in parts.values() if v is not None]

@@ -114,6 +114,20 @@ def test_lost_work_and_floor_from_planaria_events():
     assert goodput_figures.floor_figures({**raw, "events": events[1:]}, 0.05)["floor"] is None
 
 
+def test_a_transfer_beside_the_step_charges_its_first_step_over_the_fault_free_one():
+    # commits every 1 s; the transfer (its model part 0.1 s) ends at 10.2, the next commit
+    # at 11.5: 1.3 s for a 1 s step, 0.3 s charged beside the 0.1
+    commits = [{"step": i, "wall": float(i), "width": 3, "started": i - 1.0} for i in range(11)]
+    commits.append({"step": 11, "wall": 11.5, "width": 3, "started": 10.2})
+    run = {"t0": 0.0, "t1": 20.0, "commits": commits,
+           "events": [{"event": "state_transfer", "t": 10.2, "seconds": 0.1, "beside": True}]}
+    assert goodput_figures.transfer_stall_s(run, 1.0) == pytest.approx(0.4)
+    before = {**run, "events": [{**run["events"][0], "beside": False}]}
+    assert goodput_figures.transfer_stall_s(before, 1.0) == pytest.approx(0.1)
+    fast = {**run, "commits": [*commits[:-1], {**commits[-1], "wall": 11.0}]}
+    assert goodput_figures.transfer_stall_s(fast, 1.0) == pytest.approx(0.1)  # none over
+
+
 def test_rescore_from_written_records_gives_the_same_json(tmp_path):
     folder = records.raw_dir(tmp_path, "goodput", "fast", "c0ffee")
     raws = _raws()
