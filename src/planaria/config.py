@@ -347,6 +347,11 @@ class RunConfig:
     min_transfer_bytes_per_s: float = 20e6
     """A state transfer to joiners may take ``collective_timeout_s`` plus one second per this
     many bytes; while its bytes move it is busy, not hung, past that too."""
+    state_beside_step: bool = True
+    """A joiner's state is sent beside the first step of the generation it joins: the
+    survivors stall for the model's bytes only, the optimizer's arrive while every rank
+    computes (gloo, unsharded replicas with no fp16 loss scaler or ``extra_state``; else
+    the whole state before the step). False: always the whole state before the step."""
     drain_poll_s: float | None = 2.0
     """Ask Ray for draining nodes every this many seconds (in the background): the workers
     on a node Ray drains leave at the next step boundary, as after a preemption notice

@@ -8,12 +8,14 @@ that holds it; waiting for them is one loop (:meth:`Membership.wait_for_replacem
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import ray
 import torch
 
 from planaria.data.integrity import describe_mismatch
@@ -124,6 +126,9 @@ class Membership:
         Raises a Failure if a member fails meanwhile; the caller recovers from it.
         """
         t0 = time.time()
+        self.settle_receipts()
+        for h in members:  # a receipt still pending ends with its group: sent the state again
+            h.receiving = None
         self.gen += 1
         gen = self.gen
         self.members = list(members)
@@ -175,32 +180,67 @@ class Membership:
         src = self.members[src_rank]
         t0 = time.time()
         source: StateMeta = self.calls.gather(
-            {src.name: src.actor.state_meta.remote(self.gen)}, deadline_s=60, step=None
+            {src.name: src.actor.state_meta.remote(self.gen, self.config.state_beside_step)},
+            deadline_s=60, step=None,
         )[src.name]
-        refs = {src.name: src.actor.send_state.remote(self.gen, joiners)}
+        nbytes = sum(math.prod(shape) * getattr(torch, dtype).itemsize
+                     for shape, dtype in source.tensors())
+        if source.beside and nbytes / self.config.min_transfer_bytes_per_s > (
+                self.config.collective_timeout_s / 2):
+            # The first step's reduction waits for the rest: it must arrive well within
+            # the collective's timeout even at the slowest rate a transfer is allowed.
+            source = dataclasses.replace(source, beside=False)
+        refs = {src.name: src.actor.send_state.remote(self.gen, joiners, source.beside)}
         for r in joiners:
             h = self.members[r]
             refs[h.name] = h.actor.recv_state.remote(self.gen, src_rank, source)
         self.hooks.call("join", src=src.name, joiners=[self.members[r].name for r in joiners])
         # A transfer that moves bytes is busy: its deadline grows with them (a 30 GB shard on
         # 1 GbE takes minutes), and past it the workers are judged by their bytes moving.
-        nbytes = sum(math.prod(shape) * getattr(torch, dtype).itemsize
-                     for shape, dtype in source.tensors())
         deadline = (self.config.collective_timeout_s
                     + len(joiners) * nbytes / self.config.min_transfer_bytes_per_s)
         sizes = self.calls.gather(refs, deadline_s=deadline, step=None)
         seconds = time.time() - t0
         nbytes = int(sizes[src.name])
         for r in joiners:
-            self.members[r].has_state = True
+            h = self.members[r]
+            if source.beside:  # it holds the state once the rest has arrived
+                h.receiving = h.actor.state_received.remote(self.gen, deadline)
+            else:
+                h.has_state = True
+        # Beside the step, ``seconds`` is the stall (the model's bytes), not the transfer's.
         self.log.emit(
             "state_transfer",
             src=src.name,
             dst=[self.members[r].name for r in joiners],
             bytes=nbytes,
             seconds=seconds,
-            gb_per_s=nbytes / seconds / 1e9 if seconds > 0 else None,
+            gb_per_s=nbytes / seconds / 1e9 if seconds > 0 and not source.beside else None,
+            beside=source.beside,
         )
+
+    def settle_receipts(self) -> None:
+        """Members whose state arrived beside a step hold it once all of it has arrived; one
+        whose receipt failed holds none (it is sent the state again, or restores). Does not
+        wait: one still receiving is not a holder yet."""
+        pending = [h for h in self.members if h.receiving is not None]
+        if not pending:
+            return
+        ready, _ = ray.wait([h.receiving for h in pending], num_returns=len(pending),
+                            timeout=0)
+        done = set(ready)
+        for h in pending:
+            if h.receiving not in done:
+                continue
+            ref, h.receiving = h.receiving, None
+            try:
+                seconds = ray.get(ref)
+            except Exception as err:  # any failure: it holds no state
+                _mlog.info("%s did not receive the state: %s", h.name, err)
+                self.log.emit("state_received", worker=h.name, ok=False, error=str(err)[:300])
+                continue
+            h.has_state = True
+            self.log.emit("state_received", worker=h.name, ok=True, rest_s=seconds)
 
     def evict(self, names: Sequence[str], *, kill: bool = True) -> None:
         """Removes workers from the membership, fencing them off (and killing them)."""

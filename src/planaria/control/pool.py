@@ -86,6 +86,7 @@ class WorkerHandle:
     ready_t: float | None = None
     info: Setup | None = None  # what it reported once set up
     has_state: bool = False
+    receiving: Any = None  # its state arriving beside a step: state_received's reference
     spare: bool = False  # started as a standby worker (see WorkerPool.replenish)
 
     @property
@@ -227,9 +228,7 @@ class WorkerPool:
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt,
                               spare=spare)
         handle.setup_ref = actor.setup.remote(
-            prebuild_optimizer_state=replaces is not None or spare,
-            compile_cache=self.compile_cache,
-        )
+            joiner=replaces is not None or spare, compile_cache=self.compile_cache)
         self.starting.append(handle)
         if replaces is not None and attempt == 1:
             self.log.emit("replacement_requested", worker=name, replaces=replaces)

@@ -123,6 +123,7 @@ class Recovery:
         pending joins close."""
         group = self.membership
         now = time.time() if now is None else now
+        group.settle_receipts()  # a joiner's state, sent beside its first step, has arrived
         self.replacements.start_owed()
         self.faults.close_all(step, now)
         for name, since in list(self._joining.items()):
@@ -155,6 +156,7 @@ class Recovery:
         if not names:
             return
         ck = self.checkpoints
+        group.settle_receipts()
         holders = [h.name for h in group.members if h.has_state]
         if (set(holders) <= set(names) and ck is not None and ck.can_save
                 and ck.config.save_on_preemption):
@@ -204,6 +206,7 @@ class Recovery:
 
     def _handle_one(self, failure: Failure) -> None:
         group = self.membership
+        group.settle_receipts()  # who holds the state: a joiner's that all arrived counts
         judged = judge_raised(failure, self.attribution, self.membership.members,
                               self.membership.width)
         if judged is not None and judged[0] is not failure:

@@ -79,6 +79,12 @@ WORKER_POINTS: Mapping[str, str] = MappingProxyType({
     "worker.stage_copy":
         "a checkpoint's copy into staging begins, on the thread that copies: the staging "
         "thread when the copy runs beside the steps (worker, step)",
+    "worker.state_sending":
+        "a state sent beside the steps: the model's tensors are sent, the rest not yet, on "
+        "the sending thread (worker, step: the steps done)",
+    "worker.state_receiving":
+        "a state received beside the steps: the model's tensors are in, the rest not yet, "
+        "on the receiving thread (worker, step: the steps done)",
     "worker.eval_batch": "an evaluation's batch, before it runs (worker, step: the steps "
                          "committed, batch: its index in the eval set)",
 })

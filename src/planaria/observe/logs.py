@@ -112,6 +112,7 @@ _ROUTES: dict[str, tuple[logging.Logger, int]] = {
     "replacement_ready": (membership, logging.INFO),
     "replacement_failed": (membership, logging.WARNING),
     "state_transfer": (membership, logging.INFO),
+    "state_received": (membership, logging.INFO),
     "joined": (membership, logging.INFO),
     "preempt_notice": (membership, logging.WARNING),
     "drained": (membership, logging.INFO),

@@ -46,6 +46,8 @@ class Setup:
     step, ``compile_s``: that, where it compiles, ``setup_s``), and ``forked``: whether the
     process was forked from a warm one."""
     checksum: int
+    """The initial parameters' checksum (0 for a joiner: its state is sent to it, and the
+    checksum is only compared between the job's first members)."""
     param_bytes: int
     num_samples: int
     data_fingerprint: Mapping[str, object]
@@ -63,13 +65,15 @@ class StateMeta:
     """What a joiner needs besides the tensors (``Worker.state_meta``): their layout, the
     state's JSON metadata (optimizer, scheduler, extra state), the steps done, and the
     tensors kept on the host (Adam's step counters beside CUDA parameters). A sharded
-    replica's holds every worker's in ``shards``, for the joiner's workers in order."""
+    replica's holds every worker's in ``shards``, for the joiner's workers in order.
+    ``beside``: the state goes beside the next step (planaria.worker.transfer)."""
 
     layout: Layout
     meta: dict[str, object]
     steps_done: int
     on_host: Sequence[str]
     shards: Sequence[StateMeta] = ()
+    beside: bool = False
 
     def merge(self, theirs: Sequence[StateMeta]) -> StateMeta:
         return replace(self, shards=(self, *theirs))

@@ -75,10 +75,10 @@ from planaria.worker.vitals import Vitals
 
 __all__ = ["CONCURRENCY_GROUPS", "Worker"]
 
-CONCURRENCY_GROUPS = {"control": 1, "ckpt": 2}
+CONCURRENCY_GROUPS = {"control": 1, "ckpt": 2, "transfer": 1}
 """A worker actor's lanes beside the default one (steps, state): ``control`` for calls that
 must answer mid-step (abort, alive, stack dumps), ``ckpt`` for the wait on a checkpoint
-write (:meth:`Worker.ckpt_wait`), which may last as long as the write."""
+write (``ckpt_wait``), ``transfer`` for the wait on a state received beside the steps."""
 
 
 class Worker:
@@ -154,7 +154,7 @@ class Worker:
         self.evaluator = Evaluator(name, self.state, self.commits, self.membership, self.vitals,
                                    self.faults, lambda: self.loader.collate)
         self.transfer = StateTransfer(name, self.state, self.commits, self.membership,
-                                      self.vitals)
+                                      self.vitals, self.faults)
         self.saver = CheckpointSaver(name, self.state, self.commits, self.vitals, self.faults)
         self.restorer = CheckpointRestorer(name, self.state, self.commits, self.loader,
                                            self.membership, self.vitals)
@@ -189,16 +189,12 @@ class Worker:
     # ---- lifecycle -------------------------------------------------------------------------
 
     @fans_out(Setup.merge)
-    def setup(
-        self, *, prebuild_optimizer_state: bool = False, compile_cache: bytes | None = None
-    ) -> Setup:
-        """Builds model, optimizer, scheduler and dataset from the spec's factories.
-
-        Off the critical path, a replacement or a spare (``prebuild_optimizer_state``)
-        materialises its optimizer state (received into touched memory) and runs a forward
-        and backward (:meth:`~planaria.worker.engine.StepEngine.warm_up`), which with
-        ``spec.compile`` compiles, from ``compile_cache`` (planaria.worker.compile_cache) if given.
-        """
+    def setup(self, *, joiner: bool = False, compile_cache: bytes | None = None) -> Setup:
+        """Builds model, optimizer, scheduler and dataset from the spec's factories. Off the
+        critical path a joiner (a replacement, a spare) makes its optimizer state
+        (``Commits.prebuild_optimizer_state``) and runs a forward and backward
+        (``StepEngine.warm_up``: compiles with ``spec.compile``, from ``compile_cache``);
+        its checksum is 0 (not computed: its state is sent to it)."""
         self.vitals.phase = "setup"
         t0 = time.time()
         if self.spec.compile:
@@ -210,10 +206,10 @@ class Worker:
         num_samples, fingerprint = self.loader.setup()
         t2 = time.time()
         warm_s = 0.0
-        if self.spec.compile or prebuild_optimizer_state:
+        if self.spec.compile or joiner:
             self.engine.warm_up()
             warm_s = time.time() - t2
-        if prebuild_optimizer_state:
+        if joiner:
             self.commits.prebuild_optimizer_state()
         self.vitals.phase = "idle"
         return Setup(
@@ -222,7 +218,7 @@ class Worker:
             start={"build_s": t1 - t0, "data_s": t2 - t1, "warm_s": warm_s,
                    "compile_s": warm_s if self.spec.compile else 0.0,
                    "setup_s": time.time() - t0, "forked": forkserver.forked()},
-            checksum=self.state.checksum(), param_bytes=self.state.nbytes(),
+            checksum=0 if joiner else self.state.checksum(), param_bytes=self.state.nbytes(),
             num_samples=num_samples, data_fingerprint=fingerprint,
             dataset_draws=sorted(self.loader.global_draws),
         )
@@ -323,28 +319,32 @@ class Worker:
     # ---- state: hot-join -----------------------------------------------------------------------
 
     @fans_out(StateMeta.merge)
-    def state_meta(self, gen: int) -> StateMeta:
-        """What a joiner needs besides tensors: the layout, the JSON metadata, steps done."""
+    def state_meta(self, gen: int, beside: bool = False) -> StateMeta:
+        """What a joiner needs besides tensors (``beside``: see planaria.worker.transfer)."""
         self.membership.check(gen)
-        return self.transfer.meta()
+        return self.transfer.meta(beside=beside)
 
     @fans_out(merge_sum)
-    def send_state(self, gen: int, dsts: list[int]) -> int:
-        """Sends the whole state to ranks ``dsts`` over the generation's group; returns bytes."""
+    def send_state(self, gen: int, dsts: list[int], beside: bool = False) -> int:
+        """Sends the state to ranks ``dsts`` (``beside``: from a thread, at once); its bytes."""
         self.membership.check(gen)
-        return self.transfer.send(dsts)
+        return self.transfer.send(dsts, beside=beside)
 
     @fans_out(merge_sum)
     def recv_state(self, gen: int, src: int, source: StateMeta) -> int:
-        """Receives the state sent by rank ``src`` straight into this replica's live tensors
-        (a sharded replica's worker: its counterpart's part)."""
+        """Receives rank ``src``'s state into the live tensors (a sharded worker: its part)."""
         self.membership.check(gen)
         return self.transfer.receive(src, source.part(self.shard_index))
 
+    @ray.method(concurrency_group="transfer")
+    def state_received(self, gen: int, timeout_s: float) -> float:
+        """The seconds the rest of a state received beside the steps took (or its error)."""
+        self.membership.check(gen)
+        return self.transfer.wait_received(timeout_s)
+
     @fans_out()
     def get_state(self, gen: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Copies of the whole state (model and optimizer tensors, metadata); a sharded
-        replica's leader gathers the whole tensors from its workers' shards."""
+        """Copies of the whole state and its metadata (a sharded replica's leader: whole)."""
         self.membership.check(gen)
         return self.state.copies(self.commits.steps_done)
 

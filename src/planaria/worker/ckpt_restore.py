@@ -103,7 +103,7 @@ class CheckpointRestorer:
         state = self.state
         self.staged = None
         self.vitals.set_phase("ckpt_read", -1)
-        state.copy_fence.wait()  # the read writes the live tensors: a save's copy ends first
+        state.wait_readers()  # the read writes the live tensors: a save's copy ends first
         try:
             if not state.optimizer.state:  # so that the optimizer state too lands in touched memory
                 self.commits.prebuild_optimizer_state()

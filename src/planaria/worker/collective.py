@@ -193,39 +193,43 @@ class Collective:
         )
 
     def send(self, tensors: list[torch.Tensor], dst: int,
-             on_progress: Any = None) -> None:
+             on_progress: Any = None, *, first_tag: int = 0) -> int:
         """Sends contiguous tensors to ``dst`` in chunks, a window of them in flight at a
         time; ``on_progress(nbytes)`` after each window (a transfer that moves bytes is
-        busy, however long it takes: see planaria.control.liveness)."""
-        self._transfer_all(tensors, lambda pg, c, i: pg.send([c], dst, i), True, False,
-                           on_progress)
+        busy, however long it takes: see planaria.control.liveness). Returns the tag after
+        the last chunk's (chunk tags count on from ``first_tag``)."""
+        return self._transfer_all(tensors, lambda pg, c, i: pg.send([c], dst, i), True,
+                                  False, on_progress, first_tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int,
-             on_progress: Any = None) -> None:
-        """Receives what :meth:`send` sent, into contiguous tensors of the same layout."""
-        self._transfer_all(tensors, lambda pg, c, i: pg.recv([c], src, i), False, True,
-                           on_progress)
+             on_progress: Any = None, *, first_tag: int = 0) -> int:
+        """Receives what :meth:`send` sent, into contiguous tensors of the same layout; one
+        send may be received in several calls, each from the tag the last returned."""
+        return self._transfer_all(tensors, lambda pg, c, i: pg.recv([c], src, i), False,
+                                  True, on_progress, first_tag)
 
     def _transfer_all(
         self, tensors: list[torch.Tensor], op: Any, stage_in: bool, stage_out: bool,
-        on_progress: Any = None,
-    ) -> None:
+        on_progress: Any = None, first_tag: int = 0,
+    ) -> int:
         """Tensors on the group's device go :data:`WINDOW` chunks at a time; the others are
-        staged (below). Chunk tags count on over the whole call, as the peer's do."""
+        staged (below). Chunk tags count on over the whole call from ``first_tag``, as the
+        peer's do; returns the next tag."""
         if all(self._native(t) for t in tensors):
             chunks = [c for t in tensors for c in _chunks(t)]
             for start in range(0, len(chunks), WINDOW):
                 window = chunks[start : start + WINDOW]
-                self._run(lambda pg, w=window, f=start: [op(pg, c, f + i)
-                                                          for i, c in enumerate(w)])
+                self._run(lambda pg, w=window, f=first_tag + start: [
+                    op(pg, c, f + i) for i, c in enumerate(w)])
                 if on_progress is not None:
                     on_progress(sum(c.numel() * c.element_size() for c in window))
-            return
-        tag = 0
+            return first_tag + len(chunks)
+        tag = first_tag
         for t in tensors:
             tag = self._transfer(t, op, stage_in=stage_in, stage_out=stage_out, tag=tag)
             if on_progress is not None:
                 on_progress(t.numel() * t.element_size())
+        return tag
 
     def _native(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self.device.type

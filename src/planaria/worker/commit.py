@@ -21,6 +21,7 @@ from planaria.faults.errors import PlanariaError, StepAborted
 from planaria.faults.user_code import user_call
 from planaria.wire.reports import Hold
 from planaria.worker.membership import Membership
+from planaria.worker.optimizer_layout import prebuild_by_probe
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.vitals import Vitals
 
@@ -81,7 +82,8 @@ class Commits:
 
     def apply(self) -> None:
         self.wait_while_held()
-        self.state.copy_fence.wait()  # a save's copy still reads the state: it goes first
+        self.state.await_incoming()  # a received state's optimizer part: all of it first
+        self.state.wait_readers()  # a save's copy, a send, still reads the state: they go first
         with self.state.lock:
             self._apply_locked()
 
@@ -117,13 +119,17 @@ class Commits:
             self.pending = None
 
     def prebuild_optimizer_state(self) -> None:
-        """One optimizer step on zero gradients creates the state tensors (exp_avg, ...), so
-        that a state received or restored lands in memory already allocated and touched.
+        """Creates the optimizer's state tensors (exp_avg, ...), so that a state received or
+        restored lands in memory already allocated and touched: as a probe of the optimizer
+        shows them (:mod:`planaria.worker.optimizer_layout`), else by one optimizer step on
+        zero gradients.
 
-        It may move the parameters (weight decay): no matter, they are all overwritten.
+        The step may move the parameters (weight decay): no matter, they are all overwritten.
         """
+        self.state.wait_readers()
+        if prebuild_by_probe(self.state.optimizer):
+            return
         self.state.reducer.gradients()  # zeros: an optimizer skips parameters with no gradient
-        self.state.copy_fence.wait()
         try:
             self.state.optimizer.step()
         except Exception:  # e.g. an optimizer that needs a closure: received into fresh memory

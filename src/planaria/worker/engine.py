@@ -146,6 +146,13 @@ class StepEngine:
             k = self.state.shape.k
             rank_slots.write_own(step, comm.rank, (data_wait_s + ahead_s) / k,
                                  (t1 - t0 - data_wait_s) / k)
+        if self.state.incoming is not None:  # a joiner's state, its optimizer's part arriving
+            self.vitals.set_phase("recv_state", step)
+            try:
+                self.state.await_incoming()
+            except BaseException:  # the step fails as a failed reduction would
+                comm.close()  # the peers waiting in the reduction see it now
+                raise
         reduce_wait_s = self._reduce(step, loaded, first, count, comm, status, metric_keys,
                                      loss_sum, metric_sums)
         return self._result(step, metric_sums, t0, t1, data_wait_s, reduce_wait_s)
@@ -156,7 +163,8 @@ class StepEngine:
         (:mod:`planaria.worker.kept_work`)."""
         state = self.state
         keepable = (state.shape.k == 1 and state.scaler is None
-                    and not state.buffer_sync.active)
+                    and not state.buffer_sync.active
+                    and state.incoming is None)  # not a joiner whose state did not all arrive
         return self.kept.settle(self.commits.steps_done, self.commits.pending,
                                 state.reducer.gradient_copy(), keepable)
 
@@ -178,7 +186,7 @@ class StepEngine:
         n = user_call("len(dataset)", len, loader.dataset)
         samples = [loader.fingerprint_sample(i % n) for i in range(self.spec.micro_batch_size)]
         batch = to_device(user_call("collate", loader.collate, samples), self.state.device)
-        self.state.copy_fence.wait()  # the state is written back below
+        self.state.wait_readers()  # the state is written back below
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.train()
         torch.manual_seed(self.spec.seed)

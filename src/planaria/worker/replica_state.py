@@ -135,6 +135,12 @@ class ReplicaState:
         # Closed while a save's copy reads the live state beside the steps: whoever writes
         # the state (an update, a restore, a received state) waits at it first.
         self.copy_fence = CopyFence()
+        # Closed while a state sent to a joiner beside the steps reads the live state
+        # (planaria.worker.transfer): the update waits at it too.
+        self.send_fence = CopyFence()
+        # A state received beside the steps, its optimizer's part still arriving (a
+        # planaria.worker.transfer.TransferThread): read it only once it ended.
+        self.incoming: Any = None
         self.dirty = False
         """A restore wrote into the live state and did not finish: it is not to be used."""
 
@@ -184,9 +190,29 @@ class ReplicaState:
                            shape.backend, shape.timeout_s)
         self.model = shard_model(self.model, shape.k, self.device, self.spec.shard)
 
+    def wait_readers(self) -> None:
+        """Returns once nothing reads the live state beside the steps (a save's copy, a
+        state sent to a joiner), and no received state still arrives (its outcome left
+        aside: what writes the state now overwrites it): call before writing the state."""
+        self.copy_fence.wait()
+        self.send_fence.wait()
+        if self.incoming is not None:
+            self.incoming.end_quietly()
+            self.incoming = None
+
+    def await_incoming(self) -> None:
+        """Returns once a state received beside the steps has all arrived (at once if none
+        is arriving); raises the error that ended its receipt."""
+        incoming = self.incoming
+        if incoming is not None:
+            incoming.wait()
+            self.incoming = None
+
     def flatten(self, *, whole: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The state's tensors by name and its JSON metadata (see
-        planaria.worker.state.flatten_state)."""
+        planaria.worker.state.flatten_state), once a state received beside the steps has
+        all arrived."""
+        self.await_incoming()
         return flatten_state(self.model, self.optimizer, self.scheduler, whole=whole)
 
     def checksum(self) -> int:

@@ -1,0 +1,144 @@
+"""A joiner's state sent beside its first step (``RunConfig.state_beside_step``).
+
+The survivors stall for the model's tensors only; the optimizer's arrive while every rank
+computes the step, and the joiner waits for them before the reduction. Each test asserts
+that the final state equals a fault-free run's and that every sample was used once: with
+module buffers that a forward changes (the source must send them as they were), with the
+source or the joiner killed between the model's part and the rest, and with a state too
+big for the links (the whole state before the step, as without the option).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import pytest
+import ray
+
+import planaria
+from planaria import Job, RunConfig, fit
+from planaria.examples import bn_mlp, mlp
+from planaria.faults import points
+from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+
+N, G, STEPS = 512, 64, 14
+SPECS = {"mlp": lambda: mlp.make_spec(n=N), "bn_mlp": lambda: bn_mlp.make_spec(n=N)}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, ray_cluster):
+    return {name: fit(make(), steps=STEPS, replicas=2,
+                      run_dir=tmp_path_factory.mktemp(f"ref-{name}")).state_dict
+            for name, make in SPECS.items()}
+
+
+def step_began(worker, **_context) -> None:
+    worker.test_step_began.set()
+
+
+def kill_self_in_the_step(worker, **_context) -> None:
+    """On the transfer's thread: once this worker's step has begun loading (so the call
+    that started the transfer has returned), it dies with the rest of the state unsent."""
+    worker.test_step_began.wait(60)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_death_beside(actor, point: str) -> None:
+    """``actor`` dies at ``point`` (the transfer's thread) once its next step began."""
+    ray.get(actor.__ray_call__.remote(
+        lambda self: setattr(self, "test_step_began", threading.Event())))
+    ray.get(actor.arm_fault.remote("worker.loaded", step_began, times=None))
+    ray.get(actor.arm_fault.remote(point, kill_self_in_the_step, times=1))
+
+
+def train(run_dir, spec_name: str, *, chaos: str, before=None, widths_at=(STEPS - 3,),
+          **config) -> dict:
+    """The training; at each of ``widths_at`` steps done it waits (bounded) for full width."""
+    job = Job(SPECS[spec_name](),
+              RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True, **config),
+              chaos=planaria.ChaosPlan.parse(chaos))
+
+    def wait_for_width(job) -> None:
+        if job.steps_done in widths_at:
+            job.wait_for_width(3, timeout_s=180)
+
+    with job:
+        if before is not None:
+            before(job)
+        drive(job, STEPS, before=wait_for_width)
+        return job.model_state_dict()
+
+
+def check(run_dir, references, spec_name: str, state: dict) -> list[dict]:
+    assert_same_state(references[spec_name], state)
+    assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
+    return events(run_dir)
+
+
+@pytest.mark.parametrize("spec_name", ["mlp", "bn_mlp"])
+def test_a_join_beside_the_step_computes_the_fault_free_training(tmp_path, references,
+                                                                 spec_name):
+    state = train(tmp_path, spec_name, chaos="kill:w1@step4")
+    evs = check(tmp_path, references, spec_name, state)
+    transfer = of(evs, "state_transfer")[0]
+    assert transfer["beside"] is True and transfer["dst"] == ["w3"]
+    assert [(e["worker"], e["ok"]) for e in of(evs, "state_received")] == [("w3", True)]
+    assert [f["worker"] for f in of(evs, "fault")] == ["w1"]
+
+
+def test_the_source_killed_before_the_rest_is_sent(tmp_path, references):
+    """w0 sends w3 the model's tensors and dies: w3's step fails, it holds no state, and
+    w2 (the one holder left) sends it the whole state again."""
+    def arm_the_source(job) -> None:
+        arm_death_beside(next(h for h in job.members if h.name == "w0").actor,
+                         "worker.state_sending")
+
+    state = train(tmp_path, "mlp", chaos="kill:w1@step3", before=arm_the_source,
+                  widths_at=(3, STEPS - 3))
+    evs = check(tmp_path, references, "mlp", state)
+    assert [f["worker"] for f in of(evs, "fault")][:2] == ["w1", "w0"]
+    received = of(evs, "state_received")
+    assert (received[0]["worker"], received[0]["ok"]) == ("w3", False)
+    transfers = of(evs, "state_transfer")
+    assert transfers[0]["src"] == "w0"
+    assert transfers[1]["src"] == "w2" and "w3" in transfers[1]["dst"]  # sent again
+
+
+def test_the_joiner_killed_before_the_rest_arrives(tmp_path, references):
+    """w3 has the model's tensors and dies before the rest: the survivors' step fails on
+    it (its receipt failed: it held no state), they keep theirs, and its own replacement
+    joins later."""
+    armed: list[str] = []
+
+    def arm_the_joiner(*, recovery, ready) -> None:
+        for handle in ready:
+            armed.append(handle.name)
+            arm_death_beside(handle.actor, "worker.state_receiving")
+
+    with points.armed("recovery.admit", arm_the_joiner, times=1):
+        state = train(tmp_path, "mlp", chaos="kill:w1@step3",
+                      widths_at=(3, STEPS - 3, STEPS - 2))  # w3 joins, then w4
+    assert armed == ["w3"]
+    evs = check(tmp_path, references, "mlp", state)
+    assert [f["worker"] for f in of(evs, "fault")][:2] == ["w1", "w3"]
+    assert not of(evs, "restore"), "the survivors kept the state"
+    assert [(e["worker"], e["ok"]) for e in of(evs, "state_received")] == [
+        ("w3", False), ("w4", True)]
+    assert [e["dst"] for e in of(evs, "state_transfer")] == [["w3"], ["w4"]]
+
+
+def test_a_state_too_big_for_the_links_goes_before_the_step(tmp_path, references):
+    """At 1 byte/s (``min_transfer_bytes_per_s``) the rest could not arrive within the
+    collective timeout: the whole state goes before the step."""
+    state = train(tmp_path, "mlp", chaos="kill:w1@step4", min_transfer_bytes_per_s=1.0,
+                  collective_timeout_s=60.0)
+    evs = check(tmp_path, references, "mlp", state)
+    assert [e["beside"] for e in of(evs, "state_transfer")] == [False]
+    assert not of(evs, "state_received")
