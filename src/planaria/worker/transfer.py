@@ -96,10 +96,6 @@ class TransferThread:
             self.seconds = time.perf_counter() - self.began
             self._done.set()
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def wait(self, timeout_s: float | None = None) -> int:
         """The bytes moved, once it ended; raises its error, or TimeoutError past
         ``timeout_s``."""
@@ -209,11 +205,10 @@ class StateTransfer:
         comm = self.membership.comm
         assert comm is not None
         state = self.state
-        if state.incoming is not None:  # an earlier receive's thread, ended with its group
-            state.incoming.end_quietly()
-            state.incoming = None
         self.vitals.set_phase("recv_state", -1)
-        state.wait_readers()  # received into the live tensors: a save's copy ends first
+        # Received into the live tensors: a save's copy, an earlier receipt's thread (ended
+        # with its group) end first.
+        state.wait_readers()
         live, _ = state.flatten()
         on_host = set(source.on_host)
         tensors: dict[str, torch.Tensor] = {}
