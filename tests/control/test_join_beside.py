@@ -39,21 +39,27 @@ def references(tmp_path_factory, ray_cluster):
             for name, make in SPECS.items()}
 
 
-def step_began(worker, **_context) -> None:
-    worker.test_step_began.set()
+def step_began(worker, step, **_context) -> None:
+    with worker.test_loaded:
+        worker.test_loaded_step = max(worker.test_loaded_step, step)
+        worker.test_loaded.notify_all()
 
 
-def kill_self_in_the_step(worker, **_context) -> None:
-    """On the transfer's thread: once this worker's step has begun loading (so the call
-    that started the transfer has returned), it dies with the rest of the state unsent."""
-    worker.test_step_began.wait(60)
+def kill_self_in_the_step(worker, step, **_context) -> None:
+    """On the transfer's thread: once this worker has begun loading the step after the
+    transfer's (``step``: the steps done; it runs only after the call that started the
+    transfer returned), it dies with the rest of the state unsent."""
+    with worker.test_loaded:
+        worker.test_loaded.wait_for(lambda: worker.test_loaded_step >= step, 60)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def arm_death_beside(actor, point: str) -> None:
     """``actor`` dies at ``point`` (the transfer's thread) once its next step began."""
-    ray.get(actor.__ray_call__.remote(
-        lambda self: setattr(self, "test_step_began", threading.Event())))
+    def prepare(self) -> None:
+        self.test_loaded, self.test_loaded_step = threading.Condition(), -1
+
+    ray.get(actor.__ray_call__.remote(prepare))
     ray.get(actor.arm_fault.remote("worker.loaded", step_began, times=None))
     ray.get(actor.arm_fault.remote(point, kill_self_in_the_step, times=1))
 
