@@ -17,7 +17,7 @@ from typing import Any
 from planaria.faults.errors import ConfigError
 from planaria.field_docs import document_fields
 
-__all__ = ["RunConfig", "TrainSpec", "check", "local_run_dir"]
+__all__ = ["SETUP_PRIORITIES", "RunConfig", "TrainSpec", "check", "local_run_dir"]
 
 
 def check(ok: bool, field_name: str, value: Any, accepted: str) -> None:
@@ -218,6 +218,8 @@ class TrainSpec:
 
 
 PLACEMENTS = (None, "spread", "strict_spread", "pack")
+SETUP_PRIORITIES = ("worker", "lowest", "idle")
+"""``RunConfig.joiner_setup_priority``'s values (see planaria.worker.low_priority)."""
 
 
 def _default_threads(replicas: int) -> int:
@@ -352,6 +354,16 @@ class RunConfig:
     survivors stall for the model's bytes only, the optimizer's arrive while every rank
     computes (gloo, unsharded replicas with no fp16 loss scaler or ``extra_state``; else
     the whole state before the step). False: always the whole state before the step."""
+    joiner_memory_reserve: bool = True
+    """A joiner's optimizer state lives in a region of its node's shared memory
+    (``/dev/shm``), and a joiner that dies leaves it to the next one on the node: memory
+    already resident, not taken fresh from the system beside training (see
+    planaria.worker.memory_reserve). False, or no room in ``/dev/shm``: ordinary memory."""
+    joiner_setup_priority: str = "idle"
+    """The CPU priority of a joiner's (a replacement's, a spare's) setup: ``"idle"``
+    (Linux's SCHED_IDLE), ``"lowest"`` (nice 19) or ``"worker"`` (the worker's own; see
+    planaria.worker.low_priority). On cores it shares with training workers a lower one
+    takes what their steps leave; on a node of its own it runs at full speed."""
     drain_poll_s: float | None = 2.0
     """Ask Ray for draining nodes every this many seconds (in the background): the workers
     on a node Ray drains leave at the next step boundary, as after a preemption notice
@@ -424,6 +436,12 @@ class RunConfig:
             "loader_workers",
             self.loader_workers,
             "an integer >= 0 (processes per worker that decode samples; 0: none)",
+        )
+        check(
+            self.joiner_setup_priority in SETUP_PRIORITIES,
+            "joiner_setup_priority",
+            self.joiner_setup_priority,
+            "one of " + ", ".join(repr(p) for p in SETUP_PRIORITIES),
         )
         check(
             self.threads_per_worker is None or self.threads_per_worker >= 1,

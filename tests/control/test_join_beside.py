@@ -5,7 +5,9 @@ computes the step, and the joiner waits for them before the reduction. Each test
 that the final state equals a fault-free run's and that every sample was used once: with
 module buffers that a forward changes (the source must send them as they were), with the
 source or the joiner killed between the model's part and the rest, and with a state too
-big for the links (the whole state before the step, as without the option).
+big for the links (the whole state before the step, as without the option). The
+replacement's setup runs at a lower CPU priority (``RunConfig.joiner_setup_priority``), and
+a dead joiner's memory goes to its replacement (``RunConfig.joiner_memory_reserve``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import ray
@@ -82,6 +85,13 @@ def train(run_dir, spec_name: str, *, chaos: str, before=None, widths_at=(STEPS 
         return job.model_state_dict()
 
 
+def ray_worker_priority() -> str:
+    """The CPU priority Ray gives a worker process (a task's thread)."""
+    from planaria.worker.low_priority import thread_priority
+
+    return ray.get(ray.remote(thread_priority).remote())
+
+
 def check(run_dir, references, spec_name: str, state: dict) -> list[dict]:
     assert_same_state(references[spec_name], state)
     assert_exactly_once(run_dir, num_samples=N, global_batch_size=G, steps=STEPS)
@@ -97,6 +107,23 @@ def test_a_join_beside_the_step_computes_the_fault_free_training(tmp_path, refer
     assert transfer["beside"] is True and transfer["dst"] == ["w3"]
     assert [(e["worker"], e["ok"]) for e in of(evs, "state_received")] == [("w3", True)]
     assert [f["worker"] for f in of(evs, "fault")] == ["w1"]
+    # The replacement's setup ran under SCHED_IDLE (RunConfig.joiner_setup_priority), the
+    # first members' at the workers' own (Ray's: nice 15 by its default).
+    priority = {e["worker"]: e["priority"] for e in of(evs, "worker_started")}
+    assert priority["w3"] == "idle"
+    assert priority["w0"] == priority["w1"] == priority["w2"] == ray_worker_priority()
+
+
+def test_a_dead_joiners_memory_goes_to_its_replacement(tmp_path, references):
+    """w3 replaces w1 in a new shared-memory region; w3 dies and w4 gets its region, pages
+    and all (RunConfig.joiner_memory_reserve); the job's end removes it."""
+    state = train(tmp_path, "mlp", chaos="kill:w1@step3,kill:w3@step8",
+                  widths_at=(5, STEPS - 3))
+    evs = check(tmp_path, references, "mlp", state)
+    assert [f["worker"] for f in of(evs, "fault")] == ["w1", "w3"]
+    assert {e["worker"]: e["reserve"] for e in of(evs, "worker_started")} == {
+        "w0": "none", "w1": "none", "w2": "none", "w3": "new", "w4": "recycled"}
+    assert not list(Path("/dev/shm").glob("planaria-reserve-*"))
 
 
 def test_the_source_killed_before_the_rest_is_sent(tmp_path, references):
@@ -144,7 +171,8 @@ def test_a_state_too_big_for_the_links_goes_before_the_step(tmp_path, references
     """At 1 byte/s (``min_transfer_bytes_per_s``) the rest could not arrive within the
     collective timeout: the whole state goes before the step."""
     state = train(tmp_path, "mlp", chaos="kill:w1@step4", min_transfer_bytes_per_s=1.0,
-                  collective_timeout_s=60.0)
+                  collective_timeout_s=60.0, joiner_setup_priority="lowest")
     evs = check(tmp_path, references, "mlp", state)
     assert [e["beside"] for e in of(evs, "state_transfer")] == [False]
     assert not of(evs, "state_received")
+    assert {e["worker"]: e["priority"] for e in of(evs, "worker_started")}["w3"] == "nice 19"

@@ -18,6 +18,7 @@ import ray
 import torch.distributed as dist
 
 from planaria.config import RunConfig, TrainSpec
+from planaria.control.joiner_memory import JoinerMemory
 from planaria.control.placement import Placement
 from planaria.control.policy import HangConfig
 from planaria.data.integrity import describe_mismatch
@@ -161,6 +162,7 @@ class WorkerPool:
         self.check: Callable[[], None] | None = None  # raises to end a wait (Ray's loss)
         self.judge_start: StartJudge | None = None  # whose fault a failed start is
         self.started_any = False  # a worker of this job has started: its factories work
+        self.joiner_memory = JoinerMemory(config.joiner_memory_reserve)
 
     def start(
         self,
@@ -227,8 +229,11 @@ class WorkerPool:
         )
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt,
                               spare=spare)
+        joiner = replaces is not None or spare
         handle.setup_ref = actor.setup.remote(
-            joiner=replaces is not None or spare, compile_cache=self.compile_cache)
+            joiner=joiner, compile_cache=self.compile_cache,
+            priority=cfg.joiner_setup_priority if joiner else "worker",
+            reserve=self.joiner_memory.claimed_by(joiner))
         self.starting.append(handle)
         if replaces is not None and attempt == 1:
             self.log.emit("replacement_requested", worker=name, replaces=replaces)
@@ -324,6 +329,8 @@ class WorkerPool:
                 continue
             self.started_any = True
             handle.info = info
+            if handle.replaces is not None or handle.spare:
+                self.joiner_memory.note(info.ray_node)
             self._check_data(handle)
             handle.ready_t = time.time()
             ready_s = handle.ready_t - handle.requested_t
@@ -444,3 +451,4 @@ class WorkerPool:
         self.standby.clear()
         self._handed.clear()
         self._retry_at.clear()
+        self.joiner_memory.sweep()

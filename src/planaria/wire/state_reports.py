@@ -40,11 +40,13 @@ class Setup:
     """Ray's node id (None outside a Ray worker)."""
     init_t: float
     """When the process was up and had imported planaria (Unix time)."""
-    start: Mapping[str, float]
+    start: Mapping[str, float | str]
     """How long each part of the setup took (``build_s``, ``data_s``, ``warm_s``: the
     forward and backward a replacement, a spare or a compiled model runs before its first
-    step, ``compile_s``: that, where it compiles, ``setup_s``), and ``forked``: whether the
-    process was forked from a warm one."""
+    step, ``compile_s``: that, where it compiles, ``prebuild_s``: a joiner's optimizer
+    state, ``setup_s``), ``forked``: whether the process was forked from a warm one, and
+    ``priority``: the CPU priority the setup ran at (``idle``, ``nice N``), ``reserve``:
+    where a joiner's optimizer state's memory came from (``recycled``, ``new``, ``none``)."""
     checksum: int
     """The initial parameters' checksum (0 for a joiner: its state is sent to it, and the
     checksum is only compared between the job's first members)."""

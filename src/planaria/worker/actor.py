@@ -66,6 +66,7 @@ from planaria.worker.engine import StepEngine
 from planaria.worker.evaluation import Evaluator
 from planaria.worker.key_watch import KeyWatch
 from planaria.worker.loader import SampleLoader
+from planaria.worker.low_priority import run_at_priority, thread_priority
 from planaria.worker.membership import Membership
 from planaria.worker.replica import fans_out, lane, start_followers
 from planaria.worker.replica_state import ReplicaShape, ReplicaState
@@ -189,39 +190,45 @@ class Worker:
     # ---- lifecycle -------------------------------------------------------------------------
 
     @fans_out(Setup.merge)
-    def setup(self, *, joiner: bool = False, compile_cache: bytes | None = None) -> Setup:
-        """Builds model, optimizer, scheduler and dataset from the spec's factories. Off the
-        critical path a joiner (a replacement, a spare) makes its optimizer state
-        (``Commits.prebuild_optimizer_state``) and runs a forward and backward
-        (``StepEngine.warm_up``: compiles with ``spec.compile``, from ``compile_cache``);
-        its checksum is 0 (not computed: its state is sent to it)."""
+    def setup(self, *, joiner: bool = False, compile_cache: bytes | None = None,
+              priority: str = "worker", reserve: str | None = None) -> Setup:
+        """Builds model, optimizer, scheduler and dataset from the spec's factories; off the
+        critical path a joiner (a replacement, a spare) runs a forward and backward
+        (``StepEngine.warm_up``: compiles with ``spec.compile``, from ``compile_cache``) and
+        makes its optimizer state (``Commits.prebuild_optimizer_state``); its checksum is 0
+        (its state is sent to it). All at CPU ``priority`` (planaria.worker.low_priority);
+        ``reserve``: a joiner's optimizer state in a region of shared memory of that job tag
+        (planaria.worker.memory_reserve)."""
         self.vitals.phase = "setup"
         t0 = time.time()
-        if self.spec.compile:
-            self.compile_dir = compile_dir = compile_cache_mod.use_private_cache()
-            if compile_cache:
-                compile_cache_mod.unpack(compile_cache, compile_dir)
-        self.state.build()
-        t1 = time.time()
-        num_samples, fingerprint = self.loader.setup()
-        t2 = time.time()
-        warm_s = 0.0
-        if self.spec.compile or joiner:
-            self.engine.warm_up()
-            warm_s = time.time() - t2
-        if joiner:
-            self.commits.prebuild_optimizer_state()
+        num_samples, fingerprint = self.loader.setup()  # its processes at the worker's priority
+        data_s = time.time() - t0
+        start = run_at_priority(lambda: self._build(joiner, compile_cache, reserve), priority)
         self.vitals.phase = "idle"
         return Setup(
             pid=os.getpid(), node=socket.gethostname(), ray_node=self.ray_node,
-            init_t=self.init_t,
-            start={"build_s": t1 - t0, "data_s": t2 - t1, "warm_s": warm_s,
-                   "compile_s": warm_s if self.spec.compile else 0.0,
-                   "setup_s": time.time() - t0, "forked": forkserver.forked()},
+            init_t=self.init_t, start={**start, "data_s": data_s, "setup_s": time.time() - t0,
+                                       "forked": forkserver.forked()},
             checksum=0 if joiner else self.state.checksum(), param_bytes=self.state.nbytes(),
             num_samples=num_samples, data_fingerprint=fingerprint,
             dataset_draws=sorted(self.loader.global_draws),
         )
+
+    def _build(self, joiner: bool, compile_cache: bytes | None,
+               reserve: str | None) -> dict[str, float | str]:
+        t0 = time.time()
+        if self.spec.compile:
+            self.compile_dir = compile_cache_mod.use_private_cache(compile_cache)
+        self.state.build()
+        t1 = time.time()
+        if self.spec.compile or joiner:
+            self.engine.warm_up()
+        t2 = time.time()
+        region = self.commits.prebuild_optimizer_state(reserve) if joiner else None
+        return {"build_s": t1 - t0, "warm_s": t2 - t1,
+                "compile_s": t2 - t1 if self.spec.compile else 0.0,
+                "prebuild_s": time.time() - t2, "priority": thread_priority(),
+                "reserve": region or "none"}
 
     def compile_cache(self) -> bytes | None:
         """This worker's compile cache, packed (None without ``spec.compile``)."""
@@ -240,17 +247,9 @@ class Worker:
 
     @fans_out(Joined.merge)
     def join(
-        self,
-        gen: int,
-        rank: int,
-        world_size: int,
-        steps_done: int,
-        timeouts: tuple[float, float],
-        next_ids: np.ndarray | None = None,
-        *,
-        skipped: int = -1,
-        skip: tuple[int, ...] | None = None,
-        lease: Lease | None = None,
+        self, gen: int, rank: int, world_size: int, steps_done: int,
+        timeouts: tuple[float, float], next_ids: np.ndarray | None = None, *,
+        skipped: int = -1, skip: tuple[int, ...] | None = None, lease: Lease | None = None,
     ) -> Joined:
         """Enters generation ``gen``: settles the pending step, builds the new group.
 

@@ -20,6 +20,7 @@ import time
 from planaria.faults.errors import PlanariaError, StepAborted
 from planaria.faults.user_code import user_call
 from planaria.wire.reports import Hold
+from planaria.worker import memory_reserve
 from planaria.worker.membership import Membership
 from planaria.worker.optimizer_layout import prebuild_by_probe
 from planaria.worker.replica_state import ReplicaState
@@ -118,23 +119,33 @@ class Commits:
                 self.state.buffer_sync.rollback()
             self.pending = None
 
-    def prebuild_optimizer_state(self) -> None:
+    def prebuild_optimizer_state(self, reserve: str | None = None) -> str | None:
         """Creates the optimizer's state tensors (exp_avg, ...), so that a state received or
         restored lands in memory already allocated and touched: as a probe of the optimizer
-        shows them (:mod:`planaria.worker.optimizer_layout`), else by one optimizer step on
-        zero gradients.
+        shows them (:mod:`planaria.worker.optimizer_layout`; ``reserve``, a job's tag: in a
+        region of the node's shared memory, a dead worker's if there is one, see
+        :mod:`planaria.worker.memory_reserve`), else by one optimizer step on zero gradients.
+        Returns where a region's memory came from (``"recycled"``, ``"new"``; None: none).
 
         The step may move the parameters (weight decay): no matter, they are all overwritten.
         """
         self.state.wait_readers()
-        if prebuild_by_probe(self.state.optimizer):
-            return
+        claimed: list[memory_reserve.Region] = []
+
+        def region_for(nbytes: int) -> memory_reserve.Region | None:
+            region = None if reserve is None else memory_reserve.claim(nbytes, reserve)
+            claimed.extend([region] if region is not None else [])
+            return region
+
+        if prebuild_by_probe(self.state.optimizer, region_for):
+            return ("recycled" if claimed[0].recycled else "new") if claimed else None
         self.state.reducer.gradients()  # zeros: an optimizer skips parameters with no gradient
         try:
             self.state.optimizer.step()
         except Exception:  # e.g. an optimizer that needs a closure: received into fresh memory
             _log.debug("%s could not pre-build optimizer state", self.name, exc_info=True)
         self.drop_pending()
+        return None
 
     # ---- a hold: a save beside the steps ------------------------------------------------------
 

@@ -32,11 +32,13 @@ __all__ = ["CACHE_FILE", "pack", "unpack", "use_private_cache"]
 CACHE_FILE = "compile_cache.tar.gz"
 
 
-def use_private_cache() -> Path:
+def use_private_cache(seed: bytes | None = None) -> Path:
     """Points Inductor at a new directory of this process's own (before any compile) and
-    returns it."""
+    returns it; ``seed``, a cache :func:`pack` made (another worker's), is unpacked in it."""
     path = Path(tempfile.mkdtemp(prefix="planaria-inductor-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    if seed:
+        unpack(seed, path)
     return path
 
 

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from planaria.worker.memory_reserve import Region, region_bytes
 
 __all__ = ["prebuild_by_probe"]
 
@@ -49,12 +52,18 @@ def _probe(optimizer: Any, group: dict[str, Any], like: torch.Tensor) -> dict[st
     return dict(state) if state else None
 
 
-def prebuild_by_probe(optimizer: Any) -> bool:
+def prebuild_by_probe(optimizer: Any,
+                      region_for: Callable[[int], Region | None] | None = None) -> bool:
     """Gives every parameter of ``optimizer`` that requires a gradient the state a probe
-    shows (module docstring); True if it did, False if it could not (nothing changed)."""
+    shows (module docstring); True if it did, False if it could not (nothing changed).
+
+    ``region_for`` (:func:`planaria.worker.memory_reserve.claim`): asked for the bytes of
+    every per-element tensor (parameters on the host only); where it gives a region, the
+    tensors are carved out of it, values and all garbage, instead of made as zeros."""
     if optimizer.state:
         return True  # it has a state already
     made: dict[Any, dict[str, Any]] = {}
+    per_element: list[tuple[Any, str, torch.dtype]] = []
     try:
         for group in optimizer.param_groups:
             probes: dict[tuple[torch.dtype, torch.device], dict[str, Any] | None] = {}
@@ -69,15 +78,22 @@ def prebuild_by_probe(optimizer: Any) -> bool:
                 shown = probes[key]
                 if shown is None:
                     return False
-                made[p] = {
-                    name: (torch.zeros_like(p, dtype=v.dtype)
-                           if isinstance(v, torch.Tensor) and v.shape == (_PROBE_NUMEL,)
-                           else v.clone() if isinstance(v, torch.Tensor) else v)
-                    for name, v in shown.items()
-                }
+                made[p] = {}
+                for name, v in shown.items():
+                    if isinstance(v, torch.Tensor) and v.shape == (_PROBE_NUMEL,):
+                        per_element.append((p, name, v.dtype))
+                        made[p][name] = None  # made below, in this place of the order
+                    else:
+                        made[p][name] = v.clone() if isinstance(v, torch.Tensor) else v
     except Exception:  # a class that cannot be built again from its defaults, a closure
         _log.debug("no probe of %s's state", type(optimizer).__name__, exc_info=True)
         return False
+    region = None
+    if region_for is not None and all(p.device.type == "cpu" for p, _, _ in per_element):
+        region = region_for(region_bytes([(p.shape, dtype) for p, _, dtype in per_element]))
+    for p, name, dtype in per_element:
+        made[p][name] = (region.take(p.shape, dtype) if region is not None
+                         else torch.zeros_like(p, dtype=dtype))
     for p, state in made.items():
         optimizer.state[p] = state
     return True

@@ -1,0 +1,152 @@
+"""What a replacement's start costs the survivors beside it: its setup's CPU priority
+(``RunConfig.joiner_setup_priority``) and its optimizer state in a dead worker's memory
+(``RunConfig.joiner_memory_reserve``), side by side.
+
+    python bench/joiner_priority.py                  # realistic size, 3 replicas, 2 rounds
+    python bench/joiner_priority.py --quick          # smoke run: small size, fewer steps
+
+Runs of planaria at the ``realistic`` size (bench/common.py: ~1 s steps, 1 GB of state), 3
+replicas with 1 torch thread each, ``on_worker_lost="resize"``, a random worker killed at
+the dispatch of steps ``--first-kill``, then every ``--kill-every`` steps (chaos plan).
+Each round runs every configuration of ``--configs`` (``PRIORITY:RESERVE``, the priority
+``worker``, ``lowest``: nice 19 or ``idle``: SCHED_IDLE, see planaria.worker.low_priority;
+the reserve ``on`` or ``off``, see planaria.worker.memory_reserve), the order turning
+round by round.
+
+Per kill, from the run's events: ``extra_s``, the survivors' steps between the
+replacement's request and its join, each one's duration over the run's fault-free step
+(the median step at full width, the steps of a join excluded), summed; ``join_extra_s``,
+the join's step over it; ``ready_s`` and the replacement's start (``worker_started``).
+Estimator, chosen before the runs: per configuration, the median over its kills of
+``extra_s + join_extra_s``; each configuration's saving against the first, the median
+of the per-kill differences paired by round and kill (the same seed kills the same
+places at the same steps), with its bootstrap 95 % interval (``bench.stats.median_ci``).
+On a node of its own a replacement competes with nobody and the priority changes
+nothing: this measures the case where it shares the survivors' cores (a 2-core machine
+here, as the goodput bench).
+
+The last line printed is one JSON object (``"bench": "joiner_priority"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+_REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO))
+
+
+def run(config: str, size: str, steps: int, kills: list[int], run_dir: Path,
+        seed: int) -> dict[str, Any]:
+    import planaria
+    from bench.planaria_side import _ensure_worker_path, make_spec
+    from planaria import RecoveryPolicy, RunConfig
+    from planaria.observe.events import read_events
+
+    _ensure_worker_path()
+    cfg = RunConfig(steps=steps, replicas=3, run_dir=run_dir, threads_per_worker=1,
+                    joiner_setup_priority=config.split(":")[0],
+                    joiner_memory_reserve=config.split(":")[1] == "on")
+    policy = RecoveryPolicy(on_worker_lost="resize", min_replicas=1, max_failures=len(kills))
+    chaos = planaria.ChaosPlan.parse(",".join(f"kill:random@step{k}" for k in kills), seed=seed)
+    with planaria.Job(make_spec(size), cfg, policy=policy, chaos=chaos) as job:
+        while job.steps_done < steps:
+            try:
+                job.train_step()
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+    return per_kill(list(read_events(run_dir / "events.jsonl")))
+
+
+def per_kill(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of the module docstring, from one run's events."""
+    commits = [e for e in events if e["event"] == "step_committed"]
+    joins = {e["worker"]: e for e in events if e["event"] == "joined"}
+    join_steps = {e["step"] for e in joins.values()}
+    ref = statistics.median(c["duration_s"] for c in commits
+                            if c["width"] == 3 and c["step"] not in join_steps)
+    started = {e["worker"]: e for e in events if e["event"] == "worker_started"}
+    out = []
+    for ask in (e for e in events if e["event"] == "replacement_requested"):
+        joined = joins.get(ask["worker"])
+        if joined is None:
+            continue
+        between = [c for c in commits if ask["t"] < c["t"] and c["step"] < joined["step"]
+                   and c["width"] < 3]
+        join_step = next((c for c in commits if c["step"] == joined["step"]), None)
+        start = started.get(ask["worker"], {})
+        out.append({
+            "extra_s": sum(c["duration_s"] - ref for c in between),
+            "steps_beside": len(between),
+            "join_extra_s": (join_step["duration_s"] - ref) if join_step else None,
+            "ready_s": start.get("ready_s"),
+            "start": {k: start.get(k) for k in ("process_s", "build_s", "warm_s",
+                                                "prebuild_s", "setup_s")},
+        })
+    return {"step_s": ref, "kills": out}
+
+
+def cost(kill: dict[str, Any]) -> float:
+    return kill["extra_s"] + (kill["join_extra_s"] or 0.0)
+
+
+def main() -> None:
+    from bench.stats import median_ci
+
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--size", default="realistic")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", default="worker:off,worker:on,idle:on")
+    ap.add_argument("--first-kill", type=int, default=8)
+    ap.add_argument("--kill-every", type=int, default=20)
+    ap.add_argument("--kills", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="small size, 2 kills, 1 round")
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.size, args.kills, args.rounds, args.kill_every = "small", 2, 1, 15
+    kills = [args.first_kill + i * args.kill_every for i in range(args.kills)]
+    steps = kills[-1] + args.kill_every
+    priorities = args.configs.split(",")
+    base = Path(tempfile.mkdtemp(prefix="planaria-joiner-priority-", dir=args.workdir))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True,
+                            text=True).stdout.strip()
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in priorities}
+    for r in range(args.rounds):
+        turn = r % len(priorities)
+        for priority in priorities[turn:] + priorities[:turn]:
+            got = run(priority, args.size, steps, kills,
+                      base / f"r{r}-{priority.replace(':', '-')}", seed=r)
+            runs[priority].append(got)
+            costs = [round(cost(k), 3) for k in got["kills"]]
+            print(f"round {r} {priority}: step {got['step_s']:.3f} s, cost per kill {costs}, "
+                  f"starts {[k['start'] for k in got['kills']]}", flush=True)
+    summary: dict[str, Any] = {"bench": "joiner_priority", "commit": commit,
+                               "command": " ".join(sys.argv), "size": args.size,
+                               "cpus": os.cpu_count(), "kills_at": kills}
+    for p in priorities:
+        per = [cost(k) for g in runs[p] for k in g["kills"]]
+        summary[p] = {"cost_per_kill_s_median": round(statistics.median(per), 3),
+                      "kills": len(per), "costs": [round(c, 3) for c in per],
+                      "ready_s": [k["ready_s"] for g in runs[p] for k in g["kills"]]}
+    for p in priorities:
+        if p == priorities[0]:
+            continue
+        # Paired by round and kill: the same seed picks the same victims at the same steps.
+        diffs = [cost(x) - cost(y) for ga, gb in zip(runs[priorities[0]], runs[p], strict=True)
+                 for x, y in zip(ga["kills"], gb["kills"], strict=False)]
+        summary[f"saved_per_kill_s_{p}"] = median_ci(diffs).as_dict(3)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
