@@ -6,8 +6,12 @@
     python bench/joiner_priority.py --quick          # smoke run: small size, fewer steps
 
 Runs of planaria at the ``realistic`` size (bench/common.py: ~1 s steps, 1 GB of state), 3
-replicas with 1 torch thread each, ``on_worker_lost="resize"``, a random worker killed at
-the dispatch of steps ``--first-kill``, then every ``--kill-every`` steps (chaos plan).
+replicas with 1 torch thread each, ``on_worker_lost="resize"``, a worker killed at the
+dispatch of steps ``--first-kill``, then every ``--kill-every`` steps (chaos plan): w1
+first, then each time the replacement that joined last (w3, w4, ...), so that from the
+second kill on the dead worker is a joiner, whose memory its replacement can take
+(``--victims random``: a random worker each time, the same ones for every configuration
+of a round).
 Each round runs every configuration of ``--configs`` (``PRIORITY:RESERVE``, the priority
 ``worker``, ``lowest``: nice 19 or ``idle``: SCHED_IDLE, see planaria.worker.low_priority;
 the reserve ``on`` or ``off``, see planaria.worker.memory_reserve), the order turning
@@ -46,7 +50,7 @@ sys.path.insert(0, str(_REPO))
 
 
 def run(config: str, size: str, steps: int, kills: list[int], run_dir: Path,
-        seed: int) -> dict[str, Any]:
+        seed: int, victims: str) -> dict[str, Any]:
     import planaria
     from bench.planaria_side import _ensure_worker_path, make_spec
     from planaria import RecoveryPolicy, RunConfig
@@ -57,7 +61,10 @@ def run(config: str, size: str, steps: int, kills: list[int], run_dir: Path,
                     joiner_setup_priority=config.split(":")[0],
                     joiner_memory_reserve=config.split(":")[1] == "on")
     policy = RecoveryPolicy(on_worker_lost="resize", min_replicas=1, max_failures=len(kills))
-    chaos = planaria.ChaosPlan.parse(",".join(f"kill:random@step{k}" for k in kills), seed=seed)
+    names = (["random"] * len(kills) if victims == "random"
+             else ["w1"] + [f"w{3 + i}" for i in range(len(kills) - 1)])
+    chaos = planaria.ChaosPlan.parse(
+        ",".join(f"kill:{name}@step{k}" for name, k in zip(names, kills, strict=True)), seed=seed)
     with planaria.Job(make_spec(size), cfg, policy=policy, chaos=chaos) as job:
         while job.steps_done < steps:
             try:
@@ -89,6 +96,7 @@ def per_kill(events: list[dict[str, Any]]) -> dict[str, Any]:
             "steps_beside": len(between),
             "join_extra_s": (join_step["duration_s"] - ref) if join_step else None,
             "ready_s": start.get("ready_s"),
+            "reserve": start.get("reserve"),
             "start": {k: start.get(k) for k in ("process_s", "build_s", "warm_s",
                                                 "prebuild_s", "setup_s")},
         })
@@ -109,6 +117,7 @@ def main() -> None:
     ap.add_argument("--first-kill", type=int, default=8)
     ap.add_argument("--kill-every", type=int, default=20)
     ap.add_argument("--kills", type=int, default=4)
+    ap.add_argument("--victims", choices=("chain", "random"), default="chain")
     ap.add_argument("--quick", action="store_true", help="small size, 2 kills, 1 round")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
@@ -125,7 +134,7 @@ def main() -> None:
         turn = r % len(priorities)
         for priority in priorities[turn:] + priorities[:turn]:
             got = run(priority, args.size, steps, kills,
-                      base / f"r{r}-{priority.replace(':', '-')}", seed=r)
+                      base / f"r{r}-{priority.replace(':', '-')}", seed=r, victims=args.victims)
             runs[priority].append(got)
             costs = [round(cost(k), 3) for k in got["kills"]]
             print(f"round {r} {priority}: step {got['step_s']:.3f} s, cost per kill {costs}, "

@@ -42,8 +42,8 @@ RESULTS = _REPO / "bench" / "results"
 BENCHES = ("overhead", "overhead_before", "recovery", "recovery-torchft-hb50",
            "goodput-realistic", "goodput-fast",
            "goodput", "checkpoint", "checkpoint-copy-at-save", "spares",
-           "overlap", "warm_join", "sharded", "campaign", "campaign_widened", "dispatch",
-           "sim_validation", "gpu")
+           "overlap", "warm_join", "joiner_priority", "sharded", "campaign", "campaign_widened",
+           "dispatch", "sim_validation", "gpu")
 MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "overhead_before": "ratio",
              "goodput": "goodput_vs_torchft", "dispatch": "growth_last_over_first",
              "sim_validation": "max_error_pp"}
@@ -792,6 +792,31 @@ def render_warm_join(rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def render_joiner_priority(rec: dict[str, Any]) -> list[str]:
+    """``bench/joiner_priority.py``: a replacement's start, what it costs the survivors."""
+    r = rec["result"]
+    configs = [k for k, v in r.items() if isinstance(v, dict) and "costs" in v]
+    out = [
+        "## A replacement's start beside the survivors", "", *_header(rec), "",
+        f"`{r.get('size')}` size, 3 replicas, a random worker killed at steps "
+        f"{r.get('kills_at')} of each run. Cost per kill: the survivors' steps between the "
+        "replacement's request and its join, and the join's step, over the run's fault-free "
+        "step, summed (configuration: CPU priority of its setup : optimizer state in a dead "
+        "joiner's shared memory).", "",
+        "| configuration | cost per kill, median (s) | kills | ready after, median (s) "
+        "| saved against the first, median (95 % interval) |", "|---|---:|---:|---:|---|",
+    ]
+    for name in configs:
+        c = r[name]
+        ready = [x for x in c.get("ready_s", []) if x is not None]
+        saved = r.get(f"saved_per_kill_s_{name}")
+        out.append(
+            f"| {name} | {_f(c['cost_per_kill_s_median'], '.3f')} | {c['kills']} "
+            f"| {_f(statistics.median(ready), '.1f') if ready else '-'} "
+            f"| {'' if not saved else _f(saved['median'], '.3f') + _ci(saved['ci95'], '.3f')} |")
+    return [*out, ""]
+
+
 CAMPAIGN_ZERO = ("unrecovered", "diverged", "samples_duplicated", "samples_missing",
                  "healthy_evicted")
 
@@ -1145,6 +1170,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_spares(rec)
         elif name == "warm_join":
             out += render_warm_join(rec)
+        elif name == "joiner_priority":
+            out += render_joiner_priority(rec)
         elif name == "gpu":
             out += render_gpu(rec, results.get("gpu_tests"))
         elif name == "dispatch":
