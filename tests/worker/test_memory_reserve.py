@@ -55,7 +55,7 @@ def test_a_dead_owners_region_goes_to_the_next_with_its_pages(tmp_path) -> None:
         from pathlib import Path
         from planaria.worker import memory_reserve
         region = memory_reserve.claim(1 << 20, {TAG!r}, Path({str(tmp_path)!r}))
-        region.take(torch.Size([1 << 18]), torch.float32).fill_(7.0)
+        region.take(torch.Size([1 << 18]), torch.float32).fill_(7.1)
         print(region.path, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
@@ -64,7 +64,7 @@ def test_a_dead_owners_region_goes_to_the_next_with_its_pages(tmp_path) -> None:
     dead = out.stdout.strip()
     region = memory_reserve.claim(1 << 20, TAG, tmp_path)
     assert region is not None and str(region.path) == dead
-    assert torch.all(region.take(torch.Size([1 << 18]), torch.float32) == 7.0)
+    assert torch.all(region.take(torch.Size([1 << 18]), torch.float32) == torch.tensor(7.1))
 
 
 def test_a_bigger_free_region_is_taken_before_a_new_one(tmp_path) -> None:

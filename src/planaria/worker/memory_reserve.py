@@ -115,6 +115,18 @@ def _lock(path: Path, *, create: bool) -> int | None:
     return fd
 
 
+def _touch(storage: torch.UntypedStorage, had: int) -> None:
+    """Maps every page of ``storage`` into this process now, off the critical path, not when
+    the state lands on it (beside a step): the ``had`` bytes the region held already by
+    reading a byte a page (a minor fault each: the page is there, and a shared mapping of
+    tmpfs maps it writable), the rest by zeroing it (new pages, allocated here)."""
+    nbytes = storage.nbytes()
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+    kept = min(had, nbytes)
+    whole[:kept:os.sysconf("SC_PAGE_SIZE")].sum()
+    whole[kept:].zero_()
+
+
 def claim(nbytes: int, tag: str, directory: Path = RESERVE_DIR) -> Region | None:
     """A region of job ``tag`` of at least ``nbytes``, held until this process ends: a free
     one first (a dead owner's), else a new one. None where there is no such directory,
@@ -141,9 +153,7 @@ def claim(nbytes: int, tag: str, directory: Path = RESERVE_DIR) -> Region | None
                 os.posix_fallocate(fd, 0, nbytes)
             storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(
                 str(path), shared=True, nbytes=nbytes))
-            if had < nbytes:  # touched now, off the critical path, not when the state lands
-                torch.empty(0, dtype=torch.uint8).set_(storage, had, (nbytes - had,),
-                                                       (1,)).zero_()
+            _touch(storage, had)
         except (OSError, RuntimeError) as exc:
             _log.info("no shared-memory region of %d bytes in %s: %s", nbytes, directory, exc)
             with contextlib.suppress(OSError):
