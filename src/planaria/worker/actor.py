@@ -196,19 +196,25 @@ class Worker:
         critical path a joiner (a replacement, a spare) runs a forward and backward
         (``StepEngine.warm_up``: compiles with ``spec.compile``, from ``compile_cache``) and
         makes its optimizer state (``Commits.prebuild_optimizer_state``); its checksum is 0
-        (its state is sent to it). All at CPU ``priority`` (planaria.worker.low_priority);
-        ``reserve``: a joiner's optimizer state in a region of shared memory of that job tag
-        (planaria.worker.memory_reserve)."""
+        (its state is sent to it). Model and optimizer state at CPU ``priority``
+        (planaria.worker.low_priority); ``reserve``: a joiner's optimizer state in a region
+        of shared memory of that job tag (planaria.worker.memory_reserve)."""
         self.vitals.phase = "setup"
         t0 = time.time()
         num_samples, fingerprint = self.loader.setup()  # its processes at the worker's priority
         data_s = time.time() - t0
         start = run_at_priority(lambda: self._build(joiner, compile_cache, reserve), priority)
+        t1 = time.time()  # on the steps' thread: the memory its allocator touches is theirs
+        if self.spec.compile or joiner:
+            self.engine.warm_up()
+        warm_s = time.time() - t1
         self.vitals.phase = "idle"
         return Setup(
             pid=os.getpid(), node=socket.gethostname(), ray_node=self.ray_node,
-            init_t=self.init_t, start={**start, "data_s": data_s, "setup_s": time.time() - t0,
-                                       "forked": forkserver.forked()},
+            init_t=self.init_t, start={
+                **start, "data_s": data_s, "warm_s": warm_s, "setup_s": time.time() - t0,
+                "compile_s": warm_s if self.spec.compile else 0.0,
+                "forked": forkserver.forked()},
             checksum=0 if joiner else self.state.checksum(), param_bytes=self.state.nbytes(),
             num_samples=num_samples, data_fingerprint=fingerprint,
             dataset_draws=sorted(self.loader.global_draws),
@@ -221,14 +227,9 @@ class Worker:
             self.compile_dir = compile_cache_mod.use_private_cache(compile_cache)
         self.state.build()
         t1 = time.time()
-        if self.spec.compile or joiner:
-            self.engine.warm_up()
-        t2 = time.time()
         region = self.commits.prebuild_optimizer_state(reserve) if joiner else None
-        return {"build_s": t1 - t0, "warm_s": t2 - t1,
-                "compile_s": t2 - t1 if self.spec.compile else 0.0,
-                "prebuild_s": time.time() - t2, "priority": thread_priority(),
-                "reserve": region or "none"}
+        return {"build_s": t1 - t0, "prebuild_s": time.time() - t1,
+                "priority": thread_priority(), "reserve": region or "none"}
 
     def compile_cache(self) -> bytes | None:
         """This worker's compile cache, packed (None without ``spec.compile``)."""
