@@ -141,7 +141,8 @@ def main() -> None:
                   f"starts {[k['start'] for k in got['kills']]}", flush=True)
     summary: dict[str, Any] = {"bench": "joiner_priority", "commit": commit,
                                "command": " ".join(sys.argv), "size": args.size,
-                               "cpus": os.cpu_count(), "kills_at": kills}
+                               "cpus": os.cpu_count(), "kills_at": kills,
+                               "victims": args.victims}
     for p in priorities:
         per = [cost(k) for g in runs[p] for k in g["kills"]]
         summary[p] = {"cost_per_kill_s_median": round(statistics.median(per), 3),

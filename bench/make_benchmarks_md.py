@@ -798,10 +798,12 @@ def render_joiner_priority(rec: dict[str, Any]) -> list[str]:
     configs = [k for k, v in r.items() if isinstance(v, dict) and "costs" in v]
     out = [
         "## A replacement's start beside the survivors", "", *_header(rec), "",
-        f"`{r.get('size')}` size, 3 replicas, a random worker killed at steps "
-        f"{r.get('kills_at')} of each run. Cost per kill: the survivors' steps between the "
-        "replacement's request and its join, and the join's step, over the run's fault-free "
-        "step, summed (configuration: CPU priority of its setup : optimizer state in a dead "
+        f"`{r.get('size')}` size, 3 replicas, killed at steps {r.get('kills_at')} of each "
+        + ("run: a random worker each time." if r.get("victims") == "random" else
+           "run: w1, then each time the joiner that came last (from the second kill on, a "
+           "dead joiner's memory can go to its replacement).")
+        + " Cost per kill: the survivors' steps between the replacement's request and its "
+        "join, and the join's step, over the run's fault-free step, summed (configuration: CPU priority of its setup : optimizer state in a dead "
         "joiner's shared memory).", "",
         "| configuration | cost per kill, median (s) | kills | ready after, median (s) "
         "| saved against the first, median (95 % interval) |", "|---|---:|---:|---:|---|",
