@@ -803,8 +803,8 @@ def render_joiner_priority(rec: dict[str, Any]) -> list[str]:
            "run: w1, then each time the joiner that came last (from the second kill on, a "
            "dead joiner's memory can go to its replacement).")
         + " Cost per kill: the survivors' steps between the replacement's request and its "
-        "join, and the join's step, over the run's fault-free step, summed (configuration: CPU priority of its setup : optimizer state in a dead "
-        "joiner's shared memory).", "",
+        "join, and the join's step, over the run's fault-free step, summed (configuration: "
+        "CPU priority of its setup : optimizer state in a dead joiner's shared memory).", "",
         "| configuration | cost per kill, median (s) | kills | ready after, median (s) "
         "| saved against the first, median (95 % interval) |", "|---|---:|---:|---:|---|",
     ]
