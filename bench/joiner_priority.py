@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -108,6 +107,7 @@ def cost(kill: dict[str, Any]) -> float:
 
 
 def main() -> None:
+    from bench import records
     from bench.stats import median_ci
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -127,8 +127,7 @@ def main() -> None:
     steps = kills[-1] + args.kill_every
     priorities = args.configs.split(",")
     base = Path(tempfile.mkdtemp(prefix="planaria-joiner-priority-", dir=args.workdir))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = records.tree_commit()
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in priorities}
     for r in range(args.rounds):
         turn = r % len(priorities)
