@@ -204,10 +204,10 @@ class Worker:
         num_samples, fingerprint = self.loader.setup()  # its processes at the worker's priority
         data_s = time.time() - t0
         start = run_at_priority(lambda: self._build(joiner, compile_cache, reserve), priority)
-        t1 = time.time()  # on the steps' thread: the memory its allocator touches is theirs
+        warm_s, t1 = 0.0, time.time()  # on the steps' thread: its allocator's memory is theirs
         if self.spec.compile or joiner:
             self.engine.warm_up()
-        warm_s = time.time() - t1
+            warm_s = time.time() - t1
         self.vitals.phase = "idle"
         return Setup(
             pid=os.getpid(), node=socket.gethostname(), ray_node=self.ray_node,
@@ -228,7 +228,7 @@ class Worker:
         self.state.build()
         t1 = time.time()
         region = self.commits.prebuild_optimizer_state(reserve) if joiner else None
-        return {"build_s": t1 - t0, "prebuild_s": time.time() - t1,
+        return {"build_s": t1 - t0, "prebuild_s": time.time() - t1 if joiner else 0.0,
                 "priority": thread_priority(), "reserve": region or "none"}
 
     def compile_cache(self) -> bytes | None:
