@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -64,29 +65,28 @@ class Region:
 
     def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """The next ``shape``/``dtype`` tensor of the region (its values: garbage)."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        start = -(-self.used // _ALIGN) * _ALIGN
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if start + nbytes > self.storage.nbytes():
+        start, end = _span(self.used, shape, dtype)
+        if end > self.storage.nbytes():
             raise ValueError(f"region {self.path} is full ({self.storage.nbytes()} bytes)")
-        self.used = start + nbytes
-        flat = torch.empty(0, dtype=torch.uint8).set_(self.storage, start, (nbytes,), (1,))
+        self.used = end
+        flat = torch.empty(0, dtype=torch.uint8).set_(self.storage, start, (end - start,), (1,))
         return flat.view(dtype).view(shape)
 
 
 _held: list[Region] = []
 
 
+def _span(used: int, shape: torch.Size, dtype: torch.dtype) -> tuple[int, int]:
+    """Where the next tensor after ``used`` bytes starts (aligned) and ends."""
+    start = -(-used // _ALIGN) * _ALIGN
+    return start, start + math.prod(shape) * dtype.itemsize
+
+
 def region_bytes(shapes: list[tuple[torch.Size, torch.dtype]]) -> int:
     """The bytes :meth:`Region.take` needs for ``shapes`` in that order."""
     used = 0
     for shape, dtype in shapes:
-        numel = 1
-        for n in shape:
-            numel *= n
-        used = -(-used // _ALIGN) * _ALIGN + numel * torch.empty((), dtype=dtype).element_size()
+        used = _span(used, shape, dtype)[1]
     return used
 
 
