@@ -354,6 +354,12 @@ class RunConfig:
     survivors stall for the model's bytes only, the optimizer's arrive while every rank
     computes (gloo, unsharded replicas with no fp16 loss scaler or ``extra_state``; else
     the whole state before the step). False: always the whole state before the step."""
+    state_by_memory: bool = True
+    """A joiner on its source's node reads the state straight out of the source's memory
+    (``process_vm_readv``: one copy by the joiner, where the group's loopback socket costs
+    two and the CPU the step needs); where the kernel refuses it (another user, a seccomp
+    profile without the call) or off the node, the bytes go over the group. False: always
+    over the group."""
     joiner_memory_reserve: bool = True
     """A joiner's optimizer state lives in a region of its node's shared memory
     (``/dev/shm``), and a joiner that dies leaves it to the next one on the node: memory

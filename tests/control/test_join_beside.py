@@ -5,7 +5,9 @@ computes the step, and the joiner waits for them before the reduction. Each test
 that the final state equals a fault-free run's and that every sample was used once: with
 module buffers that a forward changes (the source must send them as they were), with the
 source or the joiner killed between the model's part and the rest, and with a state too
-big for the links (the whole state before the step, as without the option). The
+big for the links (the whole state before the step, as without the option); the joiner reads
+the state out of its source's memory on one node (``RunConfig.state_by_memory``), or over
+the group without it. The
 replacement's setup runs at a lower CPU priority (``RunConfig.joiner_setup_priority``), and
 a dead joiner's memory goes to its replacement (``RunConfig.joiner_memory_reserve``).
 """
@@ -106,12 +108,22 @@ def test_a_join_beside_the_step_computes_the_fault_free_training(tmp_path, refer
     transfer = of(evs, "state_transfer")[0]
     assert transfer["beside"] is True and transfer["dst"] == ["w3"]
     assert [(e["worker"], e["ok"]) for e in of(evs, "state_received")] == [("w3", True)]
+    # One node: w3 read both parts out of the source's memory (RunConfig.state_by_memory).
+    assert of(evs, "state_received")[0]["routes"] == ["memory", "memory"]
     assert [f["worker"] for f in of(evs, "fault")] == ["w1"]
     # The replacement's setup ran under SCHED_IDLE (RunConfig.joiner_setup_priority), the
     # first members' at the workers' own (Ray's: nice 15 by its default).
     priority = {e["worker"]: e["priority"] for e in of(evs, "worker_started")}
     assert priority["w3"] == "idle"
     assert priority["w0"] == priority["w1"] == priority["w2"] == ray_worker_priority()
+
+
+def test_a_join_over_the_group_computes_the_fault_free_training(tmp_path, references):
+    """``state_by_memory=False``: both parts over the group, the same training."""
+    state = train(tmp_path, "bn_mlp", chaos="kill:w1@step4", state_by_memory=False)
+    evs = check(tmp_path, references, "bn_mlp", state)
+    assert [(e["worker"], e["routes"]) for e in of(evs, "state_received")] == [
+        ("w3", ["group", "group"])]
 
 
 def test_a_dead_joiners_memory_goes_to_its_replacement(tmp_path, references):

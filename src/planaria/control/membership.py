@@ -190,6 +190,9 @@ class Membership:
             # The first step's reduction waits for the rest: it must arrive well within
             # the collective's timeout even at the slowest rate a transfer is allowed.
             source = dataclasses.replace(source, beside=False)
+        by_memory = self.config.state_by_memory
+        source = dataclasses.replace(source, by_memory=by_memory, shards=tuple(
+            dataclasses.replace(s, by_memory=by_memory) for s in source.shards))
         refs = {src.name: src.actor.send_state.remote(self.gen, joiners, source.beside)}
         for r in joiners:
             h = self.members[r]
@@ -234,13 +237,14 @@ class Membership:
                 continue
             ref, h.receiving = h.receiving, None
             try:
-                seconds = ray.get(ref)
+                seconds, routes = ray.get(ref)
             except Exception as err:  # any failure: it holds no state
                 _mlog.info("%s did not receive the state: %s", h.name, err)
                 self.log.emit("state_received", worker=h.name, ok=False, error=str(err)[:300])
                 continue
             h.has_state = True
-            self.log.emit("state_received", worker=h.name, ok=True, rest_s=seconds)
+            self.log.emit("state_received", worker=h.name, ok=True, rest_s=seconds,
+                          routes=routes)
 
     def evict(self, names: Sequence[str], *, kill: bool = True) -> None:
         """Removes workers from the membership, fencing them off (and killing them)."""

@@ -68,7 +68,9 @@ class StateMeta:
     state's JSON metadata (optimizer, scheduler, extra state), the steps done, and the
     tensors kept on the host (Adam's step counters beside CUDA parameters). A sharded
     replica's holds every worker's in ``shards``, for the joiner's workers in order.
-    ``beside``: the state goes beside the next step (planaria.worker.transfer)."""
+    ``beside``: the state goes beside the next step (planaria.worker.transfer);
+    ``by_memory``: a joiner on the source's node may read it out of the source's memory
+    (planaria.worker.transfer_route; the controller sets it from ``RunConfig``)."""
 
     layout: Layout
     meta: dict[str, object]
@@ -76,6 +78,7 @@ class StateMeta:
     on_host: Sequence[str]
     shards: Sequence[StateMeta] = ()
     beside: bool = False
+    by_memory: bool = False
 
     def merge(self, theirs: Sequence[StateMeta]) -> StateMeta:
         return replace(self, shards=(self, *theirs))

@@ -337,8 +337,8 @@ class Worker:
         return self.transfer.receive(src, source.part(self.shard_index))
 
     @ray.method(concurrency_group="transfer")
-    def state_received(self, gen: int, timeout_s: float) -> float:
-        """The seconds the rest of a state received beside the steps took (or its error)."""
+    def state_received(self, gen: int, timeout_s: float) -> tuple[float, list[str]]:
+        """The rest of a state received beside the steps: its seconds and routes (or error)."""
         self.membership.check(gen)
         return self.transfer.wait_received(timeout_s)
 

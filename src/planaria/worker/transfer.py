@@ -35,6 +35,7 @@ from planaria.worker.membership import Membership
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.sharded import local
 from planaria.worker.state import load_hooked_model_tensors, load_state, tensor_layout
+from planaria.worker.transfer_route import ReceiveRoute, SendRoute
 from planaria.worker.vitals import Vitals
 
 __all__ = ["SMALL_TENSOR_BYTES", "StateTransfer", "TransferThread", "nbytes", "transfer_plan",
@@ -124,6 +125,7 @@ class StateTransfer:
         self.faults = faults
         self.sending: TransferThread | None = None  # a send beside the steps
         self.received: TransferThread | None = None  # the last receive beside the steps
+        self.route: ReceiveRoute | None = None  # how the last receive's parts came
 
     def can_go_beside(self) -> bool:
         """The state can be sent beside the next step (see the module's docstring): on gloo
@@ -172,13 +174,14 @@ class StateTransfer:
         total = sum(nbytes(b) for part in parts for b in part) * len(dsts)
 
         def send_all() -> int:  # every joiner's model part first: they all compute sooner
-            tag = 0
-            for dst in dsts:
-                tag = comm.send(parts[0], dst, on_progress=self.vitals.bytes_moved)
+            routes = [SendRoute(comm, dst) for dst in dsts]
+            tags = [route.open(0) for route in routes]
+            for i, route in enumerate(routes):
+                tags[i] = route.send(parts[0], tags[i], self.vitals.bytes_moved)
             if beside and self.faults.armed:
                 self.faults.hit("worker.state_sending", step=steps_done)
-            for dst in dsts:
-                comm.send(parts[1], dst, on_progress=self.vitals.bytes_moved, first_tag=tag)
+            for i, route in enumerate(routes):
+                route.send(parts[1], tags[i], self.vitals.bytes_moved)
             return total
 
         if not beside:
@@ -225,7 +228,8 @@ class StateTransfer:
                 target = torch.empty(shape, dtype=want, device=where)
             tensors[name] = target
         model_part, rest_part = wire_parts(tensors)
-        model_bytes, tag = self._receive_part(src, tensors, model_part, 0)
+        route = self.route = ReceiveRoute(comm, src, may_read=source.by_memory)
+        model_bytes, tag = self._receive_part(route, tensors, model_part, route.open(0))
         with torch.no_grad():
             model_live = {f"model/{k}": local(v) for k, v in state.model.state_dict().items()}
             for name, tensor in tensors.items():
@@ -236,7 +240,7 @@ class StateTransfer:
         def receive_rest() -> int:
             if source.beside and self.faults.armed:
                 self.faults.hit("worker.state_receiving", step=source.steps_done)
-            rest_bytes, _ = self._receive_part(src, tensors, rest_part, tag)
+            rest_bytes, _ = self._receive_part(route, tensors, rest_part, tag)
             optim = {k: v for k, v in tensors.items() if k.startswith("optim/")}
             load_state(None, state.optimizer, state.scheduler, optim, source.meta)
             state.set_extra_state(source.meta)
@@ -254,15 +258,17 @@ class StateTransfer:
         self.vitals.set_phase("idle", self.commits.steps_done)
         return model_bytes + rest_bytes
 
-    def wait_received(self, timeout_s: float) -> float:
+    def wait_received(self, timeout_s: float) -> tuple[float, list[str]]:
         """The seconds the last receive's part beside the steps took, once it all arrived
-        and is loaded; raises its error (or TimeoutError past ``timeout_s``)."""
-        if self.received is None:
+        and is loaded, and how each part came (``"memory"``, ``"group"``:
+        :mod:`planaria.worker.transfer_route`); raises its error (or TimeoutError past
+        ``timeout_s``)."""
+        if self.received is None or self.route is None:
             raise PlanariaError(f"{self.name} has no state arriving beside its steps")
         self.received.wait(timeout_s)
-        return self.received.seconds
+        return self.received.seconds, list(self.route.routes)
 
-    def _receive_part(self, src: int, tensors: dict[str, torch.Tensor],
+    def _receive_part(self, route: ReceiveRoute, tensors: dict[str, torch.Tensor],
                       part: tuple[list[str], list[list[str]]], tag: int) -> tuple[int, int]:
         """Receives one of :func:`wire_parts`' parts from chunk tag ``tag`` on; returns its
         bytes and the next tag."""
@@ -273,8 +279,8 @@ class StateTransfer:
                              dtype=tensors[names[0]].dtype, device=comm.device)
                  for names in small]
         with torch.no_grad():
-            tag = comm.recv([tensors[k] for k in big] + flats, src,
-                            on_progress=self.vitals.bytes_moved, first_tag=tag)
+            tag = route.receive([tensors[k] for k in big] + flats, tag,
+                                self.vitals.bytes_moved)
             for names, flat in zip(small, flats, strict=True):
                 offset = 0
                 for k in names:
