@@ -42,8 +42,8 @@ RESULTS = _REPO / "bench" / "results"
 BENCHES = ("overhead", "overhead_before", "recovery", "recovery-torchft-hb50",
            "goodput-realistic", "goodput-fast",
            "goodput", "checkpoint", "checkpoint-copy-at-save", "spares",
-           "overlap", "warm_join", "joiner_priority", "sharded", "campaign", "campaign_widened",
-           "dispatch", "sim_validation", "gpu")
+           "overlap", "warm_join", "joiner_priority", "joiner_route", "sharded", "campaign",
+           "campaign_widened", "dispatch", "sim_validation", "gpu")
 MEDIAN_OF = {"sharded": "ratio", "overhead": "ratio", "overhead_before": "ratio",
              "goodput": "goodput_vs_torchft", "dispatch": "growth_last_over_first",
              "sim_validation": "max_error_pp"}
@@ -792,10 +792,13 @@ def render_warm_join(rec: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-def render_joiner_priority(rec: dict[str, Any]) -> list[str]:
-    """``bench/joiner_priority.py``: a replacement's start, what it costs the survivors."""
+def render_joiner_priority(rec: dict[str, Any], route: bool = False) -> list[str]:
+    """``bench/joiner_priority.py``: a replacement's start, what it costs the survivors;
+    ``route``: its state's route compared (by the transfer stall)."""
     r = rec["result"]
     configs = [k for k, v in r.items() if isinstance(v, dict) and "costs" in v]
+    if route:
+        return render_joiner_route(rec, configs)
     out = [
         "## A replacement's start beside the survivors", "", *_header(rec), "",
         f"`{r.get('size')}` size, 3 replicas, killed at steps {r.get('kills_at')} of each "
@@ -815,6 +818,32 @@ def render_joiner_priority(rec: dict[str, Any]) -> list[str]:
         out.append(
             f"| {name} | {_f(c['cost_per_kill_s_median'], '.3f')} | {c['kills']} "
             f"| {_f(statistics.median(ready), '.1f') if ready else '-'} "
+            f"| {'' if not saved else _f(saved['median'], '.3f') + _ci(saved['ci95'], '.3f')} |")
+    return [*out, ""]
+
+
+def render_joiner_route(rec: dict[str, Any], configs: list[str]) -> list[str]:
+    """The route of a joiner's state (``RunConfig.state_by_memory``), by its stall."""
+    r = rec["result"]
+    out = [
+        "## A joiner's state: read out of the source's memory, or over the group", "",
+        *_header(rec), "",
+        f"`{r.get('size')}` size, 3 replicas on the same cores, killed at steps "
+        f"{r.get('kills_at')} of each run (w1, then each time the joiner that came last). "
+        "Transfer stall per join: the survivors' wait for the state at the join (beside the "
+        "step, the model's part) plus the join's step over the run's fault-free step, as "
+        "the goodput bench's floor counts it (configuration: CPU priority of the setup : "
+        "shared-memory reserve : route). Estimator chosen before the runs: the median per "
+        "route, and the median of the per-join differences paired by round and kill, with "
+        "its bootstrap 95 % interval.", "",
+        "| configuration | stall per join, median (s) | joins "
+        "| saved against the first, median (95 % interval) |", "|---|---:|---:|---|",
+    ]
+    for name in configs:
+        c = r[name]
+        saved = r.get(f"stall_saved_per_kill_s_{name}")
+        out.append(
+            f"| {name} | {_f(c.get('stall_per_kill_s_median'), '.3f')} | {c['kills']} "
             f"| {'' if not saved else _f(saved['median'], '.3f') + _ci(saved['ci95'], '.3f')} |")
     return [*out, ""]
 
@@ -1172,8 +1201,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
             out += render_spares(rec)
         elif name == "warm_join":
             out += render_warm_join(rec)
-        elif name == "joiner_priority":
-            out += render_joiner_priority(rec)
+        elif name.startswith("joiner_"):
+            out += render_joiner_priority(rec, route=name == "joiner_route")
         elif name == "gpu":
             out += render_gpu(rec, results.get("gpu_tests"))
         elif name == "dispatch":
