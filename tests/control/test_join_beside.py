@@ -179,6 +179,43 @@ def test_the_joiner_killed_before_the_rest_arrives(tmp_path, references):
     assert [e["dst"] for e in of(evs, "state_transfer")] == [["w3"], ["w4"]]
 
 
+def test_the_last_holder_stays_until_the_joiners_hold_the_state(tmp_path, references):
+    """Every member preempted, no checkpoints: w2 stays while w3 and w4 replace w0 and w1. At
+    their join w2 has a notice and they still receive the rest of the state from it (held
+    there until w2's drain was put off): w2 stays until they hold it, then leaves; nothing
+    is restored."""
+    marker = tmp_path / "holders-stayed"
+
+    def hold_until_the_holders_stay(worker, step, **_context) -> None:
+        for _ in range(600):  # bounded: without the stay, the receipt goes on (and fails)
+            if marker.exists():
+                return
+            threading.Event().wait(0.1)
+
+    def arm_the_joiners(*, recovery, ready) -> None:
+        for handle in ready:
+            ray.get(handle.actor.arm_fault.remote("worker.state_receiving",
+                                                  hold_until_the_holders_stay, times=1))
+
+    stayed: list[list[str]] = []
+
+    def note_the_stay(*, holders) -> None:
+        stayed.append(list(holders))
+        marker.touch()
+
+    with points.armed("recovery.admit", arm_the_joiners, times=1), \
+            points.armed("notices.holders_stay", note_the_stay):
+        state = train(tmp_path, "mlp",
+                      chaos="preempt:w0@step4,preempt:w1@step4,preempt:w2@step4",
+                      widths_at=(STEPS - 3,))
+    evs = check(tmp_path, references, "mlp", state)
+    assert stayed and stayed[0] == ["w2"]
+    assert not of(evs, "restore"), "the state never left the job"
+    assert [(e["worker"], e["ok"]) for e in of(evs, "state_received")] == [
+        ("w3", True), ("w4", True)]
+    assert {e["worker"] for e in of(evs, "drained")} == {"w0", "w1", "w2"}
+
+
 def test_a_state_too_big_for_the_links_goes_before_the_step(tmp_path, references):
     """At 1 byte/s (``min_transfer_bytes_per_s``) the rest could not arrive within the
     collective timeout: the whole state goes before the step."""

@@ -60,7 +60,8 @@ def test_a_transfer_longer_than_the_collective_timeout_keeps_its_source(tmp_path
     run = tmp_path / "run"
     config = RunConfig(steps=STEPS, replicas=2, run_dir=run, ledger=True,
                        collective_timeout_s=2.0, min_transfer_bytes_per_s=1e12,
-                       state_beside_step=False)  # the whole state before the step
+                       state_beside_step=False,  # the whole state before the step
+                       state_by_memory=False)  # over the group, whose link is slowed
     job = Job(big_spec(), config, chaos=planaria.ChaosPlan.parse("kill:w1@step2"))
     with job:
         source = next(h for h in job.members if h.name == "w0")

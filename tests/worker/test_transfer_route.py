@@ -2,21 +2,23 @@
 
 Two real processes on a gloo group: the joiner reads the source's buffers with
 ``process_vm_readv`` when it may (``RunConfig.state_by_memory``) and gets the same bytes as
-over the group; where the kernel refuses, the part and the rest go over the group; a dead
-process's memory is a :class:`peer_memory.PeerGone`, a bad address a refusal.
+over the group; where the kernel refuses, the part and the rest go over the group; the
+source hears of the bytes read as the joiner reads them (its progress); a dead process's
+memory is a :class:`peer_memory.PeerGone`, a bad address a refusal.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from planaria.worker import peer_memory
+from planaria.worker import peer_memory, transfer_route
 from planaria.worker.collective import Collective
 from planaria.worker.transfer_route import ReceiveRoute, SendRoute
 
@@ -30,21 +32,40 @@ def _parts(seed: int) -> list[list[torch.Tensor]]:
             [torch.arange(90_000, dtype=torch.int64), torch.randn(5, generator=g)]]
 
 
-def _rank(rank: int, port: int, may_read: bool, refuse: bool, q: mp.Queue) -> None:
+def _slowly(read_into):
+    """``read_into`` whose chunks of 128 KiB take 0.15 s each (the source hears every
+    256 KiB): the model's part takes ~1.6 s, the rest ~1 s."""
+    peer_memory.CHUNK_BYTES = 128 << 10
+    transfer_route.ANSWER_BYTES = 256 << 10
+
+    def slow(pid, pairs, on_progress=None):
+        def each(n):
+            time.sleep(0.15)
+            on_progress(n)
+        return read_into(pid, pairs, each)
+
+    return slow
+
+
+def _rank(rank: int, port: int, may_read: bool, how: str, q: mp.Queue) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
                               timeout=timedelta(seconds=30))
         comm = Collective(store, 0, rank, 2, join_timeout_s=30, timeout_s=30)
         if rank == 0:
+            told: list[int] = []
             route = SendRoute(comm, 1)
             tag = route.open(0)
             for part in _parts(0):
-                tag = route.send(part, tag, None)
+                tag = route.send(part, tag, told.append)
+            q.put(("sent", sum(told), len(told)))
         else:
-            if refuse:
+            if how == "refuse":
                 def refused(*_a, **_k):
                     raise peer_memory.Refused(1, "refused for the test")
                 peer_memory.read_into = refused  # type: ignore[assignment]
+            elif how == "slow":
+                peer_memory.read_into = _slowly(peer_memory.read_into)  # type: ignore[assignment]
             moved: list[int] = []
             recv = ReceiveRoute(comm, 0, may_read=may_read)
             tag = recv.open(0)
@@ -59,20 +80,23 @@ def _rank(rank: int, port: int, may_read: bool, refuse: bool, q: mp.Queue) -> No
         q.put(("error", repr(err)))
 
 
-def _run(may_read: bool, refuse: bool = False) -> tuple:
+def _run(may_read: bool, how: str = "") -> tuple:
+    """The receiver's (same bytes, routes, bytes it moved), once the source told as many."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, may_read, refuse, q)) for r in (0, 1)]
+    procs = [ctx.Process(target=_rank, args=(r, port, may_read, how, q)) for r in (0, 1)]
     for p in procs:
         p.start()
-    result = q.get(timeout=120)
+    results = dict((r[0], r[1:]) for r in (q.get(timeout=120), q.get(timeout=120)))
     for p in procs:
         p.join(60)
-    assert result[0] == "recv", result
-    return result[1:]
+    assert set(results) == {"sent", "recv"}, results
+    (same, routes, moved), (told, times) = results["recv"], results["sent"]
+    assert told == moved  # the source heard of every byte read (or sent it)
+    return same, routes, moved, times
 
 
 def _nbytes() -> int:
@@ -80,15 +104,23 @@ def _nbytes() -> int:
 
 
 def test_a_joiner_on_the_node_reads_the_state_out_of_the_sources_memory():
-    assert _run(may_read=True) == (True, ["memory", "memory"], _nbytes())
+    assert _run(may_read=True)[:3] == (True, ["memory", "memory"], _nbytes())
 
 
 def test_without_leave_to_read_the_state_goes_over_the_group():
-    assert _run(may_read=False) == (True, ["group", "group"], _nbytes())
+    assert _run(may_read=False)[:3] == (True, ["group", "group"], _nbytes())
 
 
 def test_a_refused_read_sends_that_part_and_the_rest_over_the_group():
-    assert _run(may_read=True, refuse=True) == (True, ["group", "group"], _nbytes())
+    assert _run(may_read=True, how="refuse")[:3] == (True, ["group", "group"], _nbytes())
+
+
+def test_the_source_hears_of_the_bytes_as_they_are_read():
+    """A slow read (~2.6 s): the source's progress moves every 256 KiB read (1.9 MB: 7 times
+    and the two parts' last answers), not once a part."""
+    same, routes, _, times = _run(may_read=True, how="slow")
+    assert same and routes == ["memory", "memory"]
+    assert times >= 7
 
 
 def _hold(q: mp.Queue, done: mp.Event) -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from planaria.faults import points
 from planaria.wire import store_keys
 
 if TYPE_CHECKING:
@@ -123,6 +124,20 @@ class Notices:
                     source="node_drain", node=node, deadline_t=deadline,
                 )
         self.pool.drop_spares_on(set(nodes))
+
+    def stay_for_receivers(self, names: list[str], holders: list[str],
+                           receiving: bool) -> list[str]:
+        """Those of ``names`` (members with a notice) that may leave at this boundary: while
+        joiners still receive the state beside their first step (``receiving``) and every
+        holder of it is among ``names``, the holders stay, marked to leave at a later
+        boundary (once it has arrived, they are holders no more alone)."""
+        if not receiving or not set(holders) <= set(names):
+            return names
+        _log.info("%s stay until the joiners hold the state", ", ".join(holders))
+        for name in holders:
+            self.keep_draining(name)
+        points.hit("notices.holders_stay", holders=holders)
+        return [n for n in names if n not in holders]
 
     def keep_draining(self, name: str) -> None:
         """``name`` got a preemption notice but stays until a later boundary (see drain)."""

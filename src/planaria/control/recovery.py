@@ -158,6 +158,9 @@ class Recovery:
         ck = self.checkpoints
         group.settle_receipts()
         holders = [h.name for h in group.members if h.has_state]
+        receiving = any(h.receiving is not None for h in group.members)
+        if not (names := self.notices.stay_for_receivers(names, holders, receiving)):
+            return
         if (set(holders) <= set(names) and ck is not None and ck.can_save
                 and ck.config.save_on_preemption):
             # Every holder of the state leaves: the step in hand is saved before anyone goes,

@@ -50,6 +50,9 @@ CONTROLLER_POINTS: Mapping[str, str] = MappingProxyType({
         "before a survivor sends the state to the joiners (membership, joiners: their ranks)",
     "recovery.admit":
         "before ready replacements are admitted into the next generation (recovery, ready)",
+    "notices.holders_stay":
+        "the last holders of the state got a notice while joiners still receive it: they "
+        "stay to a later boundary (holders)",
     "checkpoint.save_started":
         "after a save's snapshot is taken and its writes started (step, reason)",
     "checkpoint.before_commit": "before a written checkpoint is committed (step)",

@@ -12,9 +12,10 @@ moves device tensors, which no process can read from another's memory):
 2. for each part of the state (the model's, then the rest), the source sends a header: 1
    and its pid and each buffer's address and size when the joiner is on its node and may
    read, else 0;
-3. on a 1, the joiner reads the buffers and answers 0 (read) or 1 (the kernel refused: send
-   them), and the source waits for that answer; on a 0 or a refusal the buffers go over
-   the group as before.
+3. on a 1, the joiner reads the buffers, telling the source every :data:`ANSWER_BYTES` read
+   (2: more to come, and how many bytes it read: the source's progress moves as its bytes
+   go, as a sender's does), then answers 0 (read) or 1 (the kernel refused: send them);
+   on a 0 in the header or a refusal the buffers go over the group as before.
 
 The source holds its buffers unchanged until the answer (its update waits at the state's
 send fence until the transfer's end): a joiner reads a consistent state. A source that dies
@@ -31,11 +32,14 @@ import torch
 
 from planaria.worker import peer_memory
 
-__all__ = ["ReceiveRoute", "SendRoute"]
+__all__ = ["ANSWER_BYTES", "ReceiveRoute", "SendRoute"]
 
 _log = logging.getLogger(__name__)
 
-_READ, _SEND = 0, 1  # a joiner's answer to a header
+_READ, _SEND, _MORE = 0, 1, 2  # a joiner's answers to a header: [what, bytes read]
+ANSWER_BYTES = 256 << 20
+"""A joiner reading a source's memory tells it every this many bytes (~0.05-0.1 s of reading;
+a transfer whose bytes move is busy, not hung: planaria.control.liveness)."""
 
 
 def _readable(tensors: Sequence[torch.Tensor]) -> bool:
@@ -76,12 +80,16 @@ class SendRoute:
                     header[2 + 2 * i] = b.data_ptr()
                     header[3 + 2 * i] = b.numel() * b.element_size()
             tag = self.comm.send([header], self.dst, first_tag=tag)
-            if by_memory:
-                answer = torch.zeros(1, dtype=torch.int64)
+            while by_memory:
+                answer = torch.zeros(2, dtype=torch.int64)
                 tag = self.comm.recv([answer], self.dst, first_tag=tag)
-                if int(answer[0]) == _READ:
+                what, nbytes = int(answer[0]), int(answer[1])
+                if on_progress is not None and nbytes:
+                    on_progress(nbytes)
+                if what == _READ:
                     return tag
-                self.by_memory = False  # refused: the rest goes over the group too
+                if what == _SEND:
+                    self.by_memory = by_memory = False  # refused: the rest over the group too
         return int(self.comm.send(list(buffers), self.dst, on_progress=on_progress,
                                   first_tag=tag))
 
@@ -112,22 +120,41 @@ class ReceiveRoute:
             header = torch.zeros(2 + 2 * len(targets), dtype=torch.int64)
             tag = self.comm.recv([header], self.src, first_tag=tag)
             if int(header[0]) == 1:
-                answer = _SEND
-                if _readable(targets):
-                    pid = int(header[1])
-                    pairs = [(t, int(header[2 + 2 * i]), int(header[3 + 2 * i]))
-                             for i, t in enumerate(targets)]
-                    try:
-                        peer_memory.read_into(pid, pairs, on_progress)
-                        answer = _READ
-                    except peer_memory.Refused as err:
-                        _log.warning("reading the state out of process %d's memory was "
-                                     "refused (%s): it comes over the group", pid, err)
-                tag = self.comm.send([torch.tensor([answer], dtype=torch.int64)], self.src,
-                                     first_tag=tag)
+                answer, tag = self._read(header, targets, tag, on_progress)
                 if answer == _READ:
                     self.routes.append("memory")
                     return tag
         self.routes.append("group")
         return int(self.comm.recv(list(targets), self.src, on_progress=on_progress,
+                                  first_tag=tag))
+
+    def _read(self, header: torch.Tensor, targets: Sequence[torch.Tensor], tag: int,
+              on_progress: Callable[[int], None] | None) -> tuple[int, int]:
+        """Reads the buffers ``header`` describes into ``targets``, telling the source as it
+        goes; returns the last answer sent (read, or refused) and the next tag."""
+        unsaid = 0
+
+        def read(nbytes: int) -> None:
+            nonlocal unsaid, tag
+            if on_progress is not None:
+                on_progress(nbytes)
+            unsaid += nbytes
+            if unsaid >= ANSWER_BYTES:
+                tag, unsaid = self._answer(_MORE, unsaid, tag), 0
+
+        answer = _SEND
+        if _readable(targets):
+            pid = int(header[1])
+            pairs = [(t, int(header[2 + 2 * i]), int(header[3 + 2 * i]))
+                     for i, t in enumerate(targets)]
+            try:
+                peer_memory.read_into(pid, pairs, read)
+                answer = _READ
+            except peer_memory.Refused as err:
+                _log.warning("reading the state out of process %d's memory was refused "
+                             "(%s): it comes over the group", pid, err)
+        return answer, self._answer(answer, unsaid if answer == _READ else 0, tag)
+
+    def _answer(self, what: int, nbytes: int, tag: int) -> int:
+        return int(self.comm.send([torch.tensor([what, nbytes], dtype=torch.int64)], self.src,
                                   first_tag=tag))
