@@ -102,12 +102,13 @@ def per_kill(events: list[dict[str, Any]]) -> dict[str, Any]:
         start = started.get(ask["worker"], {})
         transfer = transfers.get(ask["worker"])
         transfer_s = transfer["seconds"] if transfer else 0.0
+        join_extra_s = (join_step["duration_s"] - ref) if join_step else None
         out.append({
             "extra_s": sum(c["duration_s"] - ref for c in between),
             "steps_beside": len(between),
-            "join_extra_s": (join_step["duration_s"] - ref) if join_step else None,
+            "join_extra_s": join_extra_s,
             "transfer_s": transfer_s,
-            "stall_s": transfer_s + ((join_step["duration_s"] - ref) if join_step else 0.0),
+            "stall_s": transfer_s + (join_extra_s or 0.0),
             "ready_s": start.get("ready_s"),
             "reserve": start.get("reserve"),
             "start": {k: start.get(k) for k in ("process_s", "build_s", "warm_s",
@@ -170,13 +171,12 @@ def main() -> None:
         if p == priorities[0]:
             continue
         # Paired by round and kill: the same seed picks the same victims at the same steps.
-        diffs = [cost(x) - cost(y) for ga, gb in zip(runs[priorities[0]], runs[p], strict=True)
+        pairs = [(x, y) for ga, gb in zip(runs[priorities[0]], runs[p], strict=True)
                  for x, y in zip(ga["kills"], gb["kills"], strict=False)]
-        summary[f"saved_per_kill_s_{p}"] = median_ci(diffs).as_dict(3)
-        stall_diffs = [x["stall_s"] - y["stall_s"]
-                       for ga, gb in zip(runs[priorities[0]], runs[p], strict=True)
-                       for x, y in zip(ga["kills"], gb["kills"], strict=False)]
-        summary[f"stall_saved_per_kill_s_{p}"] = median_ci(stall_diffs).as_dict(3)
+        summary[f"saved_per_kill_s_{p}"] = median_ci(
+            [cost(x) - cost(y) for x, y in pairs]).as_dict(3)
+        summary[f"stall_saved_per_kill_s_{p}"] = median_ci(
+            [x["stall_s"] - y["stall_s"] for x, y in pairs]).as_dict(3)
     print(json.dumps(summary))
 
 
