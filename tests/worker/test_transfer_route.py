@@ -64,6 +64,20 @@ def _rank(rank: int, port: int, may_read: bool, how: str, q: mp.Queue) -> None:
                 def refused(*_a, **_k):
                     raise peer_memory.Refused(1, "refused for the test")
                 peer_memory.read_into = refused  # type: ignore[assignment]
+            elif how == "refuse midway":  # after 384 KiB read: the source heard of 256
+                peer_memory.CHUNK_BYTES = 128 << 10
+                transfer_route.ANSWER_BYTES = 256 << 10
+                read_into = peer_memory.read_into
+
+                def midway(pid, pairs, on_progress=None):
+                    def each(n):
+                        on_progress(n)
+                        if each.chunks == 2:
+                            raise peer_memory.Refused(1, "refused midway for the test")
+                        each.chunks += 1
+                    each.chunks = 0
+                    return read_into(pid, pairs, each)
+                peer_memory.read_into = midway  # type: ignore[assignment]
             elif how == "slow":
                 peer_memory.read_into = _slowly(peer_memory.read_into)  # type: ignore[assignment]
             moved: list[int] = []
@@ -113,6 +127,13 @@ def test_without_leave_to_read_the_state_goes_over_the_group():
 
 def test_a_refused_read_sends_that_part_and_the_rest_over_the_group():
     assert _run(may_read=True, how="refuse")[:3] == (True, ["group", "group"], _nbytes())
+
+
+def test_a_read_refused_midway_counts_each_byte_once():
+    """Refused after 384 KiB of the model's part (the source heard of 256 KiB): the part goes
+    over the group, and neither end counts the bytes read before it twice."""
+    same, routes, moved, _ = _run(may_read=True, how="refuse midway")
+    assert (same, routes, moved) == (True, ["group", "group"], _nbytes())
 
 
 def test_the_source_hears_of_the_bytes_as_they_are_read():

@@ -80,6 +80,8 @@ class Notices:
                     self.log.emit("preempt_notice", worker=handle.name,
                                   step=self.steps.steps_done, source="sigterm", notice_t=at)
                     break
+        # Joiners still receiving the state beside the step hold none yet: the save runs
+        # anyway (the notices' deadline is not known here, and a receipt can fail).
         holders = {h.name for h in self.roster.members if h.has_state}
         if holders and holders <= draining and not self.departures.evacuating:
             self._save_before_leaving()

@@ -87,7 +87,7 @@ def identity() -> tuple[int, int, int]:
 def allow_reader(pid: int) -> None:
     """Lets process ``pid`` read this one's memory where Yama restricts it to ancestors
     (``ptrace_scope`` 1); a no-op where Yama is absent or allows it already. One reader at
-    a time: the next call replaces it."""
+    a time: the next call replaces it; 0: none."""
     if _LIBC is None:
         return
     _LIBC.prctl(ctypes.c_int(_PR_SET_PTRACER), ctypes.c_ulong(pid), ctypes.c_ulong(0),

@@ -35,7 +35,7 @@ from planaria.worker.membership import Membership
 from planaria.worker.replica_state import ReplicaState
 from planaria.worker.sharded import local
 from planaria.worker.state import load_hooked_model_tensors, load_state, tensor_layout
-from planaria.worker.transfer_route import ReceiveRoute, SendRoute
+from planaria.worker.transfer_route import ReceiveRoute, SendRoute, end_reads
 from planaria.worker.vitals import Vitals
 
 __all__ = ["SMALL_TENSOR_BYTES", "StateTransfer", "TransferThread", "nbytes", "transfer_plan",
@@ -176,12 +176,16 @@ class StateTransfer:
         def send_all() -> int:  # every joiner's model part first: they all compute sooner
             routes = [SendRoute(comm, dst) for dst in dsts]
             tags = [route.open(0) for route in routes]
-            for i, route in enumerate(routes):
-                tags[i] = route.send(parts[0], tags[i], self.vitals.bytes_moved)
-            if beside and self.faults.armed:
-                self.faults.hit("worker.state_sending", step=steps_done)
-            for i, route in enumerate(routes):
-                route.send(parts[1], tags[i], self.vitals.bytes_moved)
+            try:
+                for i, route in enumerate(routes):
+                    tags[i] = route.send(parts[0], tags[i], self.vitals.bytes_moved)
+                if beside and self.faults.armed:
+                    self.faults.hit("worker.state_sending", step=steps_done)
+                for i, route in enumerate(routes):
+                    route.send(parts[1], tags[i], self.vitals.bytes_moved)
+            finally:
+                if any(route.reader for route in routes):
+                    end_reads()
             return total
 
         if not beside:

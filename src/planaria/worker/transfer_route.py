@@ -33,7 +33,7 @@ import torch
 
 from planaria.worker import peer_memory
 
-__all__ = ["ANSWER_BYTES", "ReceiveRoute", "SendRoute"]
+__all__ = ["ANSWER_BYTES", "ReceiveRoute", "SendRoute", "end_reads"]
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class SendRoute:
         self.comm, self.dst = comm, dst
         self.talks = comm.backend == "gloo"  # the ends agree on a route (else: the group)
         self.by_memory = False
+        self.reader = 0  # the joiner's pid, where it reads
 
     def open(self, tag: int) -> int:
         """Hears the joiner's hello (from chunk tag ``tag``); returns the next tag."""
@@ -66,7 +67,7 @@ class SendRoute:
         self.by_memory = bool(may_read) and peer_memory.available() and (
             node, pid_ns) == here[:2] and node != 0
         if self.by_memory:
-            peer_memory.allow_reader(pid)
+            self.reader = pid
         return tag
 
     def send(self, buffers: Sequence[torch.Tensor], tag: int,
@@ -76,23 +77,49 @@ class SendRoute:
             by_memory = self.by_memory and _readable(buffers)
             header = torch.zeros(2 + 2 * len(buffers), dtype=torch.int64)
             if by_memory:
+                # Yama allows one named reader at a time: this joiner, for this part.
+                peer_memory.allow_reader(self.reader)
                 header[0], header[1] = 1, os.getpid()
                 for i, b in enumerate(buffers):
                     header[2 + 2 * i] = b.data_ptr()
                     header[3 + 2 * i] = b.numel() * b.element_size()
             tag = self.comm.send([header], self.dst, first_tag=tag)
+            said = 0  # bytes the joiner said it read, counted in the progress already
             while by_memory:
                 answer = torch.zeros(2, dtype=torch.int64)
                 tag = self.comm.recv([answer], self.dst, first_tag=tag)
                 what, nbytes = int(answer[0]), int(answer[1])
+                said += nbytes
                 if on_progress is not None and nbytes:
                     on_progress(nbytes)
                 if what == _READ:
                     return tag
                 if what == _SEND:
                     self.by_memory = by_memory = False  # refused: the rest over the group too
+            if said and on_progress is not None:
+                on_progress = _after(said, on_progress)
         return int(self.comm.send(list(buffers), self.dst, on_progress=on_progress,
                                   first_tag=tag))
+
+
+def end_reads() -> None:
+    """After a send's last part: no joiner may read this process's memory any more."""
+    peer_memory.allow_reader(0)
+
+
+def _after(counted: int, on_progress: Callable[[int], None]) -> Callable[[int], None]:
+    """``on_progress`` for a part sent again after a refused read: the first ``counted``
+    bytes were counted as the joiner read them."""
+    left = counted
+
+    def progress(nbytes: int) -> None:
+        nonlocal left
+        skip = min(left, nbytes)
+        left -= skip
+        if nbytes > skip:
+            on_progress(nbytes - skip)
+
+    return progress
 
 
 class ReceiveRoute:
@@ -121,25 +148,29 @@ class ReceiveRoute:
             header = torch.zeros(2 + 2 * len(targets), dtype=torch.int64)
             tag = self.comm.recv([header], self.src, first_tag=tag)
             if int(header[0]) == 1:
-                answer, tag = self._read(header, targets, tag, on_progress)
+                answer, tag, counted = self._read(header, targets, tag, on_progress)
                 if answer == _READ:
                     self.routes.append("memory")
                     return tag
+                if counted and on_progress is not None:
+                    on_progress = _after(counted, on_progress)
         self.routes.append("group")
         return int(self.comm.recv(list(targets), self.src, on_progress=on_progress,
                                   first_tag=tag))
 
     def _read(self, header: torch.Tensor, targets: Sequence[torch.Tensor], tag: int,
-              on_progress: Callable[[int], None] | None) -> tuple[int, int]:
+              on_progress: Callable[[int], None] | None) -> tuple[int, int, int]:
         """Reads the buffers ``header`` describes into ``targets``, telling the source as it
-        goes; returns the last answer sent (read, or refused) and the next tag."""
-        unsaid = 0
+        goes; returns the last answer sent (read, or refused), the next tag and the bytes
+        counted in ``on_progress``."""
+        unsaid = counted = 0
 
         def read(nbytes: int) -> None:
-            nonlocal unsaid, tag
+            nonlocal unsaid, counted, tag
             if on_progress is not None:
                 on_progress(nbytes)
             unsaid += nbytes
+            counted += nbytes
             if unsaid >= ANSWER_BYTES:
                 tag, unsaid = self._answer(_MORE, unsaid, tag), 0
 
@@ -154,7 +185,7 @@ class ReceiveRoute:
             except peer_memory.Refused as err:
                 _log.warning("reading the state out of process %d's memory was refused "
                              "(%s): it comes over the group", pid, err)
-        return answer, self._answer(answer, unsaid if answer == _READ else 0, tag)
+        return answer, self._answer(answer, unsaid if answer == _READ else 0, tag), counted
 
     def _answer(self, what: int, nbytes: int, tag: int) -> int:
         return int(self.comm.send([torch.tensor([what, nbytes], dtype=torch.int64)], self.src,
