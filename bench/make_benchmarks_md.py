@@ -170,14 +170,19 @@ def load_results() -> dict[str, dict[str, Any]]:
     return {
         p.stem: json.loads(p.read_text())
         for p in sorted(RESULTS.glob("*.json"))
-        if p.stem in BENCHES or p.stem == "gpu_tests" or p.stem.startswith("goodput-")
+        if p.stem in BENCHES or p.stem == "gpu_tests" or p.stem.startswith(_TAGGED)
     }
 
 
+_TAGGED = ("goodput-", "recovery-")
+"""Results saved under a tag of their own (``goodput-<regime>-<tag>``, ``recovery-<tag>``:
+another sitting, another commit), each a section beside its bench's own."""
+
+
 def _order(results: dict[str, dict[str, Any]]) -> list[str]:
-    """BENCHES' order, each ``goodput-<regime>`` result (other kill rates too) beside the
-    regime's own."""
-    extra = sorted(n for n in results if n.startswith("goodput-") and n not in BENCHES)
+    """BENCHES' order, each tagged result (``goodput-<regime>``, other kill rates too, or
+    ``recovery-<tag>``) beside its bench's own."""
+    extra = sorted(n for n in results if n.startswith(_TAGGED) and n not in BENCHES)
     out: list[str] = []
     for name in BENCHES:
         out.append(name)
@@ -457,7 +462,8 @@ def _torchft_which(config: dict[str, Any]) -> str:
                if config.get("heartbeat_ms", 0) < best.get("heartbeat_ms", 0) else ""))
 
 
-def render_recovery(rec: dict[str, Any]) -> list[str]:
+def render_recovery(rec: dict[str, Any], tag: str = "") -> list[str]:
+    """``tag``: a tagged result's (``recovery-<tag>``), in the title."""
     r = rec["result"]
     pl, tr, ft = r["planaria"], r["torchrun"], r["torchft"]
     s_tr, s_ft = r.get("speedup_vs_torchrun"), r.get("speedup_vs_torchft")
@@ -465,7 +471,8 @@ def render_recovery(rec: dict[str, Any]) -> list[str]:
     lost = pl.get("lost_work_per_kill_steps")
     ft_cfg = ft.get("config") or {}
     title = "## Recovery from one SIGKILL: planaria vs torchrun vs torchft" + (
-        f" (torchft at a {ft_cfg['heartbeat_ms']} ms heartbeat)" if ft_cfg else "")
+        f" (torchft at a {ft_cfg['heartbeat_ms']} ms heartbeat)" if ft_cfg else "") + (
+        f", {tag}" if tag else "")
     out = [title, "", *_header(rec), ""]
     out += [
         f"Model `{r.get('size')}`, {r.get('replicas')} replicas x 1 thread, {r.get('steps')} "
@@ -1184,7 +1191,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
                                        sorted((RESULTS / "overhead-ab").glob("*.json"))])
             continue  # its own runs' outputs are in its record
         elif name.startswith("recovery"):
-            out += render_recovery(rec)
+            out += render_recovery(rec, "" if name in BENCHES else name.removeprefix(
+                "recovery-"))
         elif name == "goodput":
             out += render_goodput(rec)
         elif name.startswith("goodput-"):

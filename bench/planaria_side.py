@@ -318,6 +318,22 @@ def _run_autonomous(config: Any, size: str, warmup: int) -> dict[str, Any]:
             "driver": "run_steps"}
 
 
+def _transfer_gb_per_s(transfer: dict[str, Any], events: list[dict[str, Any]]
+                       ) -> float | None:
+    """A ``state_transfer``'s throughput: its record's own where the survivors waited for
+    all of it; beside the step (its seconds: the model's part alone), its bytes over those
+    seconds plus the rest's (the first joiner's ``state_received`` after it, the rest read
+    while the step computes)."""
+    if not transfer.get("beside"):
+        return transfer.get("gb_per_s")
+    rest = next((e for e in events if e["event"] == "state_received" and e.get("ok")
+                 and e["t"] >= transfer["t"] and e.get("rest_s") is not None), None)
+    if rest is None:
+        return None
+    seconds = float(transfer["seconds"]) + float(rest["rest_s"])
+    return transfer["bytes"] / seconds / 1e9 if seconds > 0 else None
+
+
 def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
     """recover_s, back_s, lost_steps, join_s, transfer from one run's events (first kill).
 
@@ -359,7 +375,7 @@ def recovery_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
         "joined_at_step": joined[0]["step"] if joined else None,
         "transfer_bytes": transfer[0]["bytes"] if transfer else None,
         "transfer_s": transfer[0]["seconds"] if transfer else None,
-        "transfer_gb_per_s": transfer[0]["gb_per_s"] if transfer else None,
+        "transfer_gb_per_s": _transfer_gb_per_s(transfer[0], events) if transfer else None,
         "step_ms_median": _median(steady),
         "final_width": commits[-1]["width"] if commits else None,
     }

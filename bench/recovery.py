@@ -42,7 +42,9 @@ a step beyond the highest step committed before the kill; ``lost_steps`` =
 steps committed twice. For planaria also ``join_s`` (replacement ready → first
 committed step that includes it, from the ``joined`` event) and the state
 transfer throughput (``state_transfer`` event: bytes ÷ seconds, the seconds
-covering the layout request and the send/receive). The transfer figure needs
+covering the layout request and the send/receive; a transfer beside the step, whose record
+times the model's part alone: bytes ÷ that part's seconds plus the rest's, the joiner's
+``state_received``, read while the step computes). The transfer figure needs
 ≥100 MB of state: when ``--size`` is smaller it comes from a second planaria
 run with the ``--transfer-size`` model (default ``large``: ~132 MB with Adam).
 
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{paired.get(f'speedup_vs_{peer}_ahead')})")
     print(f"state transfer ({transfer['size']}): "
           f"{_fmt((transfer['transfer_bytes'] or 0) / 1e6, '.0f')} MB "
-          f"in {_fmt(transfer['transfer_s'], '.3f')} s = "
+          f"(the survivors waited {_fmt(transfer['transfer_s'], '.3f')} s) at "
           f"{_fmt(transfer['transfer_gb_per_s'])} GB/s")
     print(f"load average before {load['before']} after {load['after']}; "
           f"wall {time.time() - t0:.0f} s")

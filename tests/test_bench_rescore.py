@@ -115,3 +115,24 @@ def test_a_summary_names_the_machine_its_runs_ran_on(tmp_path, monkeypatch):
     line = next(ln for ln in page.splitlines() if ln.startswith("Runs by the machine"))
     assert "Intel(R) Xeon(R) Processor: " in line and "AMD EPYC: " in line
     assert "unrecorded: " in line
+
+
+def test_a_tagged_recovery_result_gets_its_own_section_beside_the_benchs():
+    results = {"recovery": {}, "recovery-torchft-hb50": {}, "recovery-c0ffee": {},
+               "overhead": {}}
+    order = mk._order(results)
+    assert order.index("recovery-c0ffee") == order.index("recovery") + 1
+
+
+def test_a_transfer_beside_the_step_is_timed_with_its_rest():
+    """Beside the step the record times the model's part alone: the throughput adds the
+    joiner's rest (``state_received``); a transfer the survivors waited for keeps its own."""
+    from bench.planaria_side import _transfer_gb_per_s
+
+    beside = {"event": "state_transfer", "beside": True, "bytes": 10**9, "seconds": 0.2,
+              "t": 10.0, "gb_per_s": None}
+    events = [beside, {"event": "state_received", "ok": True, "rest_s": 0.3, "t": 11.0}]
+    assert _transfer_gb_per_s(beside, events) == pytest.approx(2.0)
+    assert _transfer_gb_per_s(beside, events[:1]) is None  # its rest never arrived
+    waited = {**beside, "beside": False, "gb_per_s": 5.0}
+    assert _transfer_gb_per_s(waited, [waited]) == 5.0
