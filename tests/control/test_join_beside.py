@@ -70,14 +70,17 @@ def arm_death_beside(actor, point: str) -> None:
 
 
 def train(run_dir, spec_name: str, *, chaos: str, before=None, widths_at=(STEPS - 3,),
-          **config) -> dict:
-    """The training; at each of ``widths_at`` steps done it waits (bounded) for full width."""
+          before_width=None, **config) -> dict:
+    """The training; at each of ``widths_at`` steps done it waits (bounded) for full width
+    (after ``before_width(job)``, when given)."""
     job = Job(SPECS[spec_name](),
               RunConfig(steps=STEPS, replicas=3, run_dir=run_dir, ledger=True, **config),
               chaos=planaria.ChaosPlan.parse(chaos))
 
     def wait_for_width(job) -> None:
         if job.steps_done in widths_at:
+            if before_width is not None:
+                before_width(job)
             job.wait_for_width(3, timeout_s=180)
 
     with job:
@@ -180,10 +183,11 @@ def test_the_joiner_killed_before_the_rest_arrives(tmp_path, references):
 
 
 def test_the_last_holder_stays_until_the_joiners_hold_the_state(tmp_path, references):
-    """Every member preempted, no checkpoints: w2 stays while w3 and w4 replace w0 and w1. At
-    their join w2 has a notice and they still receive the rest of the state from it (held
-    there until w2's drain was put off): w2 stays until they hold it, then leaves; nothing
-    is restored."""
+    """Every member preempted, no checkpoints: the last holder (the member whose notice is
+    seen last: w0, w1 or w2, as the signals land) stays while w3 and w4 replace the other two.
+    At their join it has a notice and they still receive the rest of the state from it (held
+    there until its drain was put off): it stays until they hold it, then leaves; nothing is
+    restored."""
     marker = tmp_path / "holders-stayed"
 
     def hold_until_the_holders_stay(worker, step, **_context) -> None:
@@ -203,13 +207,24 @@ def test_the_last_holder_stays_until_the_joiners_hold_the_state(tmp_path, refere
         stayed.append(list(holders))
         marker.touch()
 
+    def both_join_at_once(job) -> None:
+        # Both replacements join in one generation: admitted one by one (in whichever order
+        # their starts end), w4's join would restart the held receipt of w3.
+        starting = [h.setup_ref for h in job.membership.pool.starting]
+        assert len(starting) == 2, "w3 and w4 are still starting at the width's wait"
+        ray.wait(starting, num_returns=2, timeout=120)
+
     with points.armed("recovery.admit", arm_the_joiners, times=1), \
             points.armed("notices.holders_stay", note_the_stay):
         state = train(tmp_path, "mlp",
                       chaos="preempt:w0@step4,preempt:w1@step4,preempt:w2@step4",
-                      widths_at=(STEPS - 3,))
+                      widths_at=(STEPS - 3,), before_width=both_join_at_once)
     evs = check(tmp_path, references, "mlp", state)
-    assert stayed and stayed[0] == ["w2"]
+    (transfer,) = of(evs, "state_transfer")
+    holder = transfer["src"]
+    assert transfer["dst"] == ["w3", "w4"] and stayed and stayed[0] == [holder]
+    # It left last: after the joiners held the state.
+    assert [e["worker"] for e in of(evs, "drained")][-1] == holder
     assert not of(evs, "restore"), "the state never left the job"
     assert [(e["worker"], e["ok"]) for e in of(evs, "state_received")] == [
         ("w3", True), ("w4", True)]
