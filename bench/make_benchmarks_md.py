@@ -215,6 +215,12 @@ def _ok(met: bool | None) -> str:
     return "—" if met is None else ("met" if met else "**missed**")
 
 
+def _ahead(ratio: dict[str, Any] | None) -> str:
+    """A ratio's claim: "met (ahead)", "**missed** (ahead)", or "—" where none is made."""
+    ahead = (ratio or {}).get("ahead")
+    return "—" if ahead is None else f"{_ok(ahead)} (ahead)"
+
+
 def _commits(commit: Any) -> str:
     """A record's commit, or the commits of a result scored from runs at several
     (12 hex digits each, ``-dirty`` kept: a run from a dirty tree is not its commit's)."""
@@ -1097,10 +1103,11 @@ def render_goodput_repeats(rec: dict[str, Any], name: str = "") -> list[str]:
            "paired bootstrap interval; \"ahead\" only where the interval's low end is above 1 "
            "(`bench/goodput.py`'s docstring). planaria with a spare is charged its fourth "
            "slot.", "",
-           "| system | configuration | goodput | samples/s |", "|---|---|---:|---:|",
-           f"| planaria | no spare | {_f(pl.get('goodput'), '.3f')}"
-           f"{_ci(pl.get('goodput_ci95'), '.3f')} | {_f(pl.get('samples_per_s'), '.1f')} |"]
-    if sp:  # rows for a system that ran
+           "| system | configuration | goodput | samples/s |", "|---|---|---:|---:|"]
+    if pl:  # rows for a system that ran
+        out.append(f"| planaria | no spare | {_f(pl.get('goodput'), '.3f')}"
+                   f"{_ci(pl.get('goodput_ci95'), '.3f')} | {_f(pl.get('samples_per_s'), '.1f')} |")
+    if sp:
         out += [f"| planaria, 1 spare (per slot) | — | {_f(sp.get('goodput_per_slot'), '.3f')} | "
                 f"{_f(sp.get('samples_per_s_per_slot'), '.1f')} |",
                 f"| planaria, 1 spare (not charged) | — | {_f(sp.get('goodput'), '.3f')}"
@@ -1110,12 +1117,14 @@ def render_goodput_repeats(rec: dict[str, Any], name: str = "") -> list[str]:
                    f"{_ci(p.get('goodput_ci95'), '.3f')} | {_f(p.get('samples_per_s'), '.1f')} |")
     g, sps = r.get("ratio_goodput_vs_best_peer"), r.get("ratio_samples_per_s_vs_best_peer")
     sg = d.get("spares_ratio_goodput_vs_best_peer")
-    out += ["", "| figure | value (95 % interval) | claim |", "|---|---:|---|",
-            f"| goodput ÷ best peer | {_est(g)} | {_ok((g or {}).get('ahead'))} (ahead) |",
-            f"| samples/s ÷ best peer | {_est(sps)} | {_ok((sps or {}).get('ahead'))} (ahead) |"]
-    if sp:
-        out.append(f"| with a spare, goodput per slot ÷ best peer | {_est(sg)} | "
-                   f"{_ok((sg or {}).get('ahead'))} (ahead) |")
+    out += ["", "| figure | value (95 % interval) | claim |", "|---|---:|---|"]
+    if r.get("peers"):  # ratios only where a peer ran beside
+        if pl:
+            out += [f"| goodput ÷ best peer | {_est(g)} | {_ahead(g)} |",
+                    f"| samples/s ÷ best peer | {_est(sps)} | {_ahead(sps)} |"]
+        if sp:
+            out.append(f"| with a spare, goodput per slot ÷ best peer | {_est(sg)} | "
+                       f"{_ahead(sg)} |")
     for label, x in (("planaria", pl), ("planaria, 1 spare", sp)):
         if not x:
             continue

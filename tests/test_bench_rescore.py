@@ -136,3 +136,13 @@ def test_a_transfer_beside_the_step_is_timed_with_its_rest():
     assert _transfer_gb_per_s(beside, events[:1]) is None  # its rest never arrived
     waited = {**beside, "beside": False, "gb_per_s": 5.0}
     assert _transfer_gb_per_s(waited, [waited]) == 5.0
+
+
+def test_a_system_alone_gets_no_ratio_rows():
+    """planaria with a spare run alone: its rows and targets, no planaria row and no ratio
+    (no peer ran beside it)."""
+    rec = json.loads((REPO / "bench/results/goodput-realistic-spares.json").read_text())
+    page = "\n".join(mk.render_goodput_repeats(rec, "goodput-realistic-spares"))
+    assert "| planaria, 1 spare (not charged) | — | 0.955 (0.953 to 0.956) |" in page
+    assert "| planaria | no spare |" not in page and "÷ best peer" not in page
+    assert "| planaria, 1 spare: goodput_ge_0.985 | — | **missed** |" in page
