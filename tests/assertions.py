@@ -88,6 +88,35 @@ def of(evs: list[dict], name: str) -> list[dict]:
     return [e for e in evs if e["event"] == name]
 
 
+def behind(evs: list[dict]) -> set[str]:
+    """The survivors that were a step behind when a run of steps failed: they receive the
+    state like joiners (``control/run_ahead.py``). Which survivor lags at a kill is timing,
+    not behaviour: tests about joiners leave them out."""
+    return {w for e in of(evs, "run_ahead") if e.get("ended") == "failed"
+            for w in e.get("behind", [])}
+
+
+def joiners_only(records: list[dict], evs: list[dict], key: str = "worker") -> list[dict]:
+    """``records`` (``state_received`` by ``worker``, ``state_transfer`` by ``dst``) less
+    those of survivors that were behind."""
+    lagged = behind(evs)
+    def mine(r: dict) -> bool:
+        names = r[key] if isinstance(r[key], list) else [r[key]]
+        return not set(names) <= lagged
+    return [r for r in records if mine(r)]
+
+
+def transfer_to(evs: list[dict], joiner: str) -> dict:
+    """The one state transfer to ``joiner``; any other went to a survivor that was behind."""
+    transfers = of(evs, "state_transfer")
+    lagged = behind(evs)
+    mine = [t for t in transfers if t["dst"] == [joiner]]
+    assert len(mine) == 1, f"{joiner} received the state {len(mine)} times: {transfers}"
+    others = {w for t in transfers if t is not mine[0] for w in t["dst"]}
+    assert others <= lagged, f"state sent to {others - lagged}, neither {joiner} nor behind"
+    return mine[0]
+
+
 def drive(job: Any, steps: int, *, wait_width_at: int | None = None, width: int = 3,
           before: Any = None) -> None:
     """``fit()``'s loop on an open job, one step at a time (``train_step``: runs of one step):

@@ -27,7 +27,15 @@ import planaria
 from planaria import Job, RunConfig, fit
 from planaria.examples import bn_mlp, mlp
 from planaria.faults import points
-from tests.assertions import assert_exactly_once, assert_same_state, drive, events, of
+from tests.assertions import (
+    assert_exactly_once,
+    assert_same_state,
+    drive,
+    events,
+    joiners_only,
+    of,
+    transfer_to,
+)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -108,11 +116,11 @@ def test_a_join_beside_the_step_computes_the_fault_free_training(tmp_path, refer
                                                                  spec_name):
     state = train(tmp_path, spec_name, chaos="kill:w1@step4")
     evs = check(tmp_path, references, spec_name, state)
-    transfer = of(evs, "state_transfer")[0]
-    assert transfer["beside"] is True and transfer["dst"] == ["w3"]
-    assert [(e["worker"], e["ok"]) for e in of(evs, "state_received")] == [("w3", True)]
+    assert transfer_to(evs, "w3")["beside"] is True
+    received = joiners_only(of(evs, "state_received"), evs)
+    assert [(e["worker"], e["ok"]) for e in received] == [("w3", True)]
     # One node: w3 read both parts out of the source's memory (RunConfig.state_by_memory).
-    assert of(evs, "state_received")[0]["routes"] == ["memory", "memory"]
+    assert received[0]["routes"] == ["memory", "memory"]
     assert [f["worker"] for f in of(evs, "fault")] == ["w1"]
     # The replacement's setup ran under SCHED_IDLE (RunConfig.joiner_setup_priority), the
     # first members' at the workers' own (Ray's: nice 15 by its default).
@@ -125,8 +133,8 @@ def test_a_join_over_the_group_computes_the_fault_free_training(tmp_path, refere
     """``state_by_memory=False``: both parts over the group, the same training."""
     state = train(tmp_path, "bn_mlp", chaos="kill:w1@step4", state_by_memory=False)
     evs = check(tmp_path, references, "bn_mlp", state)
-    assert [(e["worker"], e["routes"]) for e in of(evs, "state_received")] == [
-        ("w3", ["group", "group"])]
+    assert [(e["worker"], e["routes"]) for e in joiners_only(of(evs, "state_received"), evs)
+            ] == [("w3", ["group", "group"])]
 
 
 def test_a_dead_joiners_memory_goes_to_its_replacement(tmp_path, references):
@@ -152,9 +160,9 @@ def test_the_source_killed_before_the_rest_is_sent(tmp_path, references):
                   widths_at=(3, STEPS - 3))
     evs = check(tmp_path, references, "mlp", state)
     assert [f["worker"] for f in of(evs, "fault")][:2] == ["w1", "w0"]
-    received = of(evs, "state_received")
+    received = joiners_only(of(evs, "state_received"), evs)
     assert (received[0]["worker"], received[0]["ok"]) == ("w3", False)
-    transfers = of(evs, "state_transfer")
+    transfers = joiners_only(of(evs, "state_transfer"), evs, key="dst")
     assert transfers[0]["src"] == "w0"
     assert transfers[1]["src"] == "w2" and "w3" in transfers[1]["dst"]  # sent again
 
@@ -177,9 +185,10 @@ def test_the_joiner_killed_before_the_rest_arrives(tmp_path, references):
     evs = check(tmp_path, references, "mlp", state)
     assert [f["worker"] for f in of(evs, "fault")][:2] == ["w1", "w3"]
     assert not of(evs, "restore"), "the survivors kept the state"
-    assert [(e["worker"], e["ok"]) for e in of(evs, "state_received")] == [
+    assert [(e["worker"], e["ok"]) for e in joiners_only(of(evs, "state_received"), evs)] == [
         ("w3", False), ("w4", True)]
-    assert [e["dst"] for e in of(evs, "state_transfer")] == [["w3"], ["w4"]]
+    assert [e["dst"] for e in joiners_only(of(evs, "state_transfer"), evs, key="dst")] == [
+        ["w3"], ["w4"]]
 
 
 def test_the_last_holder_stays_until_the_joiners_hold_the_state(tmp_path, references):
