@@ -369,7 +369,10 @@ class RunConfig:
     """The CPU priority of a joiner's (a replacement's, a spare's) setup: ``"idle"``
     (Linux's SCHED_IDLE), ``"lowest"`` (nice 19) or ``"worker"`` (the worker's own; see
     planaria.worker.low_priority). On cores it shares with training workers a lower one
-    takes what their steps leave; on a node of its own it runs at full speed."""
+    takes what their steps leave; on a node of its own it runs at full speed. With
+    ``"idle"`` and warm starts, its process's start (Ray's connection, the imports) runs
+    under SCHED_IDLE as well, where the process may set its threads back afterwards
+    (planaria.worker.forkserver)."""
     drain_poll_s: float | None = 2.0
     """Ask Ray for draining nodes every this many seconds (in the background): the workers
     on a node Ray drains leave at the next step boundary, as after a preemption notice

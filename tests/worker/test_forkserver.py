@@ -30,9 +30,13 @@ def on_term(*_):
     open(out + ".term", "w").write("1")
     sys.exit(0)
 signal.signal(signal.SIGTERM, on_term)
-json.dump({"pid": os.getpid(), "torch": "torch" in sys.modules, "argv": sys.argv[1:],
+torch_preloaded = "torch" in sys.modules
+import planaria.config
+json.dump({"pid": os.getpid(), "torch": torch_preloaded, "argv": sys.argv[1:],
            "cwd": os.getcwd(), "mark": os.environ.get("MARK"),
-           "forked": os.environ.get("PLANARIA_FORKED")}, open(out + ".tmp", "w"))
+           "forked": os.environ.get("PLANARIA_FORKED"),
+           "idle": os.sched_getscheduler(0) == os.SCHED_IDLE,
+           "loader": type(planaria.config.__loader__).__name__}, open(out + ".tmp", "w"))
 os.replace(out + ".tmp", out)
 print("hello from the worker", flush=True)
 mode = sys.argv[2]
@@ -107,6 +111,8 @@ def test_a_forked_worker_runs_warm_as_the_launcher_would_and_passes_its_exit_cod
     assert proc.wait(timeout=120) == 3
     seen = wait_for(out)
     assert seen["torch"] and seen["forked"] == "1"  # preloaded: imported before it ran
+    assert seen["loader"] == "_CachedSourceLoader"  # planaria's code, compiled by the server
+    assert not seen["idle"]  # no START_PRIORITY_VAR: the worker's own priority
     assert seen["pid"] != proc.pid
     assert seen["argv"] == [str(out), "exit", f"--session-name={session}"]
     assert seen["cwd"] == str(tmp_path / "cwd") and seen["mark"] == "m1"
@@ -150,6 +156,82 @@ def test_with_the_server_turned_off_a_worker_starts_cold(tmp_path: Path, raylet)
     assert proc.wait(timeout=60) == 3
     seen = wait_for(out)
     assert not seen["torch"] and seen["forked"] is None and seen["pid"] == proc.pid
+    assert seen["loader"] == "SourceFileLoader"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not forkserver.may_raise_priority(),
+                    reason="this process may not set a thread back from SCHED_IDLE")
+def test_a_joiner_starts_at_idle_priority_and_its_actor_sets_it_back(
+    tmp_path: Path, raylet
+) -> None:
+    """START_PRIORITY_VAR=idle: the forked child runs under SCHED_IDLE from the fork, and
+    end_low_priority_start sets every thread (those started meanwhile too) back."""
+    proc, out = launch(tmp_path, raylet.pid, "exit", f"s-{uuid.uuid4().hex[:8]}",
+                       **{forkserver.START_PRIORITY_VAR: "idle"})
+    assert proc.wait(timeout=120) == 3
+    assert wait_for(out)["idle"]
+    back = subprocess.run([sys.executable, "-c", SET_BACK], capture_output=True, text=True,
+                          env={**os.environ, forkserver.START_PRIORITY_VAR: "idle"},
+                          timeout=60)
+    assert back.returncode == 0, back.stderr
+    assert json.loads(back.stdout) == {"raised": True, "idle_after": 0, "nice_kept": True}
+
+
+SET_BACK = """
+import json, os, threading
+from planaria.worker import forkserver
+os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 7)
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+stop = threading.Event()
+thread = threading.Thread(target=stop.wait)  # started during the start: idle too
+thread.start()
+raised = forkserver.end_low_priority_start()
+tids = [int(t) for t in os.listdir("/proc/self/task")]
+idle_after = sum(os.sched_getscheduler(t) == os.SCHED_IDLE for t in tids)
+nice_kept = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 7
+stop.set()
+thread.join()
+print(json.dumps({"raised": raised, "idle_after": idle_after, "nice_kept": nice_kept}))
+"""
+
+
+def test_compiled_sources_serve_unchanged_files_and_compile_changed_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "compiledpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "one.py").write_text("VALUE = 1\n")
+    (package / "two.py").write_text("VALUE = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    compiled = forkserver.CompiledSources("compiledpkg")
+    assert len(compiled.codes) == 3
+    (package / "two.py").write_text("VALUE = 22\n")  # changed after it was compiled
+    monkeypatch.setattr(sys, "meta_path", [compiled, *sys.meta_path])
+    try:
+        import compiledpkg.one
+        import compiledpkg.two
+
+        assert compiledpkg.one.VALUE == 1 and compiledpkg.two.VALUE == 22
+        assert type(compiledpkg.one.__loader__).__name__ == "_CachedSourceLoader"
+    finally:
+        for name in ("compiledpkg", "compiledpkg.one", "compiledpkg.two"):
+            sys.modules.pop(name, None)
+
+
+def test_a_worker_imports_none_of_the_controller() -> None:
+    """The package's controller entry points (Job, fit, ...) load on first use: a worker
+    process, which imports the package too, does not pay for them."""
+    script = ("import sys, planaria.worker.actor\n"
+              "assert 'planaria.control.job' not in sys.modules, 'the controller was imported'\n"
+              "assert 'rich' not in sys.modules\n"
+              "from planaria import Job, fit\n"
+              "import planaria\n"
+              "assert planaria.Job is Job and 'planaria.control.job' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_process_with_threads_is_not_forked_from() -> None:

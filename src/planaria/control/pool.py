@@ -188,10 +188,13 @@ class WorkerPool:
         runtime_env: dict[str, Any] = {}
         if self.env:
             runtime_env["env_vars"] = dict(self.env)
+        joiner = replaces is not None or spare
         if self.warm_start and attempt == 1:  # a retry starts cold, whatever failed
             runtime_env["py_executable"] = forkserver.py_executable()
             # The fork server and its workers are the job's: its reaper kills them.
             runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **self.owner_env}
+            if joiner and cfg.joiner_setup_priority == "idle":  # its start beside the steps
+                runtime_env["env_vars"][forkserver.START_PRIORITY_VAR] = "idle"
         if runtime_env:
             where["runtime_env"] = runtime_env
         resources: dict[str, Any] = {
@@ -229,7 +232,6 @@ class WorkerPool:
         )
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt,
                               spare=spare)
-        joiner = replaces is not None or spare
         handle.setup_ref = actor.setup.remote(
             joiner=joiner, compile_cache=self.compile_cache,
             priority=cfg.joiner_setup_priority if joiner else "worker",

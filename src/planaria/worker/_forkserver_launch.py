@@ -32,6 +32,8 @@ START_WAIT_S = 60.0  # a server's imports take ~2 s idle; much longer on a loade
 KEY_VARS = ("PYTHONPATH", "PYTHONHASHSEED", "LD_PRELOAD", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAY_JOB_ID", "VIRTUAL_ENV")
 DISABLE_VAR = "PLANARIA_FORKSERVER"  # "0": every worker starts cold
+# A worker's own settings, read by the forked child: not the server's (forkserver.py).
+PER_WORKER_VARS = ("PLANARIA_START_PRIORITY",)
 
 
 def _arg(argv: list[str], name: str) -> str:
@@ -45,7 +47,8 @@ def server_address(argv: list[str], env: dict[str, str], cwd: str) -> str:
     """The abstract Unix socket of the server for this Ray session and environment."""
     key = {"python": sys.executable, "session": _arg(argv, "session-name"), "cwd": cwd,
            **{k: env.get(k, "") for k in KEY_VARS},
-           **{k: v for k, v in env.items() if k.startswith(("TORCH_", "PLANARIA_"))}}
+           **{k: v for k, v in env.items()
+              if k.startswith(("TORCH_", "PLANARIA_")) and k not in PER_WORKER_VARS}}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return f"\0planaria-forkserver-{digest}"
 

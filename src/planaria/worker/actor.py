@@ -109,6 +109,8 @@ class Worker:
         spec_blob: bytes | None = None,
     ) -> None:
         self.init_t = time.time()  # after the process started and imported planaria
+        # A joiner's process may have started under SCHED_IDLE: its steps run at the worker's.
+        self.start_priority = "idle" if forkserver.end_low_priority_start() else "worker"
         self.name = name
         # A sharded replica (planaria.worker.sharded): k workers, this one holding shard_index.
         self.k, self.shard_index = workers_per_replica, shard_index
@@ -214,7 +216,7 @@ class Worker:
             init_t=self.init_t, start={
                 **start, "data_s": data_s, "warm_s": warm_s, "setup_s": time.time() - t0,
                 "compile_s": warm_s if self.spec.compile else 0.0,
-                "forked": forkserver.forked()},
+                "forked": forkserver.forked(), "start_priority": self.start_priority},
             checksum=0 if joiner else self.state.checksum(), param_bytes=self.state.nbytes(),
             num_samples=num_samples, data_fingerprint=fingerprint,
             dataset_draws=sorted(self.loader.global_draws),

@@ -18,7 +18,25 @@ standard streams (passed as file descriptors), starting the server on first use.
 The forked child becomes Ray's ``default_worker.py`` exactly as a cold process
 would, but with :data:`PRELOAD` already imported. Ray itself is not preloaded:
 its C++ configuration reads the environment once per process (the job id among
-it), so each child imports it fresh (~0.25 s).
+it), so each child imports it fresh (~0.25 s). What else a worker's ``import ray``
+and its connection import (:data:`OPTIONAL_PRELOAD`: Ray's dependencies, pydantic and
+starlette for its serializers) is preloaded where installed. planaria's own modules
+import Ray, so they cannot be imported here; their code is compiled here instead
+(:class:`CompiledSources`): a child imports them without reading or compiling a
+source file. Without that, a worker compiles all of them on every start wherever no
+``.pyc`` can be written or read (``PYTHONDONTWRITEBYTECODE``, common in container
+images, or a read-only install): ~0.3 CPU-seconds a start.
+
+A joiner's start at low priority. A replacement or spare usually starts on cores that
+training workers use (a node with a free slot, a spare beside its peers). Its start
+(Ray's connection, its imports) is ~1 CPU-second taken from their steps. With
+:data:`START_PRIORITY_VAR` set to ``"idle"`` in its environment (the controller sets it
+for joiners under ``RunConfig.joiner_setup_priority="idle"``) the forked process starts
+under ``SCHED_IDLE`` and takes only the CPU the steps leave; its actor sets every thread
+back to the ordinary policy as it is made (:func:`end_low_priority_start`), keeping
+their nice values. Only where the process may set them back (root, ``CAP_SYS_NICE``, or
+an ``RLIMIT_NICE`` covering its nice value: sched(7)); elsewhere it starts as before.
+Ray's own part of the start (``setup_worker.py``, before the launcher) is Ray's.
 
 Safety. A fork copies one thread: the server forks only while it has a single
 thread and no CUDA context (checked before every fork; else it answers "cold"
@@ -35,6 +53,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.machinery
+import importlib.util
 import json
 import os
 import select
@@ -47,7 +67,15 @@ import traceback
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_forkserver_launch.py")
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.distributed", "torch.optim")
+# What a worker's ``import ray`` and its connection import besides Ray (its dependencies;
+# pydantic and starlette for its serializers, ray.util.serialization_addons), where
+# installed: none starts a thread.
+OPTIONAL_PRELOAD = ("pydantic", "pydantic.main", "starlette.datastructures", "requests",
+                    "google.protobuf.message", "jsonschema", "yaml", "filelock", "psutil",
+                    "msgpack", "wcwidth")
+COMPILED_PACKAGE = "planaria"  # whose modules' code the server compiles for its children
 FORKED_VAR = "PLANARIA_FORKED"  # set in a forked worker's environment: "1"
+START_PRIORITY_VAR = "PLANARIA_START_PRIORITY"  # "idle": a joiner, started under SCHED_IDLE
 
 
 def py_executable() -> str:
@@ -58,6 +86,48 @@ def py_executable() -> str:
 def forked() -> bool:
     """True in a worker this server forked."""
     return os.environ.get(FORKED_VAR) == "1"
+
+
+def may_raise_priority() -> bool:
+    """Whether this process may set a thread of its own from ``SCHED_IDLE`` back to the
+    ordinary policy (sched(7)): as root, with ``CAP_SYS_NICE``, or with an ``RLIMIT_NICE``
+    that covers its nice value."""
+    if not sys.platform.startswith("linux"):
+        return False
+    if os.geteuid() == 0:
+        return True
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("CapEff:") and int(line.split()[1], 16) >> 23 & 1:
+                return True
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    return limit == resource.RLIM_INFINITY or 20 - nice <= limit
+
+
+def end_low_priority_start() -> bool:
+    """In a worker started under ``SCHED_IDLE`` (:data:`START_PRIORITY_VAR`): sets every
+    thread of the process back to the ordinary policy, their nice values kept; True if any
+    was idle. Threads started during the start inherited the policy, so all are looked at
+    (again, should one be starting meanwhile)."""
+    if os.environ.get(START_PRIORITY_VAR) != "idle" or not sys.platform.startswith("linux"):
+        return False
+    raised = False
+    for _ in range(3):
+        idle: list[int] = []
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                if os.sched_getscheduler(int(task)) == os.SCHED_IDLE:
+                    idle.append(int(task))
+        if not idle:
+            break
+        for tid in idle:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                raised = True
+    return raised
 
 
 def single_threaded() -> bool:
@@ -85,6 +155,76 @@ def _alive(pid: int) -> bool:
         return True
 
 
+class _CachedSourceLoader(importlib.machinery.SourceFileLoader):
+    """A source file's loader that takes its code object from :class:`CompiledSources`
+    when the file is unchanged (same modification time and size) since it was compiled."""
+
+    def __init__(self, fullname: str, path: str, codes: dict) -> None:
+        super().__init__(fullname, path)
+        self._codes = codes
+
+    def get_code(self, fullname: str):  # type: ignore[no-untyped-def]
+        path = self.get_filename(fullname)
+        entry = self._codes.get(path)
+        if entry is not None:
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                if (st.st_mtime_ns, st.st_size) == entry[:2]:
+                    return entry[2]
+        return super().get_code(fullname)
+
+
+class CompiledSources:
+    """A ``sys.meta_path`` finder serving one package's modules from code objects compiled
+    once, in this process, before its children are forked.
+
+    It finds a module as the finders after it do (the path's, an editable install's) and
+    only swaps a source file's loader: a module whose file changed after it was compiled,
+    or that is not a source file, loads as usual."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
+        self.codes: dict[str, tuple[int, int, object]] = {}
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None or not spec.submodule_search_locations:
+            return
+        for root in spec.submodule_search_locations:
+            for directory, _, files in os.walk(root):
+                for name in files:
+                    if name.endswith(".py"):
+                        self._compile(os.path.join(directory, name))
+
+    def _compile(self, path: str) -> None:
+        try:
+            st = os.stat(path)
+            with open(path, "rb") as f:
+                source = f.read()
+            # As importlib compiles a source file (SourceLoader.source_to_code).
+            code = compile(source, path, "exec", dont_inherit=True, optimize=-1)
+        except (OSError, SyntaxError, ValueError):
+            return  # imported as usual (and fails as usual)
+        self.codes[path] = (st.st_mtime_ns, st.st_size, code)
+
+    def find_spec(self, fullname: str, path=None, target=None):  # type: ignore[no-untyped-def]
+        if fullname != self.package and not fullname.startswith(self.package + "."):
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is None:
+                continue
+            if (type(spec.loader) is importlib.machinery.SourceFileLoader
+                    and spec.origin in self.codes):
+                spec.loader = _CachedSourceLoader(fullname, spec.origin, self.codes)
+            return spec
+        return None
+
+    def invalidate_caches(self) -> None:
+        """Nothing is cached but the code, which is checked against the file at each load."""
+
+
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     head, fds, _, _ = socket.recv_fds(conn, 8, 3)
     size = int.from_bytes(head, "big")
@@ -108,6 +248,9 @@ def _become_worker(request: dict, fds: list[int]) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ[FORKED_VAR] = "1"
+    if os.environ.get(START_PRIORITY_VAR) == "idle" and may_raise_priority():
+        with contextlib.suppress(OSError):  # forbidden (a sandbox): starts as before
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     os.chdir(request["cwd"])
     sys.argv = list(request["argv"])
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as `python script` has
@@ -144,10 +287,15 @@ def serve(address: str, raylet_pid: int) -> None:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     for name in PRELOAD:
         __import__(name)
+    for name in OPTIONAL_PRELOAD:
+        with contextlib.suppress(ImportError):
+            __import__(name)
+    compiled = CompiledSources(COMPILED_PACKAGE)
+    sys.meta_path.insert(0, compiled)
     gc.freeze()  # the imported objects stay out of the children's collections (and pages)
     server.listen(64)  # launchers that connected before now were refused, and retry
-    print(f"planaria fork server {os.getpid()}: {', '.join(PRELOAD)} in {time.time() - t0:.2f} s",
-          flush=True)
+    print(f"planaria fork server {os.getpid()}: {', '.join(PRELOAD)} and {len(compiled.codes)} "
+          f"{COMPILED_PACKAGE} modules compiled in {time.time() - t0:.2f} s", flush=True)
     # worker pid -> its launcher's connection (None once the launcher is gone)
     children: dict[int, socket.socket | None] = {}
     while _alive(raylet_pid):
