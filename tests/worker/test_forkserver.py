@@ -175,7 +175,7 @@ def test_a_joiner_starts_at_idle_priority_and_its_actor_sets_it_back(
                           env={**os.environ, forkserver.START_PRIORITY_VAR: "idle"},
                           timeout=60)
     assert back.returncode == 0, back.stderr
-    assert json.loads(back.stdout) == {"raised": True, "idle_after": 0, "nice_kept": True}
+    assert json.loads(back.stdout) == {"raised": "idle", "idle_after": 0, "nice_kept": True}
 
 
 SET_BACK = """

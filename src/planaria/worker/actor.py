@@ -27,6 +27,7 @@ Tests inject faults at the worker's named fault points (:meth:`Worker.arm_fault`
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -109,8 +110,7 @@ class Worker:
         spec_blob: bytes | None = None,
     ) -> None:
         self.init_t = time.time()  # after the process started and imported planaria
-        # A joiner's process may have started under SCHED_IDLE: its steps run at the worker's.
-        self.start_priority = "idle" if forkserver.end_low_priority_start() else "worker"
+        self.start_priority = forkserver.end_low_priority_start()  # a joiner's: SCHED_IDLE so far
         self.name = name
         # A sharded replica (planaria.worker.sharded): k workers, this one holding shard_index.
         self.k, self.shard_index = workers_per_replica, shard_index
@@ -124,9 +124,7 @@ class Worker:
             process.nccl_survives_errors()
         self.faults = FaultPoints(WORKER_POINTS, worker=self)
 
-        def connect() -> Any:
-            return connect_store(store_host, store_port, timeout_s=30)
-
+        connect = functools.partial(connect_store, store_host, store_port, timeout_s=30)
         self.vitals = Vitals(name, lambda: self.membership.gen, heartbeat_s,
                              cpu=device.type == "cpu")
         # Preemption notice: a node drain or spot reclaim sends SIGTERM; drain at the boundary.

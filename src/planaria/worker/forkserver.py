@@ -107,13 +107,13 @@ def may_raise_priority() -> bool:
     return limit == resource.RLIM_INFINITY or 20 - nice <= limit
 
 
-def end_low_priority_start() -> bool:
+def end_low_priority_start() -> str:
     """In a worker started under ``SCHED_IDLE`` (:data:`START_PRIORITY_VAR`): sets every
-    thread of the process back to the ordinary policy, their nice values kept; True if any
-    was idle. Threads started during the start inherited the policy, so all are looked at
-    (again, should one be starting meanwhile)."""
+    thread of the process back to the ordinary policy, their nice values kept; returns
+    ``"idle"`` if any was idle, else ``"worker"``. Threads started during the start
+    inherited the policy, so all are looked at (again, should one be starting meanwhile)."""
     if os.environ.get(START_PRIORITY_VAR) != "idle" or not sys.platform.startswith("linux"):
-        return False
+        return "worker"
     raised = False
     for _ in range(3):
         idle: list[int] = []
@@ -127,7 +127,7 @@ def end_low_priority_start() -> bool:
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
                 os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
                 raised = True
-    return raised
+    return "idle" if raised else "worker"
 
 
 def single_threaded() -> bool:
