@@ -226,7 +226,8 @@ def test_the_last_holder_stays_until_the_joiners_hold_the_state(tmp_path, refere
         # their starts end), w4's join would restart the held receipt of w3.
         starting = [h.setup_ref for h in job.membership.pool.starting]
         assert len(starting) == 2, "w3 and w4 are still starting at the width's wait"
-        ray.wait(starting, num_returns=2, timeout=120)
+        done, _ = ray.wait(starting, num_returns=2, timeout=120)
+        assert len(done) == 2, "w3 and w4 did not finish starting within 120 s"
 
     with points.armed("recovery.admit", arm_the_joiners, times=1), \
             points.armed("notices.holders_stay", note_the_stay):
