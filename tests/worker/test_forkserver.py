@@ -255,6 +255,10 @@ def test_the_launcher_names_a_server_per_session_and_environment() -> None:
     assert base != launch_mod.server_address(["w.py", "--session-name=b"], {"PYTHONPATH": "x"}, "/")
     assert base != launch_mod.server_address(argv, {"PYTHONPATH": "y"}, "/")
     assert base != launch_mod.server_address(argv, {"PYTHONPATH": "x", "TORCH_X": "1"}, "/")
+    # A joiner's start priority is the child's, not the server's: the same server forks it.
+    assert forkserver.START_PRIORITY_VAR in launch_mod.PER_WORKER_VARS
+    assert base == launch_mod.server_address(
+        argv, {"PYTHONPATH": "x", forkserver.START_PRIORITY_VAR: "idle"}, "/")
 
 
 def test_warm_start_must_be_none_or_a_bool(tmp_path: Path) -> None:
