@@ -132,6 +132,15 @@ def test_a_join_beside_the_step_computes_the_fault_free_training(tmp_path, refer
     lowered = "idle" if forkserver.may_raise_priority() else "worker"
     assert {e["worker"]: e["start_priority"] for e in of(evs, "worker_started")} == {
         "w0": "worker", "w1": "worker", "w2": "worker", "w3": lowered}
+    # Its session's scheduling group at nice 19 through start and setup, where the kernel
+    # groups sessions: else SCHED_IDLE weighs only within its own process.
+    group = "nice 19" if os.path.exists(forkserver.AUTOGROUP) else "worker"
+    assert {e["worker"]: e["start_group"] for e in of(evs, "worker_started")} == {
+        "w0": "worker", "w1": "worker", "w2": "worker", "w3": group}
+    # Its warm-up on its steps' thread, lowered and put back after where it may be.
+    assert {e["worker"]: e["warm_priority"] for e in of(evs, "worker_started")} == {
+        "w0": "worker", "w1": "worker", "w2": "worker", "w3": "idle" if lowered == "idle"
+        else "worker"}
 
 
 def test_a_join_over_the_group_computes_the_fault_free_training(tmp_path, references):

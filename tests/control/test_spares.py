@@ -15,6 +15,7 @@ import ray
 import planaria
 from planaria import ConfigError, Job, RunConfig, fit
 from planaria.examples import mlp
+from planaria.worker import forkserver
 from tests.assertions import assert_exactly_once, assert_same_state, events, of
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -81,6 +82,9 @@ def test_a_warm_spare_takes_the_place_with_no_step_at_reduced_width(
     # others' speed); the job's first workers did not; the state is the reference's above.
     warm = {e["worker"]: e["warm_s"] for e in started}
     assert all(warm[w] == 0 for w in ("w0", "w1", "w2")) and warm["w3"] > 0, warm
+    # ... at the joiners' setup priority (SCHED_IDLE), where the worker may put it back.
+    lowered = "idle" if forkserver.may_raise_priority() else "worker"
+    assert next(e["warm_priority"] for e in started if e["worker"] == "w3") == lowered
 
 
 @pytest.mark.extended

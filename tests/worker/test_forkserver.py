@@ -36,6 +36,9 @@ json.dump({"pid": os.getpid(), "torch": torch_preloaded, "argv": sys.argv[1:],
            "cwd": os.getcwd(), "mark": os.environ.get("MARK"),
            "forked": os.environ.get("PLANARIA_FORKED"),
            "idle": os.sched_getscheduler(0) == os.SCHED_IDLE,
+           "group": (open("/proc/self/autogroup").read().split()[-1]
+                     if os.path.exists("/proc/self/autogroup") else None),
+           "group_var": os.environ.get("PLANARIA_START_GROUP"),
            "loader": type(planaria.config.__loader__).__name__}, open(out + ".tmp", "w"))
 os.replace(out + ".tmp", out)
 print("hello from the worker", flush=True)
@@ -170,12 +173,49 @@ def test_a_joiner_starts_at_idle_priority_and_its_actor_sets_it_back(
     proc, out = launch(tmp_path, raylet.pid, "exit", f"s-{uuid.uuid4().hex[:8]}",
                        **{forkserver.START_PRIORITY_VAR: "idle"})
     assert proc.wait(timeout=120) == 3
-    assert wait_for(out)["idle"]
+    seen = wait_for(out)
+    assert seen["idle"]
+    # Its session's scheduling group too, where the kernel has one (see the next test).
+    if seen["group"] is not None:
+        assert (seen["group"], seen["group_var"]) == ("19", "nice 19")
     back = subprocess.run([sys.executable, "-c", SET_BACK], capture_output=True, text=True,
                           env={**os.environ, forkserver.START_PRIORITY_VAR: "idle"},
                           timeout=60)
     assert back.returncode == 0, back.stderr
     assert json.loads(back.stdout) == {"raised": "idle", "idle_after": 0, "nice_kept": True}
+
+
+autogroup = pytest.mark.skipif(not os.path.exists(forkserver.AUTOGROUP),
+                               reason="the kernel groups no sessions (CONFIG_SCHED_AUTOGROUP)")
+
+
+@autogroup
+def test_a_session_leaders_group_is_set_low_and_back() -> None:
+    """A forked worker leads its session, so its autogroup is its own: set to nice 19 for
+    its start and setup, back to 0 by end_low_priority_setup (which reports what it ran
+    at); a process that does not lead its session leaves the group alone (it is shared)."""
+    script = """
+import json, os
+from planaria.worker import forkserver
+def group():
+    return open(forkserver.AUTOGROUP).read().split()[-1]
+led = forkserver.set_session_group_nice(19, wait_s=2.0)
+os.environ[forkserver.START_GROUP_VAR] = "nice 19"
+low = group()
+ended = forkserver.end_low_priority_setup()
+print(json.dumps({"led": led, "low": low, "ended": ended, "after": group(),
+                  "again": forkserver.end_low_priority_setup()}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, start_new_session=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"led": True, "low": "19", "ended": "nice 19",
+                                       "after": "0", "again": "worker"}
+    follower = subprocess.run(  # in pytest's session: not its leader, the group is left be
+        [sys.executable, "-c", "from planaria.worker import forkserver as f\n"
+         "print(f.set_session_group_nice(19, wait_s=0.0))"],
+        capture_output=True, text=True, timeout=60)
+    assert follower.stdout.strip() == "False", follower.stderr
 
 
 SET_BACK = """

@@ -21,8 +21,7 @@ Each remote method answers a report of :mod:`planaria.wire.reports` or
 :mod:`planaria.wire.state_reports` (a frozen dataclass, or a count), which a sharded
 replica's leader merges with its other workers' (:func:`~planaria.worker.replica.fans_out`).
 
-Tests inject faults at the worker's named fault points (:meth:`Worker.arm_fault`, see
-:mod:`planaria.faults.points`).
+Tests inject faults at its named fault points (:meth:`Worker.arm_fault`, faults.points).
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ from planaria.worker.engine import StepEngine
 from planaria.worker.evaluation import Evaluator
 from planaria.worker.key_watch import KeyWatch
 from planaria.worker.loader import SampleLoader
-from planaria.worker.low_priority import run_at_priority, thread_priority
+from planaria.worker.low_priority import lowered_here, run_at_priority, thread_priority
 from planaria.worker.membership import Membership
 from planaria.worker.replica import fans_out, lane, start_followers
 from planaria.worker.replica_state import ReplicaShape, ReplicaState
@@ -196,25 +195,26 @@ class Worker:
         critical path a joiner (a replacement, a spare) runs a forward and backward
         (``StepEngine.warm_up``: compiles with ``spec.compile``, from ``compile_cache``) and
         makes its optimizer state (``Commits.prebuild_optimizer_state``); its checksum is 0
-        (its state is sent to it). Model and optimizer state at CPU ``priority``
-        (planaria.worker.low_priority); ``reserve``: a joiner's optimizer state in a region
-        of shared memory of that job tag (planaria.worker.memory_reserve)."""
+        (its state is sent to it). All three at CPU ``priority`` (planaria.worker.low_priority);
+        ``reserve``: a joiner's optimizer state in shared memory (worker.memory_reserve)."""
         self.vitals.phase = "setup"
         t0 = time.time()
         num_samples, fingerprint = self.loader.setup()  # its processes at the worker's priority
         data_s = time.time() - t0
         start = run_at_priority(lambda: self._build(joiner, compile_cache, reserve), priority)
-        warm_s, t1 = 0.0, time.time()  # on the steps' thread: its allocator's memory is theirs
-        if self.spec.compile or joiner:
-            self.engine.warm_up()
-            warm_s = time.time() - t1
+        warm_s, t1, warm_priority = 0.0, time.time(), "worker"
+        if self.spec.compile or joiner:  # on the steps' thread: its allocator's memory is theirs
+            with lowered_here(priority, may_raise=forkserver.may_raise_priority()) as lowered:
+                self.engine.warm_up()
+                warm_s, warm_priority = time.time() - t1, lowered
         self.vitals.phase = "idle"
         return Setup(
             pid=os.getpid(), node=socket.gethostname(), ray_node=self.ray_node,
             init_t=self.init_t, start={
                 **start, "data_s": data_s, "warm_s": warm_s, "setup_s": time.time() - t0,
-                "compile_s": warm_s if self.spec.compile else 0.0,
-                "forked": forkserver.forked(), "start_priority": self.start_priority},
+                "compile_s": warm_s if self.spec.compile else 0.0, "warm_priority": warm_priority,
+                "forked": forkserver.forked(), "start_priority": self.start_priority,
+                "start_group": forkserver.end_low_priority_setup()},  # back to nice 0 here
             checksum=0 if joiner else self.state.checksum(), param_bytes=self.state.nbytes(),
             num_samples=num_samples, data_fingerprint=fingerprint,
             dataset_draws=sorted(self.loader.global_draws),

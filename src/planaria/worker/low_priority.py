@@ -25,12 +25,12 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from planaria.config import SETUP_PRIORITIES
 
-__all__ = ["PRIORITIES", "run_at_priority", "thread_priority"]
+__all__ = ["PRIORITIES", "lowered_here", "run_at_priority", "thread_priority"]
 
 PRIORITIES = SETUP_PRIORITIES
 """``worker``: the worker's own; ``lowest``: nice 19; ``idle``: ``SCHED_IDLE``."""
@@ -78,6 +78,56 @@ def run_at_priority(fn: Callable[[], T], priority: str) -> T:
     if error:
         raise error[0]
     return result[0]
+
+
+def _own_tasks() -> set[int]:
+    try:
+        return {int(task) for task in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def _put_back(tid: int, policy: int, nice: int) -> None:
+    with contextlib.suppress(OSError):  # a thread that ended meanwhile
+        if os.sched_getscheduler(tid) != policy:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+@contextlib.contextmanager
+def lowered_here(priority: str, *, may_raise: bool) -> Iterator[str]:
+    """Runs the block on the calling thread at ``priority``, then puts the thread's policy
+    and nice value back, and those of threads the block started (they inherited the lower
+    priority: torch's intra-op pool, made on first use, outlives the block). Yields the
+    priority the block ran at.
+
+    For work whose thread matters: a CPU allocator keeps memory per thread (glibc's
+    arenas), so a joiner's warm-up touches its steps' memory on the steps' own thread.
+    Putting a priority back raises it, which needs ``may_raise`` (root, ``CAP_SYS_NICE``
+    or an ``RLIMIT_NICE`` that covers it: planaria.worker.forkserver.may_raise_priority);
+    without it, or at ``"worker"``, or off Linux, the block runs at the caller's priority
+    (yields ``"worker"``).
+    """
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority {priority!r}: one of {', '.join(PRIORITIES)}")
+    if priority == "worker" or not _LINUX or not may_raise:
+        yield "worker"
+        return
+    tid = threading.get_native_id()
+    policy, nice = os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+    before = _own_tasks()
+    try:
+        _lower(priority)
+    except OSError:  # forbidden (a sandbox): the caller's priority
+        yield "worker"
+        return
+    try:
+        yield priority
+    finally:
+        _put_back(tid, policy, nice)
+        for started in _own_tasks() - before:
+            _put_back(started, policy, nice)
 
 
 def thread_priority() -> str:
