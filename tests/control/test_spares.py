@@ -1,13 +1,18 @@
 """Hot spares: a warm standby takes a lost worker's place at once, in the same generation
 as the resize (no step at reduced width), and is replenished; a standby that died while
-standing by is passed over."""
+standing by is passed over; a spare still starting becomes the replacement."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import signal
 import sys
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -102,3 +107,75 @@ def test_a_spare_that_died_standing_by_is_passed_over(tmp_path: Path, reference)
     assert not cold.get("spare") and cold["replaces"] == "w1"
     assert cold["worker"] != "w3"
     assert of(evs, "joined")
+
+
+@ray.remote
+class _Gate:
+    """Counts the model factory's calls; the ones after the first ``hold_after`` wait until
+    it is opened (a spare held in its setup, so it is still starting at a kill)."""
+
+    def __init__(self, hold_after: int) -> None:
+        self.calls, self.hold_after, self.opened = 0, hold_after, asyncio.Event()
+
+    async def enter(self) -> None:
+        self.calls += 1
+        if self.calls > self.hold_after:
+            await self.opened.wait()
+
+    async def open(self) -> None:
+        self.opened.set()
+
+
+class _GatedModel:
+    def __init__(self, model: Callable[[], Any], gate: str) -> None:
+        self.model, self.gate = model, gate
+
+    def __call__(self) -> Any:
+        ray.get(ray.get_actor(self.gate).enter.remote())
+        return self.model()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_replacement_takes_the_spare_still_starting(tmp_path: Path, reference) -> None:
+    """w1 dies while the spare w3 is still in its setup: w3 becomes w1's replacement (no
+    second worker starts beside it), the job goes on at width 2 until w3 is ready, and
+    the next spare starts only once w3 is handed over."""
+    name = f"gate-{uuid.uuid4().hex[:8]}"
+    gate = _Gate.options(name=name).remote(3)  # w0, w1, w2 pass; the spare waits
+    spec = mlp.make_spec(n=N)
+    spec = dataclasses.replace(spec, model=_GatedModel(spec.model, name))
+    job = Job(spec, RunConfig(steps=STEPS, replicas=3, run_dir=tmp_path, ledger=True, spares=1))
+    opened = False
+    with job:
+        assert job.pool.spares_starting == 1 and not job.pool.standby
+        while job.steps_done < STEPS:
+            if job.steps_done == 5 and "w1" in job.names:
+                os.kill(next(h.pid for h in job.members if h.name == "w1"), signal.SIGKILL)
+            adopted = any(h.name == "w3" and h.replaces == "w1" for h in job.pool.starting)
+            if adopted and not opened:
+                ray.get(gate.open.remote())
+                opened = True
+            if job.steps_done == STEPS - 2:
+                job.wait_for_width(3, timeout_s=180)
+            try:
+                job.train_step()
+            except planaria.Failure as failure:
+                job.recovery.handle(failure)
+        state = job.model_state_dict()
+    assert opened
+    assert_same_state(reference, state)
+    assert_exactly_once(tmp_path, num_samples=N, global_batch_size=G, steps=STEPS)
+    evs = events(tmp_path)
+    (asked,) = of(evs, "replacement_requested")
+    assert (asked["worker"], asked["replaces"], asked["spare"], asked["starting"]) == (
+        "w3", "w1", True, True)
+    (ready,) = of(evs, "replacement_ready")
+    assert ready["worker"] == "w3" and ready["spare"] is True
+    spares = of(evs, "spare_requested")
+    assert [e["worker"] for e in spares] == ["w3", "w4"]
+    assert spares[1]["t"] >= ready["t"]  # the next standby waited for the replacement
+    assert {e["worker"] for e in of(evs, "worker_started")} <= {"w0", "w1", "w2", "w3", "w4"}
+    assert 2 in {e["width"] for e in of(evs, "step_committed")}  # short-handed meanwhile
+    assert [e["worker"] for e in of(evs, "joined")] == ["w3"]

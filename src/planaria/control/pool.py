@@ -89,6 +89,7 @@ class WorkerHandle:
     has_state: bool = False
     receiving: Any = None  # its state arriving beside a step: state_received's reference
     spare: bool = False  # started as a standby worker (see WorkerPool.replenish)
+    adopted_t: float | None = None  # when a spare still starting became a replacement
 
     @property
     def pid(self) -> int | None:
@@ -116,7 +117,11 @@ class WorkerPool:
     With ``config.spares`` it also keeps that many standby workers warm (set up, with
     the optimizer state built): a replacement asked for takes a standby at once and
     the next :meth:`poll` hands it over as ready, while a new standby starts in the
-    background. A standby is checked alive (one call) before it is handed over.
+    background. A standby is checked alive (one call) before it is handed over. With
+    none standing by, a replacement takes a spare still starting (it is further along
+    than a new start), and no standby starts while a replacement does: both would
+    compete for the same cores or the same free slot, and the replacement is what the
+    job waits for (the next standby starts when it is handed over).
     """
 
     def __init__(
@@ -249,13 +254,22 @@ class WorkerPool:
     def spares_starting(self) -> int:
         return sum(h.spare for h in self.starting) + sum(h.spare for _, h in self._retry_at)
 
+    @property
+    def replacements_starting(self) -> int:
+        return sum(h.replaces is not None for h in self.starting) + sum(
+            h.replaces is not None for _, h in self._retry_at)
+
     def replenish(self) -> None:
-        """Starts standby workers until ``config.spares`` are standing by or starting."""
+        """Starts standby workers until ``config.spares`` are standing by or starting;
+        none while a replacement is starting (:meth:`poll` calls again once it is ready)."""
+        if self.replacements_starting:
+            return
         for _ in range(self.config.spares - len(self.standby) - self.spares_starting):
             self.start(spare=True)
 
     def _take_spare(self, replaces: str) -> WorkerHandle | None:
-        """The first standby that still answers, now a replacement for ``replaces``."""
+        """The first standby that still answers, now a replacement for ``replaces``; else
+        the spare that started first and is still starting (:meth:`_adopt_starting`)."""
         while self.standby:
             handle = self.standby.pop(0)
             try:  # a standby sits idle, so a death there is only seen when it is asked
@@ -275,8 +289,18 @@ class WorkerPool:
             self._handed.append(handle)
             self.replenish()
             return handle
-        self.replenish()  # the lost ones are made up for
-        return None
+        return self._adopt_starting(replaces)  # standbys lost here: made up for by poll
+
+    def _adopt_starting(self, replaces: str) -> WorkerHandle | None:
+        """A spare still starting, now the replacement for ``replaces``: :meth:`poll` hands
+        it over when its setup ends (a spare's and a replacement's setup are the same)."""
+        handle = next((h for h in self.starting if h.spare), None)
+        if handle is None:
+            return None
+        handle.spare, handle.replaces, handle.adopted_t = False, replaces, time.time()
+        self.log.emit("replacement_requested", worker=handle.name, replaces=replaces,
+                      spare=True, starting=True)
+        return handle
 
     def has_ready(self) -> bool:
         """A worker would be handed over by :meth:`poll` now (a replacement finished starting,
@@ -354,9 +378,14 @@ class WorkerPool:
                 self.standby.append(handle)
                 self.log.emit("spare_ready", worker=handle.name, ready_s=ready_s)
                 continue
-            if handle.replaces is not None:
-                self.log.emit("replacement_ready", worker=handle.name, replacement_s=ready_s)
+            if handle.replaces is not None:  # an adopted spare: from its adoption
+                adopted = {} if handle.adopted_t is None else {"spare": True}
+                self.log.emit("replacement_ready", worker=handle.name, **adopted,
+                              replacement_s=handle.ready_t - (handle.adopted_t
+                                                              or handle.requested_t))
             ready.append(handle)
+        if any(h.replaces is not None for h in ready):
+            self.replenish()  # held back while the replacement started
         return ready
 
     def _check_data(self, handle: WorkerHandle) -> None:
