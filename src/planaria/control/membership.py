@@ -128,6 +128,9 @@ class Membership:
         t0 = time.time()
         self.settle_receipts()
         for h in members:  # a receipt still pending ends with its group: sent the state again
+            if h.receiving is not None:  # every receipt has its outcome in the log
+                self.log.emit("state_received", worker=h.name, ok=False,
+                              error="its generation ended before the rest arrived")
             h.receiving = None
         self.gen += 1
         gen = self.gen
