@@ -119,12 +119,11 @@ def lowered_here(priority: str, *, may_raise: bool) -> Iterator[str]:
     before = _own_tasks()
     try:
         _lower(priority)
-    except OSError:  # forbidden (a sandbox): the caller's priority
-        yield "worker"
-        return
+    except OSError:  # forbidden (a sandbox): the block runs at the caller's priority
+        priority = "worker"
     try:
         yield priority
-    finally:
+    finally:  # where nothing was lowered, nothing differs and nothing is set
         _put_back(tid, policy, nice)
         for started in _own_tasks() - before:
             _put_back(started, policy, nice)
