@@ -156,7 +156,8 @@ def test_a_killed_launcher_takes_its_worker_along_and_signals_reach_the_worker(
 def test_with_the_server_turned_off_a_worker_starts_cold(tmp_path: Path, raylet) -> None:
     proc, out = launch(tmp_path, raylet.pid, "exit", f"s-{uuid.uuid4().hex[:8]}",
                        PLANARIA_FORKSERVER="0")
-    assert proc.wait(timeout=60) == 3
+    code = proc.wait(timeout=60)
+    assert code == 3, proc.stdout.read().decode(errors="replace")
     seen = wait_for(out)
     assert not seen["torch"] and seen["forked"] is None and seen["pid"] == proc.pid
     assert seen["loader"] == "SourceFileLoader"
