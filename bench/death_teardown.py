@@ -44,11 +44,11 @@ ts = [torch.ones(n) for _ in range(64)]  # 64 tensors, every page touched
 alloc = time.perf_counter() - t
 t = time.perf_counter()
 if collapse:
-    libc, huge = ctypes.CDLL(None, use_errno=True), 1 << 21
+    libc, page = ctypes.CDLL(None, use_errno=True), 1 << 21  # a huge page: 2 MiB
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for x in ts:
-        lo = -(-x.data_ptr() // huge) * huge
-        hi = (x.data_ptr() + x.nbytes) // huge * huge
+        lo = -(-x.data_ptr() // page) * page
+        hi = (x.data_ptr() + x.nbytes) // page * page
         if hi > lo and libc.madvise(lo, hi - lo, 25) != 0:  # MADV_COLLAPSE
             raise OSError(ctypes.get_errno(), "madvise(MADV_COLLAPSE)")
 collapsed = time.perf_counter() - t
@@ -68,8 +68,7 @@ def one(gb: float, setting: str) -> dict[str, float]:
     if setting == "thp":
         env["THP_MEM_ALLOC_ENABLE"] = "1"
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(gb), str(w), setting],
-                            pass_fds=(w,),
-                            env=env, stdout=subprocess.PIPE, text=True)
+                            pass_fds=(w,), env=env, stdout=subprocess.PIPE, text=True)
     os.close(w)
     try:
         if os.read(r, 1) != b"x":
