@@ -32,12 +32,17 @@ def on_term(*_):
 signal.signal(signal.SIGTERM, on_term)
 torch_preloaded = "torch" in sys.modules
 import planaria.config
+def group():
+    # Empty in the kernel's default group (init's session, as in a container): no nice.
+    if not os.path.exists("/proc/self/autogroup"):
+        return None
+    words = open("/proc/self/autogroup").read().split()
+    return words[-1] if words else None
 json.dump({"pid": os.getpid(), "torch": torch_preloaded, "argv": sys.argv[1:],
            "cwd": os.getcwd(), "mark": os.environ.get("MARK"),
            "forked": os.environ.get("PLANARIA_FORKED"),
            "idle": os.sched_getscheduler(0) == os.SCHED_IDLE,
-           "group": (open("/proc/self/autogroup").read().split()[-1]
-                     if os.path.exists("/proc/self/autogroup") else None),
+           "group": group(),
            "group_var": os.environ.get("PLANARIA_START_GROUP"),
            "loader": type(planaria.config.__loader__).__name__}, open(out + ".tmp", "w"))
 os.replace(out + ".tmp", out)
