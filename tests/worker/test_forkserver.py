@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -87,11 +88,14 @@ def wait_for(path: Path, timeout_s: float = 120.0) -> dict:
 
 
 def gone(pid: int, timeout_s: float = 10.0) -> bool:
+    """The process has ended (a zombie whose parent has not reaped it yet counts)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            stat = (Path("/proc") / str(pid) / "stat").read_text()
+        except OSError:
+            return True
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
             return True
         time.sleep(0.05)
     return False
@@ -155,6 +159,82 @@ def test_a_killed_launcher_takes_its_worker_along_and_signals_reach_the_worker(
     proc.send_signal(signal.SIGTERM)  # a preemption notice, sent to the process Ray knows
     assert proc.wait(timeout=30) == 0
     assert Path(str(out) + ".term").exists() and gone(worker)
+
+
+HOLDER_CHILD = """
+import json, os, socket, sys, time
+import torch
+held = torch.ones(64 << 20)  # 256 MB, every page touched
+peer = socket.create_connection(("127.0.0.1", int(sys.argv[1])))  # opened after the holder
+peer.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\\n")
+time.sleep(300)
+"""
+
+
+def group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = (Path("/proc") / entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                members.append(int(entry))
+    return members
+
+
+def rss_kb(pid: int) -> int:
+    for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0  # a zombie: no memory left
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64",
+                    reason="the memory holder is x86-64 Linux's (clone with CLONE_VM)")
+@pytest.mark.parametrize("ends", ["worker killed", "server killed"])
+def test_a_dead_workers_files_close_before_its_memory_goes(
+    tmp_path: Path, raylet, ends: str
+) -> None:
+    """MEMORY_HOLDER_VAR=1: the forked worker starts a process that shares its memory, so
+    a SIGKILLed worker's sockets close while the memory is still there (the peer hears at
+    once, not after the teardown); the server then kills the worker's group, holder
+    included. With the server gone the launcher kills the group instead."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    script = tmp_path / "holder_child.py"
+    script.write_text(HOLDER_CHILD)
+    proc = subprocess.Popen(
+        [sys.executable, "-S", "-E", forkserver.LAUNCHER, str(script),
+         str(listener.getsockname()[1]), f"--session-name=s-{uuid.uuid4().hex[:8]}"],
+        env={**os.environ, "RAY_RAYLET_PID": str(raylet.pid),
+             forkserver.MEMORY_HOLDER_VAR: "1"},
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    listener.settimeout(120)
+    peer, _ = listener.accept()
+    peer.settimeout(60)
+    worker = json.loads(peer.makefile().readline())["pid"]
+    holders = [pid for pid in group_members(worker) if pid != worker]
+    assert len(holders) == 1, (worker, holders)
+    holder = holders[0]
+    assert rss_kb(holder) > 200_000  # the worker's memory: its tensors counted in both
+    if ends == "worker killed":
+        os.kill(worker, signal.SIGKILL)
+        assert peer.recv(1) == b""  # the worker's socket closed...
+        assert rss_kb(holder) > 200_000  # ...while its memory was still there
+        assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+    else:
+        server = int((Path("/proc") / str(worker) / "stat").read_text().rsplit(")", 1)[1]
+                     .split()[1])  # the worker's parent
+        assert server in server_pids(raylet.pid)
+        os.kill(server, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert peer.recv(1) == b""
+    assert gone(worker) and gone(holder), "the worker's memory holder outlived it"
+    peer.close()
+    listener.close()
 
 
 @pytest.mark.multiprocess

@@ -33,7 +33,7 @@ KEY_VARS = ("PYTHONPATH", "PYTHONHASHSEED", "LD_PRELOAD", "LD_LIBRARY_PATH", "OM
             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAY_JOB_ID", "VIRTUAL_ENV")
 DISABLE_VAR = "PLANARIA_FORKSERVER"  # "0": every worker starts cold
 # A worker's own settings, read by the forked child: not the server's (forkserver.py).
-PER_WORKER_VARS = ("PLANARIA_START_PRIORITY",)
+PER_WORKER_VARS = ("PLANARIA_START_PRIORITY", "PLANARIA_MEMORY_HOLDER")
 
 
 def _arg(argv: list[str], name: str) -> str:
@@ -118,6 +118,9 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, forward)
     line = reply.readline()  # the worker's exit code, once it exits
+    if not line.strip():  # the server is gone: so is the worker (and its memory holder)
+        with contextlib.suppress(OSError):
+            os.killpg(child, signal.SIGKILL)
     code = int(line) if line.strip().lstrip(b"-").isdigit() else 1
     os._exit(code if code >= 0 else 128 - code)
 
