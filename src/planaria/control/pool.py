@@ -201,7 +201,8 @@ class WorkerPool:
             if joiner and cfg.joiner_setup_priority == "idle":  # its start beside the steps
                 runtime_env["env_vars"][forkserver.START_PRIORITY_VAR] = "idle"
             if not cfg.use_gpu:  # its death heard before its memory is torn down
-                runtime_env["env_vars"].setdefault(forkserver.MEMORY_HOLDER_VAR, "1")
+                holder = os.environ.get(forkserver.MEMORY_HOLDER_VAR, "1")  # "0": off
+                runtime_env["env_vars"].setdefault(forkserver.MEMORY_HOLDER_VAR, holder)
         if runtime_env:
             where["runtime_env"] = runtime_env
         resources: dict[str, Any] = {
