@@ -165,13 +165,19 @@ def test_a_dead_joiners_memory_goes_to_its_replacement(tmp_path, references):
 
 def test_the_source_killed_before_the_rest_is_sent(tmp_path, references):
     """w0 sends w3 the model's tensors and dies: w3's step fails, it holds no state, and
-    w2 (the one holder left) sends it the whole state again."""
-    def arm_the_source(job) -> None:
-        arm_death_beside(next(h for h in job.members if h.name == "w0").actor,
-                         "worker.state_sending")
+    w2 (the one holder left) sends it the whole state again. w0 is armed as w3 is admitted:
+    armed from the start, it would die sending to a survivor that was behind at w1's death
+    (caught up from w0 beside the step, as a joiner is), as the kill lands."""
+    armed: list[str] = []
 
-    state = train(tmp_path, "mlp", chaos="kill:w1@step3", before=arm_the_source,
-                  widths_at=(3, STEPS - 3))
+    def arm_the_source(*, recovery, ready) -> None:
+        source = next(h for h in recovery.membership.members if h.name == "w0")
+        armed.append(source.name)
+        arm_death_beside(source.actor, "worker.state_sending")
+
+    with points.armed("recovery.admit", arm_the_source, times=1):
+        state = train(tmp_path, "mlp", chaos="kill:w1@step3", widths_at=(3, STEPS - 3))
+    assert armed == ["w0"]
     evs = check(tmp_path, references, "mlp", state)
     assert [f["worker"] for f in of(evs, "fault")][:2] == ["w1", "w0"]
     received = joiners_only(of(evs, "state_received"), evs)

@@ -78,3 +78,58 @@ def test_an_interrupt_ends_a_wait_whose_peer_never_comes():
     waited = next(g[2] for g in got if g[0] == "interrupted")
     assert 0.4 < waited < 3.0  # the interrupt's 0.5 s, not the collective timeout's 60
     assert next(g[2] for g in got if g[0] == "later") < 0.5
+
+
+def _rank_that_dies(rank: int, port: int, q: mp.Queue) -> None:
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=30))
+        comm = Collective(store, 0, rank, 2, join_timeout_s=30, timeout_s=60)
+        comm.allreduce_sum([torch.ones(10)])  # the group works
+        if rank == 1:
+            import os
+
+            os._exit(0)  # dies: its sockets close
+        side: list[BaseException] = []
+
+        def receive() -> None:  # a transfer beside the step, from the peer that died
+            try:
+                comm.recv([torch.empty(10)], 1)
+            except Exception as err:
+                side.append(err)
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        thread.join(30)
+        q.put(("side", 0, type(side[0]).__name__ if side else "none"))
+        try:
+            comm.allreduce_sum([torch.ones(10)])  # the step's next collective
+            q.put(("step", 0, "no error"))
+        except StepAborted as err:
+            q.put(("step", 0, f"StepAborted: {err}"))
+        except Exception as err:
+            q.put(("step", 0, f"{type(err).__name__}: {err}"))
+    except Exception as err:  # reported to the test
+        q.put(("error", rank, repr(err)))
+
+
+def test_a_group_a_peers_death_closed_on_another_thread_aborts_the_step():
+    """A transfer thread's operation fails on a dead peer and closes the group; the step's
+    next collective on it is that failure's consequence (StepAborted), not a cause."""
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    q: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_that_dies, args=(r, store.port, q), daemon=True)
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = {g[0]: g[2] for g in (q.get(timeout=60) for _ in range(2))}
+    finally:
+        for p in procs:
+            p.kill()
+    assert "error" not in got, got
+    assert got["side"] == "RuntimeError"  # gloo: connection closed by peer
+    assert got["step"].startswith(
+        "StepAborted: the process group of generation 0 was closed after a peer failed"), got

@@ -55,6 +55,10 @@ time.sleep(300)
 """
 
 
+autogroup = pytest.mark.skipif(not os.path.exists(forkserver.AUTOGROUP),
+                               reason="the kernel groups no sessions (CONFIG_SCHED_AUTOGROUP)")
+
+
 @pytest.fixture
 def raylet(tmp_path: Path):
     """A stand-in for the raylet: the server lives while this process does."""
@@ -270,9 +274,6 @@ def test_a_joiner_starts_at_idle_priority_and_its_actor_sets_it_back(
     assert back.returncode == 0, back.stderr
     assert json.loads(back.stdout) == {"raised": "idle", "idle_after": 0, "nice_kept": True}
 
-
-autogroup = pytest.mark.skipif(not os.path.exists(forkserver.AUTOGROUP),
-                               reason="the kernel groups no sessions (CONFIG_SCHED_AUTOGROUP)")
 
 
 @autogroup

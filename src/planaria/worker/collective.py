@@ -93,6 +93,7 @@ class Collective:
         )
         self._staging: list[torch.Tensor] = []
         self._interrupted = False  # set from another thread (interrupt)
+        self._closed_by: BaseException | None = None  # the failure that closed the group
         prefixed = dist.PrefixStore(store_keys.group_prefix(gen, tag), store)
         _wait_for_peers(store, prefixed, gen, rank, world_size, join_timeout_s)
         self.pg: Any
@@ -148,9 +149,9 @@ class Collective:
                     work.wait()
             if works:
                 _sync_cuda()
-        except Exception:
+        except Exception as err:
             works.clear()  # pending work holds the group's connections too
-            self.close()
+            self._close_on(err)
             raise
 
     def interrupt(self) -> None:
@@ -288,12 +289,29 @@ class Collective:
         """Issues the operations (``issue(pg)``) without waiting; on an error closes the group."""
         self._raise_if_interrupted()
         if self.pg is None:
-            raise RuntimeError(f"the process group of generation {self.gen} was closed")
+            self._raise_closed()
         try:
             return list(issue(self.pg))
-        except Exception:
-            self.close()
+        except Exception as err:
+            self._close_on(err)
             raise
+
+    def _close_on(self, err: BaseException) -> None:
+        if self._closed_by is None:
+            self._closed_by = err
+        self.close()
+
+    def _raise_closed(self) -> None:
+        """An operation on a group already closed: where a failed operation closed it (on
+        another thread: a transfer beside the step) and that failure was a peer's, this one
+        is its consequence too (StepAborted), not a cause of its own."""
+        from planaria.faults.errors import StepAborted, is_consequence
+
+        cause = self._closed_by
+        message = f"the process group of generation {self.gen} was closed"
+        if cause is not None and is_consequence(cause):
+            raise StepAborted(f"{message} after a peer failed: {cause}") from cause
+        raise RuntimeError(message if cause is None else f"{message} after: {cause}")
 
     def close(self) -> None:
         """Shuts the group down and drops it, which closes its sockets.

@@ -400,6 +400,13 @@ def serve(address: str, raylet_pid: int) -> None:
             __import__(name)
     # A dead worker's orphans (its memory holder) become this process's, reaped here.
     _set_child_subreaper()
+    # A child's death wakes the loop at once: a dead worker's holder is killed then, and
+    # its memory (and the memory reserve's lock its mapping holds) goes without waiting.
+    woken, wake = socket.socketpair()
+    for end in (woken, wake):
+        end.setblocking(False)
+    signal.set_wakeup_fd(wake.fileno())
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     compiled = CompiledSources(COMPILED_PACKAGE)
     sys.meta_path.insert(0, compiled)
     gc.freeze()  # the imported objects stay out of the children's collections (and pages)
@@ -410,10 +417,13 @@ def serve(address: str, raylet_pid: int) -> None:
     children: dict[int, socket.socket | None] = {}
     while _alive(raylet_pid):
         watched = [c for c in children.values() if c is not None]
-        readable, _, _ = select.select([server, *watched], [], [], 0.5)
+        readable, _, _ = select.select([server, woken, *watched], [], [], 0.5)
         for conn in readable:
-            if conn is server:
-                _accept(server, children)
+            if conn is woken:
+                with contextlib.suppress(BlockingIOError):
+                    woken.recv(4096)
+            elif conn is server:
+                _accept(server, children, (woken, wake))
             else:  # a launcher's connection closed: the process Ray knows is gone
                 pid = next(p for p, c in children.items() if c is conn)
                 conn.close()
@@ -423,7 +433,8 @@ def serve(address: str, raylet_pid: int) -> None:
         _reap(children)
 
 
-def _accept(server: socket.socket, children: dict[int, socket.socket | None]) -> None:
+def _accept(server: socket.socket, children: dict[int, socket.socket | None],
+            wakeup: tuple[socket.socket, socket.socket]) -> None:
     conn, _ = server.accept()
     try:
         request, fds = _receive(conn)
@@ -441,6 +452,10 @@ def _accept(server: socket.socket, children: dict[int, socket.socket | None]) ->
         return
     pid = os.fork()
     if pid == 0:
+        signal.set_wakeup_fd(-1)  # the server's, not the worker's
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for end in wakeup:
+            end.close()
         server.close()
         for other in children.values():
             if other is not None:
