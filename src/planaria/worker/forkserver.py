@@ -76,6 +76,7 @@ import socket
 import sys
 import time
 import traceback
+from types import ModuleType
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_forkserver_launch.py")
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.distributed", "torch.optim")
@@ -91,8 +92,22 @@ START_PRIORITY_VAR = "PLANARIA_START_PRIORITY"  # "idle": a joiner, started unde
 START_GROUP_VAR = "PLANARIA_START_GROUP"  # "nice 19": its session's group set low at fork
 AUTOGROUP = "/proc/self/autogroup"  # this session's scheduling group (sched(7): autogroup)
 MEMORY_HOLDER_VAR = "PLANARIA_MEMORY_HOLDER"  # "1": the forked worker starts a memory holder
-_CLONE_VM = 0x100
-_SYS_PAUSE_X86_64 = 34
+
+
+def _load_sibling(name: str) -> ModuleType:
+    """A standard-library-only module beside this file, loaded by its path: this file runs
+    as a script in the server, where planaria's package (which imports Ray) is not."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_planaria_forkserver{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_holder = _load_sibling("_memory_holder")
+start_memory_holder = _holder.start_memory_holder
+kill_group = _holder.kill_group
 
 
 def py_executable() -> str:
@@ -179,58 +194,6 @@ def end_low_priority_setup() -> str:
         raise OSError(f"could not set this worker's scheduling group back from {lowered} "
                       f"({AUTOGROUP}): it would train at that priority")
     return lowered
-
-
-_holder_stack: list[object] = []  # the holder's stack: this process's memory, kept
-
-
-def start_memory_holder() -> int | None:
-    """Starts a process that shares this one's memory and does nothing else (``clone(2)``
-    with ``CLONE_VM``, blocked in ``pause``, every signal blocked); returns its pid, or None
-    where it cannot (not x86-64 Linux with glibc, or the call failed).
-
-    Why: Linux tears a dying process's memory down before it closes its files (``do_exit``:
-    ``exit_mm`` before ``exit_files``), so the peers of a SIGKILLed worker holding 1.8 GB
-    heard of its death 0.2 s after the kill on a busy 2-core node (0.11 s idle), the
-    teardown's time. While another process shares the memory the dying one only drops its
-    reference, and its files close at once; the holder's own death tears it down after.
-
-    Call it in a single-threaded process before it opens anything a peer watches (the
-    holder keeps a copy of every file descriptor open at the call) and before CUDA. Whoever
-    reaps this process kills its process group (the holder is in it): the fork server, or
-    the launcher if the server is gone."""
-    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
-        return None
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        clone = libc.clone
-    except (OSError, AttributeError):  # not glibc
-        return None
-    clone.restype = ctypes.c_int
-    clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    stack = ctypes.create_string_buffer(64 << 10)
-    top = (ctypes.addressof(stack) + len(stack)) & ~15
-    # The child runs glibc's syscall(SYS_pause) on its own stack: no Python, no locks, no
-    # thread-local state; with every signal blocked it never returns (SIGKILL ends it).
-    entry = ctypes.cast(libc.syscall, ctypes.c_void_p)
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    try:
-        pid = clone(entry, top, _CLONE_VM | signal.SIGCHLD, _SYS_PAUSE_X86_64)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-    if pid <= 0:
-        return None
-    _holder_stack.append(stack)
-    return pid
-
-
-def kill_group(pid: int) -> None:
-    """SIGKILLs what is left of the process group ``pid`` leads (a forked worker's: its
-    memory holder, its children), once the worker itself is gone."""
-    with contextlib.suppress(OSError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 def single_threaded() -> bool:
@@ -399,7 +362,7 @@ def serve(address: str, raylet_pid: int) -> None:
         with contextlib.suppress(ImportError):
             __import__(name)
     # A dead worker's orphans (its memory holder) become this process's, reaped here.
-    _set_child_subreaper()
+    _holder.set_child_subreaper()
     # A child's death wakes the loop at once: a dead worker's holder is killed then, and
     # its memory (and the memory reserve's lock its mapping holds) goes without waiting.
     woken, wake = socket.socketpair()
@@ -476,15 +439,6 @@ def _accept(server: socket.socket, children: dict[int, socket.socket | None],
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     children[pid] = conn
-
-
-def _set_child_subreaper() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
 def _reap(children: dict[int, socket.socket | None]) -> None:
