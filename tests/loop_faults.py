@@ -82,10 +82,15 @@ class DieLeavingSocketsOpen:
                 assert lifeline._held, "the worker holds no lifeline"
                 for sock in lifeline._held:  # duplicates the fork hook does not know of
                     os.dup(sock.fileno())
+            ready_r, ready_w = os.pipe()
             if os.fork() == 0:  # the child only sleeps: nothing of the parent's state runs
+                # A session of its own before the parent dies: the fork server kills what is
+                # left of a dead worker's process group (its memory holder).
                 os.setsid()
+                os.write(ready_w, b"x")
                 import time
 
                 time.sleep(self.linger_s)
                 os._exit(0)
+            os.read(ready_r, 1)
             os.kill(os.getpid(), 9)
