@@ -91,15 +91,19 @@ def wait_for(path: Path, timeout_s: float = 120.0) -> dict:
     return json.loads(path.read_text())
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """``/proc/PID/stat`` after the command's name: state, ppid, pgrp, ... (OSError: gone)."""
+    return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+
+
 def gone(pid: int, timeout_s: float = 10.0) -> bool:
     """The process has ended (a zombie whose parent has not reaped it yet counts)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            stat = (Path("/proc") / str(pid) / "stat").read_text()
+            if stat_fields(pid)[0] == "Z":
+                return True
         except OSError:
-            return True
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
             return True
         time.sleep(0.05)
     return False
@@ -180,11 +184,10 @@ def group_members(pgid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = (Path("/proc") / entry / "stat").read_text()
+                if int(stat_fields(entry)[2]) == pgid:
+                    members.append(int(entry))
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-                members.append(int(entry))
     return members
 
 
@@ -230,8 +233,7 @@ def test_a_dead_workers_files_close_before_its_memory_goes(
         assert rss_kb(holder) > 200_000  # ...while its memory was still there
         assert proc.wait(timeout=60) == 128 + signal.SIGKILL
     else:
-        server = int((Path("/proc") / str(worker) / "stat").read_text().rsplit(")", 1)[1]
-                     .split()[1])  # the worker's parent
+        server = int(stat_fields(worker)[1])  # the worker's parent
         assert server in server_pids(raylet.pid)
         os.kill(server, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
