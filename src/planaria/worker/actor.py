@@ -205,7 +205,7 @@ class Worker:
         warm_s, t1, warm_priority = 0.0, time.time(), "worker"
         if self.spec.compile or joiner:  # on the steps' thread: its allocator's memory is theirs
             with lowered_here(priority, may_raise=forkserver.may_raise_priority()) as lowered:
-                self.engine.warm_up()
+                self.engine.warm_up(joiner=joiner)
                 warm_s, warm_priority = time.time() - t1, lowered
         self.vitals.phase = "idle"
         return Setup(
