@@ -109,6 +109,7 @@ class Worker:
         spec_blob: bytes | None = None,
     ) -> None:
         self.init_t = time.time()  # after the process started and imported planaria
+        self.init_cpu_s = time.process_time()  # its start's CPU, all threads (since its fork)
         self.start_priority = forkserver.end_low_priority_start()  # a joiner's: SCHED_IDLE so far
         self.name = name
         # A sharded replica (planaria.worker.sharded): k workers, this one holding shard_index.
@@ -214,6 +215,8 @@ class Worker:
                 **start, "data_s": data_s, "warm_s": warm_s, "setup_s": time.time() - t0,
                 "compile_s": warm_s if self.spec.compile else 0.0, "warm_priority": warm_priority,
                 "forked": forkserver.forked(), "start_priority": self.start_priority,
+                "process_cpu_s": self.init_cpu_s,
+                "setup_cpu_s": time.process_time() - self.init_cpu_s,
                 "start_group": forkserver.end_low_priority_setup()},  # back to nice 0 here
             checksum=0 if joiner else self.state.checksum(), param_bytes=self.state.nbytes(),
             num_samples=num_samples, data_fingerprint=fingerprint,
