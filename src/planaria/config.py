@@ -361,10 +361,11 @@ class RunConfig:
     profile without the call) or off the node, the bytes go over the group. False: always
     over the group."""
     joiner_memory_reserve: bool = True
-    """A joiner's optimizer state lives in a region of its node's shared memory
-    (``/dev/shm``), and a joiner that dies leaves it to the next one on the node: memory
-    already resident, not taken fresh from the system beside training (see
-    planaria.worker.memory_reserve). False, or no room in ``/dev/shm``: ordinary memory."""
+    """A worker's optimizer state lives in a region of its node's shared memory
+    (``/dev/shm``; a joiner's from its setup, another's from its first step), and a worker
+    that dies leaves it to the next joiner on the node: memory already resident, not taken
+    fresh from the system beside training (see planaria.worker.memory_reserve). False, or
+    no room in ``/dev/shm``: ordinary memory."""
     joiner_setup_priority: str = "idle"
     """The CPU priority of a joiner's (a replacement's, a spare's) setup: ``"idle"``
     (Linux's SCHED_IDLE), ``"lowest"`` (nice 19) or ``"worker"`` (the worker's own; see

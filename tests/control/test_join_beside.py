@@ -152,14 +152,15 @@ def test_a_join_over_the_group_computes_the_fault_free_training(tmp_path, refere
 
 
 def test_a_dead_joiners_memory_goes_to_its_replacement(tmp_path, references):
-    """w3 replaces w1 in a new shared-memory region; w3 dies and w4 gets its region, pages
-    and all (RunConfig.joiner_memory_reserve); the job's end removes it."""
+    """Every worker's optimizer state lives in a region of shared memory
+    (RunConfig.joiner_memory_reserve): w3 replaces w1 in w1's region, pages and all; w3
+    dies and w4 gets w3's; the job's end removes them."""
     state = train(tmp_path, "mlp", chaos="kill:w1@step3,kill:w3@step8",
                   widths_at=(5, STEPS - 3))
     evs = check(tmp_path, references, "mlp", state)
     assert [f["worker"] for f in of(evs, "fault")] == ["w1", "w3"]
     assert {e["worker"]: e["reserve"] for e in of(evs, "worker_started")} == {
-        "w0": "none", "w1": "none", "w2": "none", "w3": "new", "w4": "recycled"}
+        "w0": "new", "w1": "new", "w2": "new", "w3": "recycled", "w4": "recycled"}
     assert not list(Path("/dev/shm").glob("planaria-reserve-*"))
 
 

@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from planaria.worker import memory_reserve
-from planaria.worker.optimizer_layout import prebuild_by_probe
+from planaria.worker.optimizer_layout import (
+    claim_region_for_state,
+    move_state_into,
+    prebuild_by_probe,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="flock, tmpfs")
 
@@ -65,6 +69,32 @@ def test_a_dead_owners_region_goes_to_the_next_with_its_pages(tmp_path) -> None:
     region = memory_reserve.claim(1 << 20, TAG, tmp_path)
     assert region is not None and str(region.path) == dead
     assert torch.all(region.take(torch.Size([1 << 18]), torch.float32) == torch.tensor(7.1))
+
+
+def test_a_child_forked_by_the_owner_does_not_keep_its_claim(tmp_path) -> None:
+    """The owner forks a child (as a data loader does) that outlives it: the owner killed,
+    the next claim gets its region while the child still runs."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from pathlib import Path
+        from planaria.worker import memory_reserve
+        region = memory_reserve.claim(1 << 20, {TAG!r}, Path({str(tmp_path)!r}))
+        if os.fork() == 0:
+            os.setsid()
+            sys.stdin.read()  # until the test closes the pipe
+            os._exit(0)
+        print(region.path, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        dead = proc.stdout.readline().strip()
+        assert proc.wait(timeout=60) == -9
+        region = memory_reserve.claim(1 << 20, TAG, tmp_path)
+        assert region is not None and str(region.path) == dead and region.recycled
+    finally:
+        proc.stdin.close()  # the child ends
 
 
 def test_a_bigger_free_region_is_taken_before_a_new_one(tmp_path) -> None:
@@ -138,3 +168,29 @@ def test_an_adam_state_prebuilt_in_a_region_loads_a_real_state(tmp_path) -> None
         model(x).sum().backward()
         opt.step()
     assert torch.equal(src.weight, dst.weight) and torch.equal(src.bias, dst.bias)
+
+
+def test_a_first_steps_state_moved_into_a_region_trains_as_before(tmp_path) -> None:
+    """A worker that is not a joiner: its region claimed before its first step, the state
+    that step made moved into it (values and all); it trains as a twin left alone does."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    b.load_state_dict(a.state_dict())
+    o_a, o_b = torch.optim.Adam(a.parameters()), torch.optim.Adam(b.parameters())
+    region = claim_region_for_state(o_b, lambda n: memory_reserve.claim(n, TAG, tmp_path))
+    assert region is not None and not region.recycled
+    x = torch.randn(2, 8)
+    for model, opt in ((a, o_a), (b, o_b)):
+        model(x).sum().backward()
+        opt.step()
+    assert move_state_into(o_b, region) == 2 * (8 * 4 + 4) * 4  # exp_avg, exp_avg_sq
+    base, end = region.storage.data_ptr(), region.storage.data_ptr() + region.storage.nbytes()
+    moved = [v for s in o_b.state.values() for v in s.values() if v.dim()]
+    assert len(moved) == 4 and all(base <= v.data_ptr() < end for v in moved)
+    for _ in range(2):
+        x = torch.randn(2, 8)
+        for model, opt in ((a, o_a), (b, o_b)):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)

@@ -18,22 +18,24 @@ _log = logging.getLogger(__name__)
 
 class JoinerMemory:
     """One job's regions: ``tag`` names them; :meth:`sweep` removes them on every node
-    :meth:`note` was told of (a joiner started there with ``RunConfig.joiner_memory_reserve``)."""
+    :meth:`note` was told of (a worker started there with ``RunConfig.joiner_memory_reserve``)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.tag = uuid.uuid4().hex[:12]
         self.nodes: set[str | None] = set()
 
-    def claimed_by(self, joiner: bool) -> str | None:
-        """The tag a starting worker claims its region under (None: no region for it)."""
-        if not (joiner and self.enabled):
+    def claimed(self) -> str | None:
+        """The tag a starting worker claims its region under (None: no region for it). Every
+        worker claims one, a joiner for the state it is sent, the others for the state
+        their first step makes: whichever dies leaves it to the next joiner on its node."""
+        if not self.enabled:
             return None
         self.nodes.add(None)  # its node is known once it is ready: this one at least
         return self.tag
 
     def note(self, ray_node: str | None) -> None:
-        """A joiner that claimed a region is ready on ``ray_node``."""
+        """A worker that claimed a region is ready on ``ray_node``."""
         self.nodes.add(ray_node)
 
     def sweep(self, wait_s: float = 5.0) -> None:

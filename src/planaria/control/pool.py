@@ -243,7 +243,7 @@ class WorkerPool:
         handle.setup_ref = actor.setup.remote(
             joiner=joiner, compile_cache=self.compile_cache,
             priority=cfg.joiner_setup_priority if joiner else "worker",
-            reserve=self.joiner_memory.claimed_by(joiner))
+            reserve=self.joiner_memory.claimed())
         self.starting.append(handle)
         if replaces is not None and attempt == 1:
             self.log.emit("replacement_requested", worker=name, replaces=replaces)
@@ -358,7 +358,7 @@ class WorkerPool:
                 continue
             self.started_any = True
             handle.info = info
-            if handle.replaces is not None or handle.spare:
+            if self.joiner_memory.enabled:
                 self.joiner_memory.note(info.ray_node)
             self._check_data(handle)
             handle.ready_t = time.time()

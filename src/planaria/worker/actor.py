@@ -230,7 +230,10 @@ class Worker:
             self.compile_dir = compile_cache_mod.use_private_cache(compile_cache)
         self.state.build()
         t1 = time.time()
-        region = self.commits.prebuild_optimizer_state(reserve) if joiner else None
+        if joiner:
+            region = self.commits.prebuild_optimizer_state(reserve)
+        else:  # its first step's optimizer state moves into it (Commits.claim_state_region)
+            region = None if reserve is None else self.commits.claim_state_region(reserve)
         return {"build_s": t1 - t0, "prebuild_s": time.time() - t1 if joiner else 0.0,
                 "priority": thread_priority(), "reserve": region or "none"}
 

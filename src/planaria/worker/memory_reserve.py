@@ -1,5 +1,8 @@
-"""Memory a dead worker leaves to its replacement on the same node: a joiner's optimizer
-state in a region of the node's shared memory (``RunConfig.joiner_memory_reserve``).
+"""Memory a dead worker leaves to its replacement on the same node: a worker's optimizer
+state in a region of the node's shared memory (``RunConfig.joiner_memory_reserve``): a
+joiner's carved out of it at its setup, another worker's moved into it after its first
+step made it (``Commits.claim_state_region``), so that whichever worker dies, the next
+joiner finds its memory.
 
 Why. A replacement needs its optimizer state's memory (Adam: twice the parameters)
 before it can receive the state. Memory the process takes fresh from the system is
@@ -74,6 +77,21 @@ class Region:
 
 
 _held: list[Region] = []
+
+
+def _forget_claims_in_child() -> None:
+    """In a child forked from a claimant (a data loader's worker, a user's process): its
+    copies of the claims' descriptors are closed, or the claims would outlive their
+    owner as long as the child lives (an ``flock`` belongs to the open file, which a fork
+    shares). Closing a copy leaves the parent's claim as it is; the mappings stay."""
+    for region in _held:
+        with contextlib.suppress(OSError):
+            os.close(region.fd)
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_claims_in_child)
 
 
 def _span(used: int, shape: torch.Size, dtype: torch.dtype) -> tuple[int, int]:

@@ -28,7 +28,7 @@ import torch
 
 from planaria.worker.memory_reserve import Region, region_bytes
 
-__all__ = ["prebuild_by_probe"]
+__all__ = ["claim_region_for_state", "move_state_into", "prebuild_by_probe"]
 
 _log = logging.getLogger(__name__)
 
@@ -52,6 +52,50 @@ def _probe(optimizer: Any, group: dict[str, Any], like: torch.Tensor) -> dict[st
     return dict(state) if state else None
 
 
+_Layout = tuple[dict[Any, dict[str, Any]], list[tuple[Any, str, torch.dtype]]]
+
+
+def _layout(optimizer: Any) -> _Layout | None:
+    """Per parameter, the state a probe shows (module docstring), its per-element tensors
+    left None and listed in order as (parameter, name, dtype); None where no probe tells."""
+    made: dict[Any, dict[str, Any]] = {}
+    per_element: list[tuple[Any, str, torch.dtype]] = []
+    try:
+        for group in optimizer.param_groups:
+            probes: dict[tuple[torch.dtype, torch.device], dict[str, Any] | None] = {}
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                if type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor:
+                    return None  # a DTensor's, a wrapper's: the caller's step knows it
+                key = (p.dtype, p.device)
+                if key not in probes:
+                    probes[key] = _probe(optimizer, group, p)
+                shown = probes[key]
+                if shown is None:
+                    return None
+                made[p] = {}
+                for name, v in shown.items():
+                    if isinstance(v, torch.Tensor) and v.shape == (_PROBE_NUMEL,):
+                        per_element.append((p, name, v.dtype))
+                        made[p][name] = None  # made by the caller, in this place of the order
+                    else:
+                        made[p][name] = v.clone() if isinstance(v, torch.Tensor) else v
+    except Exception:  # a class that cannot be built again from its defaults, a closure
+        _log.debug("no probe of %s's state", type(optimizer).__name__, exc_info=True)
+        return None
+    return made, per_element
+
+
+def _region_for_layout(per_element: list[tuple[Any, str, torch.dtype]],
+                       region_for: Callable[[int], Region | None] | None) -> Region | None:
+    if region_for is None or not per_element:
+        return None
+    if not all(p.device.type == "cpu" for p, _, _ in per_element):
+        return None
+    return region_for(region_bytes([(p.shape, dtype) for p, _, dtype in per_element]))
+
+
 def prebuild_by_probe(optimizer: Any,
                       region_for: Callable[[int], Region | None] | None = None) -> bool:
     """Gives every parameter of ``optimizer`` that requires a gradient the state a probe
@@ -62,38 +106,47 @@ def prebuild_by_probe(optimizer: Any,
     tensors are carved out of it, values and all garbage, instead of made as zeros."""
     if optimizer.state:
         return True  # it has a state already
-    made: dict[Any, dict[str, Any]] = {}
-    per_element: list[tuple[Any, str, torch.dtype]] = []
-    try:
-        for group in optimizer.param_groups:
-            probes: dict[tuple[torch.dtype, torch.device], dict[str, Any] | None] = {}
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                if type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor:
-                    return False  # a DTensor's, a wrapper's: the caller's step knows it
-                key = (p.dtype, p.device)
-                if key not in probes:
-                    probes[key] = _probe(optimizer, group, p)
-                shown = probes[key]
-                if shown is None:
-                    return False
-                made[p] = {}
-                for name, v in shown.items():
-                    if isinstance(v, torch.Tensor) and v.shape == (_PROBE_NUMEL,):
-                        per_element.append((p, name, v.dtype))
-                        made[p][name] = None  # made below, in this place of the order
-                    else:
-                        made[p][name] = v.clone() if isinstance(v, torch.Tensor) else v
-    except Exception:  # a class that cannot be built again from its defaults, a closure
-        _log.debug("no probe of %s's state", type(optimizer).__name__, exc_info=True)
+    layout = _layout(optimizer)
+    if layout is None:
         return False
-    region = None
-    if region_for is not None and all(p.device.type == "cpu" for p, _, _ in per_element):
-        region = region_for(region_bytes([(p.shape, dtype) for p, _, dtype in per_element]))
+    made, per_element = layout
+    region = _region_for_layout(per_element, region_for)
     for p, name, dtype in per_element:
         made[p][name] = (region.take(p.shape, dtype) if region is not None
                          else torch.zeros_like(p, dtype=dtype))
     for p, state in made.items():
         optimizer.state[p] = state
     return True
+
+
+def claim_region_for_state(optimizer: Any,
+                           region_for: Callable[[int], Region | None]) -> Region | None:
+    """A region (``region_for``) the size of the per-element state a probe shows for
+    ``optimizer`` (parameters on the host only), for :func:`move_state_into` once the
+    state exists; None where no probe tells, or no region is given."""
+    layout = _layout(optimizer)
+    return None if layout is None else _region_for_layout(layout[1], region_for)
+
+
+def move_state_into(optimizer: Any, region: Region) -> int:
+    """Moves ``optimizer``'s per-element state tensors into ``region``, values and all, in
+    the order :func:`claim_region_for_state` sized it for; returns the bytes moved. A
+    tensor whose shape or dtype is not the probe's stays where it is. A worker that is
+    not a joiner makes its optimizer state at its first step, in memory of its own: moved
+    into a region, it is left to the next joiner on the node when the worker dies."""
+    layout = _layout(optimizer)
+    if layout is None:
+        return 0
+    moved = 0
+    for p, name, dtype in layout[1]:
+        old = optimizer.state.get(p, {}).get(name)
+        if not isinstance(old, torch.Tensor) or old.shape != p.shape or old.dtype != dtype:
+            continue
+        try:
+            new = region.take(p.shape, dtype)
+        except ValueError:  # the region is full
+            break
+        new.copy_(old)
+        optimizer.state[p][name] = new
+        moved += new.numel() * new.element_size()
+    return moved
