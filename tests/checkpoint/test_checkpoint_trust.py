@@ -280,9 +280,11 @@ def broken_storage_model() -> nn.Module:
 @pytest.mark.usefixtures("ray_cluster")
 def test_failed_final_save_fails_fit(tmp_path: Path) -> None:
     spec = dataclasses.replace(mlp.make_spec(n=N), model=broken_storage_model)
-    with pytest.raises(CheckpointError, match=r"final checkpoint \(step 3\) was not committed"):
+    with pytest.raises(CheckpointError, match=r"final checkpoint \(step 3\) was not committed"
+                       ) as raised:
         fit(spec, steps=3, replicas=2, run_dir=tmp_path,
             checkpoint=CheckpointConfig(every=100, storage_attempts=2))
+    raised.value.job.close()  # left open, its state in the workers: the caller closes it
     (failed,) = of(events(tmp_path), "checkpoint_failed")
     assert failed["step"] == 3 and "write denied" in failed["error"]
 

@@ -108,8 +108,7 @@ class Worker:
         timeouts: tuple[float, float] = (60.0, 300.0),
         spec_blob: bytes | None = None,
     ) -> None:
-        self.init_t = time.time()  # after the process started and imported planaria
-        self.init_cpu_s = time.process_time()  # its start's CPU, all threads (since its fork)
+        self.init_t, self.init_cpu_s = time.time(), time.process_time()  # (CPU: since a fork)
         self.start_priority = forkserver.end_low_priority_start()  # a joiner's: SCHED_IDLE so far
         self.name = name
         # A sharded replica (planaria.worker.sharded): k workers, this one holding shard_index.
@@ -123,7 +122,6 @@ class Worker:
         if self.backend == "nccl":
             process.nccl_survives_errors()
         self.faults = FaultPoints(WORKER_POINTS, worker=self)
-
         connect = functools.partial(connect_store, store_host, store_port, timeout_s=30)
         self.vitals = Vitals(name, lambda: self.membership.gen, heartbeat_s,
                              cpu=device.type == "cpu")
@@ -195,11 +193,10 @@ class Worker:
         """Builds model, optimizer, scheduler and dataset from the spec's factories; off the
         critical path a joiner (a replacement, a spare) runs a forward and backward
         (``StepEngine.warm_up``: compiles with ``spec.compile``, from ``compile_cache``) and
-        makes its optimizer state (``Commits.prebuild_optimizer_state``); its checksum is 0
-        (its state is sent to it). All three at CPU ``priority`` (planaria.worker.low_priority);
-        ``reserve``: a joiner's optimizer state in shared memory (worker.memory_reserve)."""
-        self.vitals.phase = "setup"
-        t0 = time.time()
+        makes its optimizer state (``Commits.place_optimizer_state``; ``reserve``: in shared
+        memory, worker.memory_reserve); its checksum is 0 (its state is sent to it). All three
+        at CPU ``priority`` (planaria.worker.low_priority)."""
+        self.vitals.phase, t0 = "setup", time.time()
         num_samples, fingerprint = self.loader.setup()  # its processes at the worker's priority
         data_s = time.time() - t0
         start = run_at_priority(lambda: self._build(joiner, compile_cache, reserve), priority)
@@ -230,10 +227,7 @@ class Worker:
             self.compile_dir = compile_cache_mod.use_private_cache(compile_cache)
         self.state.build()
         t1 = time.time()
-        if joiner:
-            region = self.commits.prebuild_optimizer_state(reserve)
-        else:  # its first step's optimizer state moves into it (Commits.claim_state_region)
-            region = None if reserve is None else self.commits.claim_state_region(reserve)
+        region = self.commits.place_optimizer_state(reserve, joiner=joiner)
         return {"build_s": t1 - t0, "prebuild_s": time.time() - t1 if joiner else 0.0,
                 "priority": thread_priority(), "reserve": region or "none"}
 

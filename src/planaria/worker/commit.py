@@ -127,6 +127,14 @@ class Commits:
                 self.state.buffer_sync.rollback()
             self.pending = None
 
+    def place_optimizer_state(self, reserve: str | None, *, joiner: bool) -> str | None:
+        """At the setup: a joiner's optimizer state made ahead (:meth:`prebuild_optimizer_state`),
+        another worker's region claimed for it (:meth:`claim_state_region`); returns where a
+        region's memory came from (``"recycled"``, ``"new"``; None: none)."""
+        if joiner:
+            return self.prebuild_optimizer_state(reserve)
+        return None if reserve is None else self.claim_state_region(reserve)
+
     def claim_state_region(self, reserve: str) -> str | None:
         """A worker that is not a joiner: claims (off the steps' path) a region of the
         node's shared memory for the optimizer state its first step makes, which moves
