@@ -139,6 +139,14 @@ def test_no_directory_no_region(tmp_path) -> None:
     assert memory_reserve.claim(4096, TAG, tmp_path / "missing") is None
 
 
+def step_alike(pairs, x: torch.Tensor) -> None:
+    """One optimizer step of each (model, optimizer) on the same input."""
+    for model, opt in pairs:
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+
 def test_an_adam_state_prebuilt_in_a_region_loads_a_real_state(tmp_path) -> None:
     """The joiner's path: state carved from a region, a source's state received into it and
     loaded (``Optimizer.load_state_dict`` keeps the tensors it is given): the region's
@@ -162,11 +170,7 @@ def test_an_adam_state_prebuilt_in_a_region_loads_a_real_state(tmp_path) -> None
     base = region.storage.data_ptr()
     ptrs = [v.data_ptr() - base for s in o_dst.state.values() for v in s.values() if v.dim()]
     assert len(ptrs) == 4 and all(0 <= x < region.storage.nbytes() for x in ptrs)
-    x = torch.randn(2, 8)
-    for model, opt in ((src, o_src), (dst, o_dst)):
-        opt.zero_grad()
-        model(x).sum().backward()
-        opt.step()
+    step_alike(((src, o_src), (dst, o_dst)), torch.randn(2, 8))
     assert torch.equal(src.weight, dst.weight) and torch.equal(src.bias, dst.bias)
 
 
@@ -188,9 +192,5 @@ def test_a_first_steps_state_moved_into_a_region_trains_as_before(tmp_path) -> N
     moved = [v for s in o_b.state.values() for v in s.values() if v.dim()]
     assert len(moved) == 4 and all(base <= v.data_ptr() < end for v in moved)
     for _ in range(2):
-        x = torch.randn(2, 8)
-        for model, opt in ((a, o_a), (b, o_b)):
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
+        step_alike(((a, o_a), (b, o_b)), torch.randn(2, 8))
     assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
