@@ -181,13 +181,14 @@ def test_a_first_steps_state_moved_into_a_region_trains_as_before(tmp_path) -> N
     a, b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
     b.load_state_dict(a.state_dict())
     o_a, o_b = torch.optim.Adam(a.parameters()), torch.optim.Adam(b.parameters())
-    region = claim_region_for_state(o_b, lambda n: memory_reserve.claim(n, TAG, tmp_path))
-    assert region is not None and not region.recycled
+    place = claim_region_for_state(o_b, lambda n: memory_reserve.claim(n, TAG, tmp_path))
+    assert place is not None and not place.region.recycled
+    region = place.region
     x = torch.randn(2, 8)
     for model, opt in ((a, o_a), (b, o_b)):
         model(x).sum().backward()
         opt.step()
-    assert move_state_into(o_b, region) == 2 * (8 * 4 + 4) * 4  # exp_avg, exp_avg_sq
+    assert move_state_into(o_b, place) == 2 * (8 * 4 + 4) * 4  # exp_avg, exp_avg_sq
     base, end = region.storage.data_ptr(), region.storage.data_ptr() + region.storage.nbytes()
     moved = [v for s in o_b.state.values() for v in s.values() if v.dim()]
     assert len(moved) == 4 and all(base <= v.data_ptr() < end for v in moved)

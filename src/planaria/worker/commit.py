@@ -23,6 +23,7 @@ from planaria.wire.reports import Hold
 from planaria.worker import memory_reserve
 from planaria.worker.membership import Membership
 from planaria.worker.optimizer_layout import (
+    StatePlace,
     claim_region_for_state,
     move_state_into,
     prebuild_by_probe,
@@ -49,7 +50,7 @@ class Commits:
         self.grad_norm = 0.0  # the pending step's reduced gradient's
         self.hold = threading.Condition(state.lock)
         self.hold_below: int | None = None  # while set, no step at or past it is applied
-        self.region_for_state: memory_reserve.Region | None = None  # see claim_state_region
+        self.place_for_state: StatePlace | None = None  # see claim_state_region
 
     def reset(self) -> None:
         """Back to no step done (the state was built again)."""
@@ -112,9 +113,9 @@ class Commits:
             user_call("optimizer.step", state.optimizer.step)
         if state.scheduler is not None:
             user_call("lr_scheduler.step", state.scheduler.step)
-        if self.region_for_state is not None and state.optimizer.state:
-            move_state_into(state.optimizer, self.region_for_state)  # once: ~0.1 s at 1 GB
-            self.region_for_state = None
+        if self.place_for_state is not None and state.optimizer.state:
+            move_state_into(state.optimizer, self.place_for_state)  # once: ~0.1 s at 1 GB
+            self.place_for_state = None
         state.buffer_sync.commit()
         self.drop_pending()
         self.steps_done += 1
@@ -145,10 +146,10 @@ class Commits:
         2-4 CPU-seconds more than a recycled one (``realistic`` size, 2 cores), taken
         from the steps beside it whatever its priority (a fresh page is a fault on the
         host too)."""
-        region = claim_region_for_state(
+        place = claim_region_for_state(
             self.state.optimizer, lambda nbytes: memory_reserve.claim(nbytes, reserve))
-        self.region_for_state = region
-        return None if region is None else ("recycled" if region.recycled else "new")
+        self.place_for_state = place
+        return None if place is None else ("recycled" if place.region.recycled else "new")
 
     def prebuild_optimizer_state(self, reserve: str | None = None) -> str | None:
         """Creates the optimizer's state tensors (exp_avg, ...), so that a state received or

@@ -22,13 +22,14 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from planaria.worker.memory_reserve import Region, region_bytes
 
-__all__ = ["claim_region_for_state", "move_state_into", "prebuild_by_probe"]
+__all__ = ["StatePlace", "claim_region_for_state", "move_state_into", "prebuild_by_probe"]
 
 _log = logging.getLogger(__name__)
 
@@ -119,31 +120,38 @@ def prebuild_by_probe(optimizer: Any,
     return True
 
 
+@dataclass(frozen=True)
+class StatePlace:
+    """A region sized for an optimizer's per-element state, and that state's slots in the
+    order it was sized for: (parameter, name, dtype)."""
+
+    region: Region
+    slots: list[tuple[Any, str, torch.dtype]]
+
+
 def claim_region_for_state(optimizer: Any,
-                           region_for: Callable[[int], Region | None]) -> Region | None:
+                           region_for: Callable[[int], Region | None]) -> StatePlace | None:
     """A region (``region_for``) the size of the per-element state a probe shows for
     ``optimizer`` (parameters on the host only), for :func:`move_state_into` once the
     state exists; None where no probe tells, or no region is given."""
     layout = _layout(optimizer)
-    return None if layout is None else _region_for_layout(layout[1], region_for)
+    region = None if layout is None else _region_for_layout(layout[1], region_for)
+    return None if region is None or layout is None else StatePlace(region, layout[1])
 
 
-def move_state_into(optimizer: Any, region: Region) -> int:
-    """Moves ``optimizer``'s per-element state tensors into ``region``, values and all, in
-    the order :func:`claim_region_for_state` sized it for; returns the bytes moved. A
-    tensor whose shape or dtype is not the probe's stays where it is. A worker that is
-    not a joiner makes its optimizer state at its first step, in memory of its own: moved
-    into a region, it is left to the next joiner on the node when the worker dies."""
-    layout = _layout(optimizer)
-    if layout is None:
-        return 0
+def move_state_into(optimizer: Any, place: StatePlace) -> int:
+    """Moves ``optimizer``'s per-element state tensors into ``place``'s region, values and
+    all, in the order it was sized for; returns the bytes moved. A tensor whose shape or
+    dtype is not the probe's stays where it is. A worker that is not a joiner makes its
+    optimizer state at its first step, in memory of its own: moved into a region, it is
+    left to the next joiner on the node when the worker dies."""
     moved = 0
-    for p, name, dtype in layout[1]:
+    for p, name, dtype in place.slots:
         old = optimizer.state.get(p, {}).get(name)
         if not isinstance(old, torch.Tensor) or old.shape != p.shape or old.dtype != dtype:
             continue
         try:
-            new = region.take(p.shape, dtype)
+            new = place.region.take(p.shape, dtype)
         except ValueError:  # the region is full
             break
         new.copy_(old)
