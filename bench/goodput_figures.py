@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.common import GLOBAL_BATCH
@@ -24,6 +24,7 @@ __all__ = [
     "lost_work_per_kill",
     "per_kill",
     "planaria_report",
+    "spare_starts",
     "step_ms_by_width",
     "stretch_step_s",
     "transfer_stall_s",
@@ -61,22 +62,38 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _steady_gaps(window: list[dict[str, Any]], kills: list[float], replicas: int
-                 ) -> list[tuple[float, float]]:
+def spare_starts(run: dict[str, Any]) -> list[tuple[float, float]]:
+    """(requested, ready) of every hot spare the run started (planaria's ``spare_requested``
+    and ``spare_ready`` records; one never ready: to the run's end)."""
+    events = run.get("events") or []
+    ready = {e["worker"]: e["t"] for e in events if e.get("event") == "spare_ready"}
+    return [(e["t"], ready.get(e["worker"], float("inf"))) for e in events
+            if e.get("event") == "spare_requested"]
+
+
+def _starting(a: dict, b: dict, starts: list[tuple[float, float]]) -> bool:
+    """A spare starting at some time between commits a and b."""
+    return any(begin < b["wall"] and end > a["wall"] for begin, end in starts)
+
+
+def _steady_gaps(window: list[dict[str, Any]], kills: list[float], replicas: int,
+                 starts: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """(end, gap) of consecutive full-width commits away from kills: none between them,
-    none in the ``SETTLE_S`` before (the recovery, and the replacement or spare that
-    starts then); with fewer than ``MIN_STEADY_GAPS`` of those, no kill between them."""
+    none in the ``SETTLE_S`` before (the recovery, and the replacement that starts then),
+    no spare starting between them (a fault-free run starts none: its CPU, on cores the
+    workers share, slows the steps beside it, a cost of the kill that used the last one);
+    with fewer than ``MIN_STEADY_GAPS`` of those, no kill between them."""
     for settle_s in (SETTLE_S, 0.0):
         steady = _timed_gaps(window, lambda a, b, s=settle_s: (
             a["width"] >= replicas and b["width"] >= replicas
-            and not _kill_near(a, b, kills, s)))
+            and not _kill_near(a, b, kills, s) and not (s and _starting(a, b, starts))))
         if len(steady) >= MIN_STEADY_GAPS:
             break
     return steady
 
 
-def stretch_step_s(window: list[dict[str, Any]], kills: list[float], replicas: int
-                   ) -> list[float] | None:
+def stretch_step_s(window: list[dict[str, Any]], kills: list[float], replicas: int,
+                   starts: Sequence[tuple[float, float]] = ()) -> list[float] | None:
     """The fault-free step time of each stretch of the window between kills (one more
     than there are kills): the mean of its steady gaps, or of the whole window's where a
     stretch has fewer than ``MIN_STEADY_GAPS``; None without steady gaps.
@@ -91,7 +108,7 @@ def stretch_step_s(window: list[dict[str, Any]], kills: list[float], replicas: i
     a window sliding across kills either: its commits are denser where steps are fast,
     which weighs a fast stretch's steps with its slower neighbours' gaps (that read a
     run that sped up at a kill above 1)."""
-    steady = _steady_gaps(window, kills, replicas)
+    steady = _steady_gaps(window, kills, replicas, list(starts))
     pooled = _mean([gap for _, gap in steady])
     if pooled is None:
         return None
@@ -149,7 +166,7 @@ def window_figures(run: dict[str, Any], replicas: int) -> dict[str, Any]:
     window = [c for c in commits if t0 < c["wall"] <= t1]
     kills = [k["t_kill"] for k in run["kills"] if t0 <= k["t_kill"] <= t1]
     high = max((c["step"] for c in commits if c["wall"] <= t0), default=-1)
-    per_stretch = stretch_step_s(window, kills, replicas)
+    per_stretch = stretch_step_s(window, kills, replicas, spare_starts(run))
     bounds = sorted(kills)
     useful = lost = 0
     needed = 0.0  # the fault-free time of the useful steps: each at its stretch's step time

@@ -128,6 +128,28 @@ def test_a_transfer_beside_the_step_charges_its_first_step_over_the_fault_free_o
     assert goodput_figures.transfer_stall_s(fast, 1.0) == pytest.approx(0.1)  # none over
 
 
+def test_steps_slowed_by_a_spare_starting_are_charged_not_taken_as_fault_free():
+    # a step every 0.05 s, 0.06 s while the spare started after each kill runs (its kill
+    # to 20 s later, past the 10 s the baseline leaves out after a kill anyway)
+    kills, commits, wall, step = (30.0, 60.0, 90.0), [], 0.0, 0
+    while wall <= 120.0:
+        slowed = any(k <= wall < k + 20.0 for k in kills)
+        wall += 0.06 if slowed else 0.05
+        step += 1
+        commits.append({"step": step, "wall": wall, "width": 3, "started": wall - 0.05})
+    starts = [e for k in kills for e in (
+        {"event": "spare_requested", "t": k + 0.2, "worker": f"w{k:.0f}"},
+        {"event": "spare_ready", "t": k + 20.0, "worker": f"w{k:.0f}"})]
+    raw = {**_raw("planaria_spares", "planaria_spares", 0, 0.05), "commits": commits}
+    assert goodput_figures.spare_starts({**raw, "events": starts})[0] == (30.2, 50.0)
+    charged = goodput_figures.window_figures({**raw, "events": starts}, 3)
+    # the fault-free step is 0.05 s in every stretch: 60 slowed seconds lose 1/6 of theirs
+    assert charged["step_ms"] == pytest.approx(50.0, rel=1e-3)
+    assert charged["goodput"] == pytest.approx(1 - 60 / 6 / 120, abs=2e-3)
+    absorbed = goodput_figures.window_figures(raw, 3)  # no records of the spares
+    assert absorbed["goodput"] > charged["goodput"] + 0.02
+
+
 def test_rescore_from_written_records_gives_the_same_json(tmp_path):
     folder = records.raw_dir(tmp_path, "goodput", "fast", "c0ffee")
     raws = _raws()

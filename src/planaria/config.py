@@ -366,6 +366,12 @@ class RunConfig:
     that dies leaves it to the next joiner on the node: memory already resident, not taken
     fresh from the system beside training (see planaria.worker.memory_reserve). False, or
     no room in ``/dev/shm``: ordinary memory."""
+    joiner_skips_init: bool = True
+    """A joiner's model is built without its random initialisation (``torch.nn.init``'s
+    functions do nothing while the model factory runs, then every parameter is 0): the state
+    it is sent or restores overwrites every parameter, and drawing them is CPU taken from
+    the steps beside it (planaria.worker.skip_init). False for a model whose ``__init__``
+    uses ``torch.nn.init`` for something its ``state_dict`` does not hold."""
     joiner_setup_priority: str = "idle"
     """The CPU priority of a joiner's (a replacement's, a spare's) setup: ``"idle"``
     (Linux's SCHED_IDLE), ``"lowest"`` (nice 19) or ``"worker"`` (the worker's own; see

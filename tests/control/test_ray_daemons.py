@@ -145,13 +145,20 @@ def describe(pids: dict[int, int]) -> list[str]:
     return out
 
 
+def shared_memory_regions() -> set[Path]:
+    """The workers' shared-memory regions on this machine (planaria.worker.memory_reserve)."""
+    return set(Path("/dev/shm").glob("planaria-reserve-*"))
+
+
 class Run:
-    """A job in a subprocess; every process it started is killed when the test ends."""
+    """A job in a subprocess; every process it started is killed when the test ends, every
+    shared-memory region it made removed."""
 
     def __init__(self, run_dir: Path, steps: int, address: str | None,
                  env: dict[str, str]) -> None:
         self.run_dir = run_dir
         self.seen: dict[int, int] = {}
+        self.regions_before = shared_memory_regions()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD, str(run_dir), str(steps),
              *([address] if address else [])],
@@ -187,6 +194,11 @@ class Run:
         return ray_process(name, [p for p in self.processes()
                                   if (st := _stat(p)) is not None and st[0] == self.proc.pid])
 
+    def regions_left(self) -> list[str]:
+        """The regions made since the job started (another test's are not there: one at a
+        time)."""
+        return sorted(p.name for p in shared_memory_regions() - self.regions_before)
+
     def output(self) -> str:
         if self.proc.poll() is None:
             return "(still running)"
@@ -203,6 +215,8 @@ class Run:
                 os.kill(pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(timeout=30)
+        for path in shared_memory_regions() - self.regions_before:
+            path.unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -270,6 +284,7 @@ def test_the_gcs_killed_mid_run_ends_the_job_with_a_save_and_leaves_nothing(run)
     assert_saved_in_hand(r, end)
     left, waited = wait_gone(before, REAP_BOUND_S)
     assert not left, f"left {waited:.1f} s after the end: {describe(left)}"
+    assert not r.regions_left(), r.regions_left()  # its workers' memory is freed too
     print(f"GCS killed: the job ended in {took:.1f} s, all its {len(before)} processes gone")
 
 
@@ -292,6 +307,7 @@ def test_the_raylet_killed_mid_run_ends_the_job_with_a_save_and_leaves_nothing(
     assert_saved_in_hand(r, end)
     left, waited = wait_gone(before, REAP_BOUND_S)
     assert not left, f"left {waited:.1f} s after the end: {describe(left)}"
+    assert not r.regions_left(), r.regions_left()  # its workers' memory is freed too
     print(f"raylet killed: the job ended in {took:.1f} s, all its {len(before)} processes gone")
 
 
@@ -314,6 +330,8 @@ def test_a_sigkilled_controller_leaves_no_process_of_its_job(run, target: str) -
     assert not left, f"left {took:.1f} s after the controller's SIGKILL: {describe(left)}"
     reaped = of(events(r.run_dir), "reaped")
     assert len(reaped) == 1 and reaped[0]["controller"] == r.proc.pid
+    # the workers' shared-memory regions removed by the reaper (2 workers: one each)
+    assert reaped[0]["regions_removed"] >= 2 and not r.regions_left(), r.regions_left()
     print(f"controller killed ({target}): its {len(before)} processes gone in "
           f"{time.monotonic() - t0:.2f}"
           f" s (the reaper's sweep {reaped[0]['sweep_s']} s)")

@@ -26,8 +26,9 @@ REAP_BOUND_S = 5.0
 """A killed controller's processes are gone within this (measured: ~0.1-0.3 s)."""
 
 # A stand-in controller: starts a reaper, a marked child with a grandchild, a reported
-# child, and an unrelated child (another job's mark); prints their pids; then either
-# waits to be killed or closes its reaper normally and waits.
+# child, and an unrelated child (another job's mark); names its shared-memory regions
+# (job-a-*; job-b-0 is another job's); prints their pids; then either waits to be killed
+# or closes its reaper normally and waits.
 CONTROLLER = r"""
 import json, os, subprocess, sys, time
 from pathlib import Path
@@ -42,6 +43,11 @@ with reaper.marking():
     marked = subprocess.Popen(parent, start_new_session=True)
 reported = subprocess.Popen(sleeper, start_new_session=True)
 reaper.watch(reported.pid)
+regions = out / "regions"
+regions.mkdir()
+for name in ("job-a-0", "job-a-1", "job-b-0"):
+    (regions / name).write_bytes(b"state")
+reaper.regions(str(regions / "job-a-*"))
 other = subprocess.Popen(sleeper, env={**os.environ, "PLANARIA_OWNER": "another-job"},
                          start_new_session=True)
 def children(pid):
@@ -130,6 +136,8 @@ def test_a_killed_controller_leaves_nothing_of_its_job_and_spares_the_rest(
     assert len(reaped) == 1 and reaped[0]["controller"] == pids["controller"]
     assert {pids["marked"], pids["grandchild"], pids["reported"]} <= set(reaped[0]["killed"])
     assert pids["other"] not in reaped[0]["killed"]
+    assert reaped[0]["regions_removed"] == 2  # its regions, not another job's
+    assert sorted(p.name for p in (tmp_path / "regions").iterdir()) == ["job-b-0"]
     print(f"reaped in {took:.2f} s (sweep {reaped[0]['sweep_s']} s)")
 
 
@@ -145,6 +153,7 @@ def test_a_normal_close_leaves_the_reaper_gone_and_kills_nothing(
     for name in ("controller", "marked", "grandchild", "reported", "other"):
         assert starts[name] is not None, f"{name} was killed by a normal close"
     assert not (tmp_path / "events.jsonl").exists() or not of(events(tmp_path), "reaped")
+    assert len(list((tmp_path / "regions").iterdir())) == 3  # the controller removes them
 
 
 def test_a_sweep_never_matches_the_excluded_nor_a_reused_pid(processes: dict[int, int]) -> None:

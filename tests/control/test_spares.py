@@ -78,6 +78,9 @@ def test_a_warm_spare_takes_the_place_with_no_step_at_reduced_width(
     assert [e["width"] for e in of(evs, "step_committed")] == [3] * STEPS  # never short-handed
     assert of(evs, "recovered")[0]["lost_steps"] == 0
     assert [e["worker"] for e in of(evs, "spare_requested")] == ["w3", "w4"]  # replenished
+    # the spares' models built without drawing weights: the state sent to w3 is all of it
+    inits = {e["worker"]: e["init"] for e in of(evs, "worker_started")}
+    assert inits["w0"] == inits["w2"] == "drawn" and inits["w3"] == "skipped"
     (joined,) = of(evs, "joined")
     assert joined["worker"] == "w3" and joined["step"] == fault["step"]
     # One node: every worker, spares included, was forked warm by the fork server.

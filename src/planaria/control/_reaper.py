@@ -10,8 +10,11 @@ one of two things:
   processes itself); the reaper leaves, killing nothing.
 - the controller's death (a pidfd that becomes readable; where there is none, its
   pid polled with its start time): the reaper kills the job's processes on this
-  machine, appends a ``reaped`` record to the run's event log (its writer is
-  dead; an error of the reaper's own goes to ``reaper.log`` beside it), then leaves.
+  machine, removes the files the controller named (``regions <glob pattern>`` lines: the
+  workers' shared-memory regions, planaria.worker.memory_reserve, which no one else
+  would remove before the node restarts), appends a ``reaped`` record to the run's
+  event log (its writer is dead; an error of the reaper's own goes to ``reaper.log``
+  beside it), then leaves.
 
 The job's processes are those whose environment carries ``PLANARIA_OWNER=<mark>``
 (the controller sets it while it starts its own Ray session, so Ray's daemons, the
@@ -31,6 +34,7 @@ worker while it is being killed), for at most :data:`SWEEP_S`.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import select
@@ -154,6 +158,7 @@ class _Reported:
 
     known: dict[int, int] = field(default_factory=dict)  # pid -> start time
     session_dir: str | None = None  # of the Ray session the job started
+    regions: list[str] = field(default_factory=list)  # glob patterns of files to remove
 
 
 def _wait_for_death(pid: int, start: int, commands: int) -> tuple[bool, _Reported]:
@@ -188,6 +193,9 @@ def _wait_for_death(pid: int, start: int, commands: int) -> tuple[bool, _Reporte
             if line.startswith(b"session "):
                 told.session_dir = line[len(b"session "):].decode()
                 continue
+            if line.startswith(b"regions "):
+                told.regions.append(line[len(b"regions "):].decode())
+                continue
             parts = line.split()
             if parts == [b"exit"]:
                 return False, told
@@ -196,6 +204,18 @@ def _wait_for_death(pid: int, start: int, commands: int) -> tuple[bool, _Reporte
                 started = start_time(reported)
                 if started is not None:
                     known[reported] = started
+
+
+def remove_regions(patterns: list[str]) -> int:
+    """Removes the files matching ``patterns`` (the dead job's shared-memory regions: its
+    processes, which held them, are killed); returns how many."""
+    removed = 0
+    for pattern in patterns:
+        for path in glob.glob(pattern):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+    return removed
 
 
 def _record(events: str, **fields: object) -> None:
@@ -221,9 +241,11 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     killed = sweep(mark, told.known, {os.getpid(), controller}, told.session_dir)
     pids = sorted(set(killed))
+    regions = remove_regions(told.regions)
     sweep_s = round(time.monotonic() - t0, 3)
     if events:
-        _record(events, event="reaped", controller=controller, killed=pids, sweep_s=sweep_s)
+        _record(events, event="reaped", controller=controller, killed=pids, sweep_s=sweep_s,
+                regions_removed=regions)
     return 0
 
 

@@ -59,6 +59,13 @@ class JoinerMemory:
                              "(/dev/shm/planaria-reserve-*-%s-*)", len(missing), self.tag)
 
 
+    def sweep_left_here(self, wait_s: float = 5.0) -> None:
+        """Removes the job's regions left on this node (run again after the job's processes
+        were killed: a worker orphaned by a dead raylet held its region at :meth:`sweep`)."""
+        if self.enabled:
+            memory_reserve.sweep(self.tag, wait_s)
+
+
 @ray.remote(num_cpus=0)
 def _sweep_there(tag: str, wait_s: float) -> int:
     return memory_reserve.sweep(tag, wait_s)

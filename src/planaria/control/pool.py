@@ -241,7 +241,8 @@ class WorkerPool:
         handle = WorkerHandle(name, actor, time.time(), replaces=replaces, attempt=attempt,
                               spare=spare)
         handle.setup_ref = actor.setup.remote(
-            joiner=joiner, compile_cache=self.compile_cache,
+            joiner=joiner, skip_init=joiner and cfg.joiner_skips_init,
+            compile_cache=self.compile_cache,
             priority=cfg.joiner_setup_priority if joiner else "worker",
             reserve=self.joiner_memory.claimed())
         self.starting.append(handle)

@@ -114,6 +114,11 @@ class Reaper:
         self._session_dir = session_dir
         self._send(f"session {session_dir}\n")
 
+    def regions(self, pattern: str) -> None:
+        """Files matching the glob ``pattern`` (the job's shared-memory regions on this
+        machine) are the job's: the reaper removes them once it killed its processes."""
+        self._send(f"regions {pattern}\n")
+
     def on_event(self, record: dict[str, Any]) -> None:
         """An event-log listener: the workers that start on this machine are watched."""
         if record.get("event") != "worker_started" or record.get("node") != self._host:

@@ -30,6 +30,7 @@ from planaria.control.reaper import Reaper
 from planaria.data.integrity import describe_global_draws
 from planaria.wire import store_keys
 from planaria.wire.lifeline import Lifelines
+from planaria.worker import memory_reserve
 from planaria.worker.compile_cache import CACHE_FILE
 
 if TYPE_CHECKING:
@@ -102,6 +103,8 @@ class Runtime:
         )
         self.has_pool = True
         self.pool.owner_env = self.reaper.env  # warm workers carry the job's mark
+        if self.pool.joiner_memory.enabled:  # a killed controller's regions: the reaper's
+            self.reaper.regions(memory_reserve.pattern(self.pool.joiner_memory.tag))
         self.pool.check = check_ray  # a wait for workers ends when Ray's processes die
         cache_file = self.run_dir / CACHE_FILE
         if self.spec.compile and cfg.share_compile_cache and cache_file.exists():
@@ -195,5 +198,8 @@ class Runtime:
             release("sweeping what Ray left", lambda: reaper.sweep(
                 session=self.started_ray, marked=self.started_ray or lost))
             release("stopping the reaper", reaper.close)
+        if self.has_pool:  # held at the pool's sweep by workers only now killed (Ray lost)
+            release("removing the job's shared-memory regions",
+                    self.pool.joiner_memory.sweep_left_here)
         if errors:
             raise errors[0]

@@ -188,18 +188,21 @@ class Worker:
     # ---- lifecycle -------------------------------------------------------------------------
 
     @fans_out(Setup.merge)
-    def setup(self, *, joiner: bool = False, compile_cache: bytes | None = None,
-              priority: str = "worker", reserve: str | None = None) -> Setup:
+    def setup(self, *, joiner: bool = False, skip_init: bool = False,
+              compile_cache: bytes | None = None, priority: str = "worker",
+              reserve: str | None = None) -> Setup:
         """Builds model, optimizer, scheduler and dataset from the spec's factories; off the
         critical path a joiner (a replacement, a spare) runs a forward and backward
         (``StepEngine.warm_up``: compiles with ``spec.compile``, from ``compile_cache``) and
         makes its optimizer state (``Commits.place_optimizer_state``; ``reserve``: in shared
-        memory, worker.memory_reserve); its checksum is 0 (its state is sent to it). All three
-        at CPU ``priority`` (planaria.worker.low_priority)."""
+        memory, worker.memory_reserve); its checksum is 0 (its state is sent to it), and with
+        ``skip_init`` its model is built without drawing the weights (worker.skip_init). All
+        three at CPU ``priority`` (planaria.worker.low_priority)."""
         self.vitals.phase, t0 = "setup", time.time()
         num_samples, fingerprint = self.loader.setup()  # its processes at the worker's priority
         data_s = time.time() - t0
-        start = run_at_priority(lambda: self._build(joiner, compile_cache, reserve), priority)
+        start = run_at_priority(
+            lambda: self._build(joiner, skip_init, compile_cache, reserve), priority)
         warm_s, t1, warm_priority = 0.0, time.time(), "worker"
         if self.spec.compile or joiner:  # on the steps' thread: its allocator's memory is theirs
             with lowered_here(priority, may_raise=forkserver.may_raise_priority()) as lowered:
@@ -220,16 +223,17 @@ class Worker:
             dataset_draws=sorted(self.loader.global_draws),
         )
 
-    def _build(self, joiner: bool, compile_cache: bytes | None,
+    def _build(self, joiner: bool, skip_init: bool, compile_cache: bytes | None,
                reserve: str | None) -> dict[str, float | str]:
         t0 = time.time()
         if self.spec.compile:
             self.compile_dir = compile_cache_mod.use_private_cache(compile_cache)
-        self.state.build()
+        self.state.build(skip_init=skip_init)
         t1 = time.time()
         region = self.commits.place_optimizer_state(reserve, joiner=joiner)
         return {"build_s": t1 - t0, "prebuild_s": time.time() - t1 if joiner else 0.0,
-                "priority": thread_priority(), "reserve": region or "none"}
+                "priority": thread_priority(), "reserve": region or "none",
+                "init": "skipped" if skip_init else "drawn"}
 
     def compile_cache(self) -> bytes | None:
         """This worker's compile cache, packed (None without ``spec.compile``)."""

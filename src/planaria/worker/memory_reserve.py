@@ -21,8 +21,11 @@ and maps it shared. When its owner dies the region keeps its pages (tmpfs pages 
 never free memory), so the next claimant maps memory already there: page-table
 entries, no allocation. Free regions are claimed before new ones, the big enough
 first. At the job's end the controller removes its regions on every node it used
-(:func:`sweep`); those of a job whose controller was killed stay until the node
-restarts (``rm /dev/shm/planaria-reserve-*`` when no job runs).
+(:func:`sweep`), on its own node again once what Ray left is killed (workers orphaned
+by a dead raylet or GCS hold theirs until then). A killed controller's reaper removes
+those on the controller's node (:func:`pattern`, planaria.control.reaper); on the other
+nodes of a cluster they stay until the node restarts (``rm /dev/shm/planaria-reserve-*``
+when no job runs there).
 
 Without ``/dev/shm``, or with too little of it, :func:`claim` answers None and the
 caller allocates as before. The values a region holds are garbage (the last owner's
@@ -43,7 +46,7 @@ from typing import cast
 
 import torch
 
-__all__ = ["RESERVE_DIR", "Region", "claim", "region_bytes", "sweep"]
+__all__ = ["RESERVE_DIR", "Region", "claim", "pattern", "region_bytes", "sweep"]
 
 _log = logging.getLogger(__name__)
 
@@ -53,6 +56,12 @@ _ALIGN = 64
 
 def _prefix(tag: str) -> str:
     return f"planaria-reserve-{os.getuid()}-{tag}-"
+
+
+def pattern(tag: str, directory: Path = RESERVE_DIR) -> str:
+    """The glob pattern of job ``tag``'s regions on a node (what its reaper removes once the
+    job's processes are dead: planaria.control.reaper)."""
+    return str(directory / (_prefix(tag) + "*"))
 
 
 @dataclass

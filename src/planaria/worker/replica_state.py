@@ -26,6 +26,7 @@ from planaria.worker.reduce import FlatGradients, FlatReducer, Reducer
 from planaria.worker.reduce_overlapped import OverlappedReducer
 from planaria.worker.reduce_sharded import ShardedReducer
 from planaria.worker.sharded import init_replica_group, shard_model
+from planaria.worker.skip_init import initialisation_skipped, zero_parameters
 from planaria.worker.state import flatten_state, jsonable, model_checksum
 
 __all__ = ["ReplicaShape", "ReplicaState", "check_optimizer", "refuse_unsharded_state",
@@ -144,10 +145,18 @@ class ReplicaState:
         self.dirty = False
         """A restore wrote into the live state and did not finish: it is not to be used."""
 
-    def build(self) -> None:
-        """Model, optimizer and scheduler in their initial state (seeded from the spec)."""
+    def build(self, *, skip_init: bool = False) -> None:
+        """Model, optimizer and scheduler in their initial state (seeded from the spec); with
+        ``skip_init`` (a joiner, whose state is sent to it) the parameters 0 instead of drawn
+        (planaria.worker.skip_init)."""
         spec = self.spec
-        self.model = run_factory("model", spec.seed, spec.model).to(self.device)
+        if skip_init:
+            with initialisation_skipped():
+                model = run_factory("model", spec.seed, spec.model)
+            zero_parameters(model)
+        else:
+            model = run_factory("model", spec.seed, spec.model)
+        self.model = model.to(self.device)
         if self.shape.k > 1:
             self._shard()
         self.optimizer = run_factory("optimizer", spec.seed, spec.optimizer,
