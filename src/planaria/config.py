@@ -358,8 +358,7 @@ class RunConfig:
     """A joiner on its source's node reads the state straight out of the source's memory
     (``process_vm_readv``: one copy by the joiner, where the group's loopback socket costs
     two and the CPU the step needs); where the kernel refuses it (another user, a seccomp
-    profile without the call) or off the node, the bytes go over the group. False: always
-    over the group."""
+    profile without the call) or off the node, over the group. False: always over it."""
     joiner_memory_reserve: bool = True
     """A worker's optimizer state lives in a region of its node's shared memory
     (``/dev/shm``; a joiner's from its setup, another's from its first step), and a worker
@@ -367,11 +366,7 @@ class RunConfig:
     fresh from the system beside training (see planaria.worker.memory_reserve). False, or
     no room in ``/dev/shm``: ordinary memory."""
     joiner_skips_init: bool = True
-    """A joiner's model is built without its random initialisation (``torch.nn.init``'s
-    functions do nothing while the model factory runs, then every parameter is 0): the state
-    it is sent or restores overwrites every parameter, and drawing them is CPU taken from
-    the steps beside it (planaria.worker.skip_init). False for a model whose ``__init__``
-    uses ``torch.nn.init`` for something its ``state_dict`` does not hold."""
+    """A joiner's model built without drawing its weights (planaria.worker.skip_init)."""
     joiner_setup_priority: str = "idle"
     """The CPU priority of a joiner's (a replacement's, a spare's) setup: ``"idle"``
     (Linux's SCHED_IDLE), ``"lowest"`` (nice 19) or ``"worker"`` (the worker's own; see

@@ -20,7 +20,6 @@ over the parts that do the work:
 Each remote method answers a report of :mod:`planaria.wire.reports` or
 :mod:`planaria.wire.state_reports` (a frozen dataclass, or a count), which a sharded
 replica's leader merges with its other workers' (:func:`~planaria.worker.replica.fans_out`).
-
 Tests inject faults at its named fault points (:meth:`Worker.arm_fault`, faults.points).
 """
 
@@ -188,21 +187,19 @@ class Worker:
     # ---- lifecycle -------------------------------------------------------------------------
 
     @fans_out(Setup.merge)
-    def setup(self, *, joiner: bool = False, skip_init: bool = False,
-              compile_cache: bytes | None = None, priority: str = "worker",
-              reserve: str | None = None) -> Setup:
-        """Builds model, optimizer, scheduler and dataset from the spec's factories; off the
-        critical path a joiner (a replacement, a spare) runs a forward and backward
-        (``StepEngine.warm_up``: compiles with ``spec.compile``, from ``compile_cache``) and
-        makes its optimizer state (``Commits.place_optimizer_state``; ``reserve``: in shared
-        memory, worker.memory_reserve); its checksum is 0 (its state is sent to it), and with
-        ``skip_init`` its model is built without drawing the weights (worker.skip_init). All
-        three at CPU ``priority`` (planaria.worker.low_priority)."""
+    def setup(self, *, joiner: bool = False, skip_init: bool = False, priority: str = "worker",
+              compile_cache: bytes | None = None, reserve: str | None = None) -> Setup:
+        """Builds model (``skip_init``: its weights not drawn, worker.skip_init), optimizer,
+        scheduler and dataset from the spec's factories; off the critical path a joiner (a
+        replacement, a spare) runs a forward and backward (``StepEngine.warm_up``: compiles
+        with ``spec.compile``, from ``compile_cache``) and makes its optimizer state (in shared
+        memory with ``reserve``, worker.memory_reserve); its checksum is 0 (it is sent its
+        state). All three at CPU ``priority`` (planaria.worker.low_priority)."""
         self.vitals.phase, t0 = "setup", time.time()
         num_samples, fingerprint = self.loader.setup()  # its processes at the worker's priority
         data_s = time.time() - t0
-        start = run_at_priority(
-            lambda: self._build(joiner, skip_init, compile_cache, reserve), priority)
+        start = run_at_priority(lambda: self._build(joiner, skip_init, compile_cache, reserve),
+                                priority)
         warm_s, t1, warm_priority = 0.0, time.time(), "worker"
         if self.spec.compile or joiner:  # on the steps' thread: its allocator's memory is theirs
             with lowered_here(priority, may_raise=forkserver.may_raise_priority()) as lowered:
@@ -215,7 +212,7 @@ class Worker:
                 **start, "data_s": data_s, "warm_s": warm_s, "setup_s": time.time() - t0,
                 "compile_s": warm_s if self.spec.compile else 0.0, "warm_priority": warm_priority,
                 "forked": forkserver.forked(), "start_priority": self.start_priority,
-                "process_cpu_s": self.init_cpu_s,
+                "process_cpu_s": self.init_cpu_s, "init": "skipped" if skip_init else "drawn",
                 "setup_cpu_s": time.process_time() - self.init_cpu_s,
                 "start_group": forkserver.end_low_priority_setup()},  # back to nice 0 here
             checksum=0 if joiner else self.state.checksum(), param_bytes=self.state.nbytes(),
@@ -232,8 +229,7 @@ class Worker:
         t1 = time.time()
         region = self.commits.place_optimizer_state(reserve, joiner=joiner)
         return {"build_s": t1 - t0, "prebuild_s": time.time() - t1 if joiner else 0.0,
-                "priority": thread_priority(), "reserve": region or "none",
-                "init": "skipped" if skip_init else "drawn"}
+                "priority": thread_priority(), "reserve": region or "none"}
 
     def compile_cache(self) -> bytes | None:
         """This worker's compile cache, packed (None without ``spec.compile``)."""
