@@ -138,9 +138,15 @@ committed step under torchft); the window is ``[t0, t0 + duration_s]``.
   checkpoint); ``steps_committed``: both.
 - fault-free step time: for each stretch of the window between kills, the mean
   time between full-width commits of consecutive steps, leaving out the 10 s
-  after the kill that opens it (a stretch with fewer than 5 such gaps takes the
-  whole window's mean; with fewer than 5 in the window, every full-width pair
-  with no kill between counts). The mean, because n steps take n mean gaps (a
+  after the kill that opens it and every gap while a hot spare starts (from its
+  ``spare_requested`` to its setup's end, ``worker_started`` or ``spare_ready``: a
+  fault-free run starts none, and on cores the workers share its start slows their
+  steps, a cost of the kill that used the last spare; since 6b9afb8, chosen before
+  its runs. Where spares start for most of the window, as in ec75ecb's sittings
+  (30-57 s of each 60), few gaps are left and the figure is unstable: those results
+  keep the estimator they were made with) (a stretch with fewer than 5 such gaps
+  takes the whole window's mean; with fewer than 5 in the window, every full-width
+  pair with no kill between counts). The mean, because n steps take n mean gaps (a
   median reads a run without faults below 1 when the gaps are skewed); per
   stretch, because this machine's speed drifts over ten minutes. What a system
   pays without faults is in it: torchrun's checkpoint saves, planaria's run

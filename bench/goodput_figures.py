@@ -63,11 +63,16 @@ def _mean(values: list[float]) -> float | None:
 
 
 def spare_starts(run: dict[str, Any]) -> list[tuple[float, float]]:
-    """(requested, ready) of every hot spare the run started (planaria's ``spare_requested``
-    and ``spare_ready`` records; one never ready: to the run's end)."""
+    """(requested, set up) of every hot spare the run started: from planaria's
+    ``spare_requested`` to its ``worker_started`` or ``spare_ready``, whichever came first
+    (a spare still starting when a kill took it as the replacement has no ``spare_ready``);
+    one set up after the record's end: to its end."""
     events = run.get("events") or []
-    ready = {e["worker"]: e["t"] for e in events if e.get("event") == "spare_ready"}
-    return [(e["t"], ready.get(e["worker"], float("inf"))) for e in events
+    done: dict[str, float] = {}
+    for e in events:
+        if e.get("event") in ("worker_started", "spare_ready"):
+            done[e["worker"]] = min(e["t"], done.get(e["worker"], e["t"]))
+    return [(e["t"], done.get(e["worker"], float("inf"))) for e in events
             if e.get("event") == "spare_requested"]
 
 

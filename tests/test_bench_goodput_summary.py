@@ -142,6 +142,10 @@ def test_steps_slowed_by_a_spare_starting_are_charged_not_taken_as_fault_free():
         {"event": "spare_ready", "t": k + 20.0, "worker": f"w{k:.0f}"})]
     raw = {**_raw("planaria_spares", "planaria_spares", 0, 0.05), "commits": commits}
     assert goodput_figures.spare_starts({**raw, "events": starts})[0] == (30.2, 50.0)
+    # a spare taken as the replacement while still starting: its start ends once set up
+    adopted = [starts[0], {"event": "worker_started", "t": 41.0, "worker": "w30"}]
+    assert goodput_figures.spare_starts({"events": adopted}) == [(30.2, 41.0)]
+    assert goodput_figures.spare_starts({"events": starts[:1]}) == [(30.2, float("inf"))]
     charged = goodput_figures.window_figures({**raw, "events": starts}, 3)
     # the fault-free step is 0.05 s in every stretch: 60 slowed seconds lose 1/6 of theirs
     assert charged["step_ms"] == pytest.approx(50.0, rel=1e-3)
