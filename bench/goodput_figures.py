@@ -76,13 +76,13 @@ def spare_starts(run: dict[str, Any]) -> list[tuple[float, float]]:
             if e.get("event") == "spare_requested"]
 
 
-def _starting(a: dict, b: dict, starts: list[tuple[float, float]]) -> bool:
+def _starting(a: dict, b: dict, starts: Sequence[tuple[float, float]]) -> bool:
     """A spare starting at some time between commits a and b."""
     return any(begin < b["wall"] and end > a["wall"] for begin, end in starts)
 
 
 def _steady_gaps(window: list[dict[str, Any]], kills: list[float], replicas: int,
-                 starts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+                 starts: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """(end, gap) of consecutive full-width commits away from kills: none between them,
     none in the ``SETTLE_S`` before (the recovery, and the replacement that starts then),
     no spare starting between them (a fault-free run starts none: its CPU, on cores the
@@ -113,7 +113,7 @@ def stretch_step_s(window: list[dict[str, Any]], kills: list[float], replicas: i
     a window sliding across kills either: its commits are denser where steps are fast,
     which weighs a fast stretch's steps with its slower neighbours' gaps (that read a
     run that sped up at a kill above 1)."""
-    steady = _steady_gaps(window, kills, replicas, list(starts))
+    steady = _steady_gaps(window, kills, replicas, starts)
     pooled = _mean([gap for _, gap in steady])
     if pooled is None:
         return None

@@ -58,7 +58,6 @@ class JoinerMemory:
                 _log.warning("%d node(s) did not remove the job's shared-memory regions "
                              "(/dev/shm/planaria-reserve-*-%s-*)", len(missing), self.tag)
 
-
     def sweep_left_here(self, wait_s: float = 5.0) -> None:
         """Removes the job's regions left on this node (run again after the job's processes
         were killed: a worker orphaned by a dead raylet held its region at :meth:`sweep`)."""
